@@ -1,0 +1,42 @@
+"""Attention in plain PyTorch: the naive baseline and the test oracle.
+
+This is the formula FlashAttention must reproduce, written the obvious way:
+S = scale * Q K^T is materialised as a (B, H, Nq, Nk) tensor, masked, soft-maxed
+and multiplied by V. Memory is O(N^2), which is exactly what `attention=naive`
+is there to show. Same signature and layout as `kernels.flash_attention`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+    """softmax(scale * Q K^T + mask) V with q (B, Nq, H, D), k/v (B, Nk, Hkv, D).
+
+    Computes in the inputs' dtype (so it is also the "same dtype" error baseline);
+    pass float64 inputs for an exact oracle. Causal masking with Nq != Nk is aligned
+    bottom-right: query i sees keys j <= i + Nk - Nq. A query row that sees no key
+    (only possible when Nq > Nk) yields zeros and lse = -inf, as the kernel does.
+    Returns out (B, Nq, H, D) and, if asked, lse (B, H, Nq) in float32 (natural log).
+    """
+    B, Nq, H, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"q has {H} heads, not a multiple of k's {Hkv}")
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    group = H // Hkv
+    qh = q.transpose(1, 2)                                  # (B, H, Nq, D)
+    kh = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Nk, D)
+    vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(Nq, device=q.device)[:, None]
+        cols = torch.arange(Nk, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (Nk - Nq), float("-inf"))
+    lse = torch.logsumexp(scores.float(), dim=-1)           # (B, H, Nq)
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)                # fully masked rows -> 0
+    out = torch.matmul(probs, vh).transpose(1, 2)           # (B, Nq, H, D)
+    return (out, lse) if return_lse else out
