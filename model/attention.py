@@ -1,0 +1,64 @@
+"""Attention implementations by name: the one switch between naive, SDPA and our kernel.
+
+Every entry has the signature of `kernels.flash_attention`:
+``fn(q, k, v, causal=False, softmax_scale=None) -> out`` with q (B, Nq, H, D) and
+k, v (B, Nk, Hkv, D), H % Hkv == 0 (grouped-query attention), any strides, and causal
+masks aligned bottom-right when Nq != Nk. The model calls them through this registry
+only, so comparing implementations is a one-word config change.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from kernels.reference import attention_reference
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def sdpa_attention(q, k, v, causal=False, softmax_scale=None):
+    """torch's scaled_dot_product_attention on (B, N, H, D) tensors.
+
+    SDPA wants (B, H, N, D): transposed views are enough (no copies), and `enable_gqa`
+    lets it read the shared K/V heads without materialising them H / Hkv times.
+    SDPA's own `is_causal` is aligned top-left, so Nq != Nk uses the bottom-right bias.
+    """
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q has {q.shape[2]} heads, not a multiple of k's {k.shape[2]}")
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    n_q, n_k = q.shape[1], k.shape[1]
+    mask = causal_lower_right(n_q, n_k) if causal and n_q != n_k else None
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,
+        scale=softmax_scale, enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+# To register another implementation, add one line here.
+ATTENTION: dict[str, AttentionFn] = {
+    "naive": attention_reference,   # materialises the N x N scores: the baseline
+    "sdpa": sdpa_attention,
+}
+
+
+def _check_name(name: str) -> str:
+    if name not in ATTENTION:
+        raise ValueError(f"attention {name!r} is not registered; valid: {', '.join(ATTENTION)}")
+    return name
+
+
+def get_attention(name: str) -> AttentionFn:
+    """The attention function registered as `name` (an already resolved name, not 'auto')."""
+    return ATTENTION[_check_name(name)]
+
+
+def resolve_attention(name: str, device) -> str:
+    """Turn the config's attention name into a registered one: 'auto' means our flash
+    kernel on CUDA and SDPA elsewhere; any other name must be registered as given."""
+    if name == "auto":
+        name = "flash" if torch.device(device).type == "cuda" else "sdpa"
+    return _check_name(name)
