@@ -1,0 +1,94 @@
+"""The model's own config: the keys of configs/model/*.yaml, resolved and validated.
+
+`GPTConfig.from_cfg` is where a bad model config is caught, before any weights are
+allocated, with one line naming the key and the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+CHOICES = {
+    "pos_emb": ("rope", "learned"),
+    "norm": ("rmsnorm", "layernorm"),
+    "mlp": ("swiglu", "gelu"),
+    "activation_checkpointing": ("none", "full", "selective"),
+}
+VOCAB_MULTIPLE = 64  # tensor-core-friendly head width when the tokenizer sets the size
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    name: str = "custom"
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4
+    d_model: int = 128
+    d_ff: Optional[int] = None          # None: 4*d_model (gelu) or 8/3*d_model rounded to 64 (swiglu)
+    vocab_size: Optional[int] = None    # None: the tokenizer's size rounded up to 64
+    max_seq_len: int = 1024
+    pos_emb: str = "rope"
+    rope_theta: float = 10000.0
+    norm: str = "rmsnorm"
+    mlp: str = "swiglu"
+    tie_embeddings: bool = True
+    bias: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    activation_checkpointing: str = "none"
+    loss_chunk_size: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @classmethod
+    def from_cfg(cls, cfg_model, vocab_size: int) -> "GPTConfig":
+        """Build from the `model` config node (DictConfig or dict) and the tokenizer's size.
+
+        Fills in `vocab_size` and `d_ff` when null and validates everything.
+        """
+        values = OmegaConf.to_container(cfg_model, resolve=True) if isinstance(cfg_model, DictConfig) else dict(cfg_model)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s): {', '.join(unknown)}")
+        config = cls(**values)
+        if vocab_size < 1:
+            raise ValueError(f"tokenizer vocab_size must be positive, got {vocab_size}")
+        if config.vocab_size is None:
+            config = dataclasses.replace(config, vocab_size=_round_up(vocab_size, VOCAB_MULTIPLE))
+        elif vocab_size > config.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={config.vocab_size} is smaller than the tokenizer's {vocab_size} tokens"
+            )
+        if config.d_ff is None:
+            d_ff = 4 * config.d_model if config.mlp == "gelu" else _round_up(8 * config.d_model // 3, 64)
+            config = dataclasses.replace(config, d_ff=d_ff)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key}={getattr(self, key)!r}; valid: {', '.join(allowed)}")
+        for key in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be positive")
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got d_model/n_head={self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.loss_chunk_size < 0:
+            raise ValueError(f"model.loss_chunk_size={self.loss_chunk_size} must be >= 0 (0 disables chunking)")

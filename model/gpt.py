@@ -1,0 +1,110 @@
+"""A GPT-style decoder: embeddings -> pre-norm blocks -> final norm -> vocabulary head.
+
+``build_model(cfg.model, vocab_size, attention)`` is the one way the rest of the
+project makes a model; the attention name is already resolved (see model.attention).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention import get_attention
+from model.config import GPTConfig
+from model.layers import Block, init_block_, init_linear_, make_norm
+from model.losses import chunked_linear_cross_entropy
+from model.rope import rope_cos_sin
+
+IGNORE_INDEX = -100
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, attention: str):
+        super().__init__()
+        self.config = config
+        self.attention_name = attention
+        attention_fn = get_attention(attention)
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.pos_emb == "learned" else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, attention_fn) for _ in range(config.n_layer))
+        self.norm_out = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        std = self.config.init_std
+        nn.init.normal_(self.tok_emb.weight, mean=0.0, std=std)
+        if self.pos_emb is not None:
+            nn.init.normal_(self.pos_emb.weight, mean=0.0, std=std)
+        for block in self.blocks:
+            init_block_(block, std, self.config.n_layer)
+        if not self.config.tie_embeddings:
+            init_linear_(self.lm_head, std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) -> logits (B, T, V); with targets (B, T) -> mean cross-entropy
+        over the tokens whose target is not -100."""
+        seq_len = idx.shape[1]
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.config.max_seq_len}")
+        x = self.tok_emb(idx)
+        rope = None
+        if self.pos_emb is None:
+            rope = rope_cos_sin(seq_len, self.config.head_dim, self.config.rope_theta, idx.device)
+        else:
+            x = x + self.pos_emb(torch.arange(seq_len, device=idx.device))
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x, rope)
+        x = self.norm_out(x)
+        if targets is None:
+            return self.lm_head(x)
+        if self.config.loss_chunk_size > 0:
+            return chunked_linear_cross_entropy(
+                x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.loss_chunk_size, IGNORE_INDEX
+            )
+        logits = self.lm_head(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (a tied matrix counted once). With exclude_embeddings, only the
+        blocks and final norm: no token/position tables and no head, tied or not
+        (Kaplan et al.'s non-embedding N, the same for tied and untied models)."""
+        total = sum(p.numel() for p in self.parameters())
+        if not exclude_embeddings:
+            return total
+        vocab_matrices = {id(self.tok_emb.weight): self.tok_emb.weight, id(self.lm_head.weight): self.lm_head.weight}
+        embedding = sum(p.numel() for p in vocab_matrices.values())
+        if self.pos_emb is not None:
+            embedding += self.pos_emb.weight.numel()
+        return total - embedding
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) at this sequence length.
+
+        6 * N_matmul + 6 * n_layer * d_model * seq_len, where
+        - N_matmul = num_params(exclude_embeddings=True) + vocab_size * d_model: every
+          weight that takes part in a matmul (blocks and head; lookups are free), 2 FLOPs
+          per weight per token forward, 4 backward;
+        - attention scores and the weighted sum take 2 * 2 * d_model * seq_len FLOPs per
+          token per layer forward, times 3 with backward: 12 * n_layer * d_model * seq_len,
+          halved because causal attention skips the masked half (as causal kernels do).
+        Activation-checkpointing recomputation is not counted (MFU counts model FLOPs).
+        """
+        c = self.config
+        n_matmul = self.num_params(exclude_embeddings=True) + c.vocab_size * c.d_model
+        return 6.0 * n_matmul + 12.0 * c.n_layer * c.d_model * seq_len / 2
+
+    def estimate_mfu(self, tokens_per_s: float, seq_len: int, peak_flops: float) -> float:
+        """Model FLOPs utilisation: achieved training FLOP/s over the hardware's peak_flops
+        (e.g. 989e12 for dense bf16 on an H100/H200)."""
+        return tokens_per_s * self.flops_per_token(seq_len) / peak_flops
+
+
+def build_model(cfg_model, vocab_size: int, attention: str) -> GPT:
+    """GPT from the `model` config node, the tokenizer's vocabulary size and a resolved
+    attention name (naive | sdpa | flash); raises ValueError naming a bad config value."""
+    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention)
