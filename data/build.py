@@ -1,0 +1,69 @@
+"""`build_data`: config -> tokenizer + token cache + train sampler + validation batches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.cache import CACHE_VERSION, TokenCache, load_or_build
+from data.sampler import ValidationWindows, WindowSampler
+from data.sources import build_source
+from data.stream import TokenStream, split_documents
+from data.tokenizer import build_tokenizer
+
+
+@dataclass
+class DataBundle:
+    tokenizer: object
+    vocab_size: int
+    fingerprint: str          # "<source>/<tokenizer>/v<cache version>": what the run trained on
+    train: WindowSampler
+    validation: ValidationWindows | None
+    cache: TokenCache
+    train_tokens: int
+    val_tokens: int
+
+    def val_batches(self, batch_size: int, n_batches: int, return_doc_ids: bool = False) -> list:
+        """The same list of (x, y) on every call: windows from the held-out documents."""
+        if self.validation is None:
+            raise ValueError("no validation split: data.val_fraction is 0")
+        return self.validation.batches(batch_size, n_batches, return_doc_ids)
+
+
+def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1, progress: bool | None = None) -> DataBundle:
+    """Everything the loop needs from `cfg.data` and `cfg.tokenizer`; tokenizes on first use."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be at least 1")
+    progress = rank == 0 if progress is None else progress
+    cache_dir = Path(str(cfg.data.cache_dir)).expanduser()
+    source = build_source(cfg.data, cache_dir)
+    tokenizer = build_tokenizer(cfg.tokenizer, source, cache_dir, progress)
+    source = source.for_tokenizer(tokenizer)
+    cache = load_or_build(cache_dir, source, tokenizer, verify=bool(cfg.data.get("verify_cache", True)), progress=progress)
+
+    val_fraction = float(cfg.data.get("val_fraction", 0.05))
+    is_val = split_documents(cache.offsets, cache.keys, val_fraction)
+    train = TokenStream(cache.tokens, cache.offsets, ~is_val)
+    if train.n_tokens < seq_len + 1:
+        raise ValueError(
+            f"seq_len={seq_len} is longer than the whole train split ({train.n_tokens:,} tokens in "
+            f"{train.n_docs} documents of {source.fingerprint}); lower trainer.seq_len or use a larger corpus"
+        )
+    validation = None
+    if is_val.any():
+        val = TokenStream(cache.tokens, cache.offsets, is_val)
+        if val.n_tokens < seq_len + 1:
+            raise ValueError(
+                f"the validation split has {val.n_tokens:,} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+                f"raise data.val_fraction (now {val_fraction}) or lower trainer.seq_len"
+            )
+        validation = ValidationWindows(val, seq_len, tokenizer.eot_id)
+    return DataBundle(
+        tokenizer=tokenizer,
+        vocab_size=tokenizer.vocab_size,
+        fingerprint=f"{source.fingerprint}/{tokenizer.fingerprint}/v{CACHE_VERSION}",
+        train=WindowSampler(train, seq_len, seed, tokenizer.eot_id, rank, world_size),
+        validation=validation,
+        cache=cache,
+        train_tokens=train.n_tokens,
+        val_tokens=validation.stream.n_tokens if validation else 0,
+    )

@@ -1,0 +1,149 @@
+"""Token cache: a corpus tokenized once into a memory-mapped file, reused by every later run.
+
+Layout of one cache folder (keyed by source fingerprint, tokenizer fingerprint, CACHE_VERSION):
+
+    tokens.bin     every document's ids followed by the end-of-document id (uint16/uint32)
+    offsets.npy    int64, n_docs + 1: document i is tokens[offsets[i]:offsets[i+1]] (EOT included)
+    keys.npy       uint64 hash of each document's name (chooses the validation split)
+    manifest.json  sizes and sha256 of the three files above; written last
+
+The folder is built under a temporary name and renamed into place, so a crash never leaves
+a half-written cache under the real name; a cache cut short or altered afterwards fails the
+manifest check and is rebuilt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from data.digest import file_sha256, name_key
+from data.tokenizer import token_dtype
+
+CACHE_VERSION = 1
+FILES = ("tokens.bin", "offsets.npy", "keys.npy")
+BATCH_CHARS = 4_000_000   # text handed to the tokenizer per call (parallel inside the call)
+
+
+class InvalidCache(Exception):
+    """The cache folder is incomplete or does not match its manifest."""
+
+
+@dataclass
+class TokenCache:
+    path: Path
+    tokens: np.ndarray      # memory-mapped, read-only
+    offsets: np.ndarray
+    keys: np.ndarray
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
+def cache_key(source_fp: str, tokenizer_fp: str) -> str:
+    return hashlib.sha256(f"{source_fp}|{tokenizer_fp}|v{CACHE_VERSION}".encode()).hexdigest()[:16]
+
+
+def load_or_build(root: Path, source, tokenizer, verify: bool = True, progress: bool = True) -> TokenCache:
+    """The cache for (source, tokenizer) under `root`, built first if missing or invalid."""
+    path = Path(root).expanduser() / "tokens" / f"{source.name}-{tokenizer.name}-{cache_key(source.fingerprint, tokenizer.fingerprint)}"
+    if path.exists():
+        try:
+            return load(path, verify)
+        except InvalidCache as e:
+            warnings.warn(f"token cache {path} is invalid ({e}); rebuilding it")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(tmp, source, tokenizer, progress)
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        # Another process (rank) renamed its identical build into place first.
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load(path, verify)
+
+
+def build(path: Path, source, tokenizer, progress: bool = True) -> None:
+    """Tokenize every document of `source` into a new cache folder at `path`."""
+    path.mkdir(parents=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    eot = np.array([tokenizer.eot_id], dtype=dtype)
+    offsets, keys = [0], []
+    bar = tqdm(total=source.num_documents, unit="doc", desc=f"tokenizing {source.name}", disable=not progress)
+
+    def flush(batch: list[tuple[str, str]], out) -> None:
+        for (name, _), ids in zip(batch, tokenizer.encode_arrays([t for _, t in batch])):
+            out.write(ids.astype(dtype, copy=False).tobytes())
+            out.write(eot.tobytes())
+            offsets.append(offsets[-1] + len(ids) + 1)
+            keys.append(name_key(name))
+        bar.update(len(batch))
+        bar.set_postfix(tokens=f"{offsets[-1]:,}")
+
+    with open(path / "tokens.bin", "wb") as out:
+        batch, chars = [], 0
+        for name, text in source.documents():
+            if not text:
+                continue
+            batch.append((name, text))
+            chars += len(text)
+            if chars >= BATCH_CHARS:
+                flush(batch, out)
+                batch, chars = [], 0
+        if batch:
+            flush(batch, out)
+    bar.close()
+    if len(keys) == 0:
+        raise ValueError(f"data source {source.fingerprint} yielded no documents (empty dataset?)")
+    np.save(path / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    np.save(path / "keys.npy", np.asarray(keys, dtype=np.uint64))
+    manifest = {
+        "version": CACHE_VERSION,
+        "source": source.fingerprint,
+        "tokenizer": tokenizer.fingerprint,
+        "dtype": dtype.name,
+        "n_docs": len(keys),
+        "n_tokens": offsets[-1],
+        "files": {f: {"size": (path / f).stat().st_size, "sha256": file_sha256(path / f)} for f in FILES},
+    }
+    tmp = path / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path / "manifest.json")
+
+
+def load(path: Path, verify: bool = True) -> TokenCache:
+    """Open a cache folder; raises InvalidCache when it is incomplete or altered."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidCache(f"unreadable manifest.json: {e}") from None
+    if manifest.get("version") != CACHE_VERSION:
+        raise InvalidCache(f"version {manifest.get('version')} != {CACHE_VERSION}")
+    for f, expect in manifest["files"].items():
+        p = path / f
+        if not p.is_file() or p.stat().st_size != expect["size"]:
+            raise InvalidCache(f"{f} is missing or has the wrong size")
+        if verify and file_sha256(p) != expect["sha256"]:
+            raise InvalidCache(f"{f} does not match its checksum")
+    offsets = np.load(path / "offsets.npy")
+    keys = np.load(path / "keys.npy")
+    dtype = np.dtype(manifest["dtype"])
+    n_tokens = int(manifest["n_tokens"])
+    if offsets[-1] != n_tokens or len(keys) != manifest["n_docs"] or n_tokens * dtype.itemsize != manifest["files"]["tokens.bin"]["size"]:
+        raise InvalidCache("offsets, keys and tokens.bin disagree")
+    tokens = np.memmap(path / "tokens.bin", dtype=dtype, mode="r", shape=(n_tokens,))
+    return TokenCache(path, tokens, offsets, keys)
