@@ -1,0 +1,77 @@
+"""Config composition outside `train.py` (scripts, tests) and validation of the loop's own keys.
+
+Each component validates its own config with a reason; this module owns `trainer`, `device`,
+`resume` and `seed`. The optimizer validates `optim` (training.optim), the logger `logger`
+(training.loggers), the model and data packages their own groups.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+PRECISIONS = ("auto", "bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
+    """The same config `python train.py <overrides>` would see, through Hydra's compose API.
+
+    `run.dir` interpolates Hydra's runtime output dir, which only exists under `@hydra.main`:
+    pass `run.dir=...` when the config is used to run something.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # tests and scripts may compose repeatedly
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def _require(ok: bool, key: str, value, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"{key}={value!r}: {reason}")
+
+
+def _positive_int(cfg: DictConfig, group: str, key: str) -> None:
+    value = cfg[key]
+    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+             f"{group}.{key}", value, "must be a positive integer")
+
+
+def _non_negative_int(cfg: DictConfig, group: str, key: str) -> None:
+    value = cfg[key]
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+             f"{group}.{key}", value, "must be an integer >= 0 (0 disables)")
+
+
+def validate_trainer(trainer: DictConfig) -> None:
+    """Raise ValueError naming the first bad `trainer.*` value."""
+    for key in ("max_steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_ckpts",
+                "log_every"):
+        _positive_int(trainer, "trainer", key)
+    for key in ("eval_every", "ckpt_every"):
+        _non_negative_int(trainer, "trainer", key)
+    _require(trainer.precision in PRECISIONS, "trainer.precision", trainer.precision,
+             f"expected one of {', '.join(PRECISIONS)}")
+    for key in ("compile", "progress"):
+        _require(isinstance(trainer[key], bool), f"trainer.{key}", trainer[key], "must be true or false")
+    peak = trainer.peak_flops
+    _require(peak is None or (isinstance(peak, (int, float)) and peak > 0), "trainer.peak_flops", peak,
+             "must be null (look the GPU up) or a positive FLOP/s figure")
+
+
+def validate_run(cfg: DictConfig) -> None:
+    """Top-level keys plus the cross-group checks no single group can make."""
+    _require(cfg.device in DEVICES, "device", cfg.device, f"expected one of {', '.join(DEVICES)}")
+    _require(isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool), "seed", cfg.seed,
+             "must be an integer")
+    _require(cfg.resume is None or (isinstance(cfg.resume, str) and cfg.resume != ""), "resume",
+             cfg.resume, "expected null, auto or a checkpoint path")
+    validate_trainer(cfg.trainer)
+    max_len = cfg.model.get("max_seq_len")
+    _require(max_len is None or cfg.trainer.seq_len <= max_len, "trainer.seq_len", cfg.trainer.seq_len,
+             f"exceeds model.max_seq_len={max_len} of model '{cfg.model.get('name')}'")

@@ -1,0 +1,98 @@
+"""Where metrics go: `metrics.jsonl` always, Weights & Biases with `logger=wandb`.
+
+One row per logged step: step, loss, lr, tokens, tokens_per_s (mfu on CUDA, val_loss on eval
+steps). On resume the rows after the checkpoint's step are dropped first, so the file of a
+resumed run reads like that of a run never interrupted.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+LOGGERS = ("none", "wandb")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def validate_logger(logger: DictConfig) -> None:
+    if logger.name not in LOGGERS:
+        raise ValueError(f"logger.name={logger.name!r}: expected one of {', '.join(LOGGERS)}")
+    if logger.name == "wandb" and logger.mode not in WANDB_MODES:
+        raise ValueError(f"logger.mode={logger.mode!r}: expected one of {', '.join(WANDB_MODES)}")
+
+
+class MetricsFile:
+    """Append-only JSON lines, flushed per row so a killed run keeps what it logged."""
+
+    def __init__(self, path: str | Path, resume_step: int | None) -> None:
+        self.path = Path(path)
+        rows = self.read(self.path) if resume_step is not None and self.path.exists() else []
+        kept = [r for r in rows if r["step"] <= resume_step] if resume_step is not None else []
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a")
+
+    @staticmethod
+    def read(path: str | Path) -> list[dict]:
+        """Rows of a metrics file; a last line cut short by a kill is ignored."""
+        rows = []
+        for line in Path(path).read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
+    def log(self, row: dict) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class WandbRun:
+    """A wandb run; given the id stored in a checkpoint it continues that same run."""
+
+    def __init__(self, logger: DictConfig, run_dir: Path, config: dict, run_id: str | None,
+                 name: str | None) -> None:
+        import wandb
+
+        self._wandb = wandb
+        self.run = wandb.init(project=logger.project, entity=logger.entity, mode=logger.mode,
+                              dir=str(run_dir), id=run_id or wandb.util.generate_id(), resume="allow",
+                              config=config, name=name, tags=list(logger.tags))
+        self.id = self.run.id
+
+    def log(self, row: dict) -> None:
+        self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+class Loggers:
+    """The run's metric sinks behind one `log(row)`."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict, resume_step: int | None,
+                 wandb_id: str | None) -> None:
+        self.metrics = MetricsFile(run_dir / "metrics.jsonl", resume_step)
+        self.wandb = (WandbRun(cfg.logger, run_dir, config, wandb_id, cfg.run.get("name"))
+                      if cfg.logger.name == "wandb" else None)
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.wandb.id if self.wandb else None
+
+    def log(self, row: dict) -> None:
+        self.metrics.log(row)
+        if self.wandb:
+            self.wandb.log(row)
+
+    def close(self, exit_code: int = 0) -> None:
+        self.metrics.close()
+        if self.wandb:
+            self.wandb.close(exit_code)
