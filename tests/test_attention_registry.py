@@ -1,0 +1,84 @@
+"""The attention registry: naive and SDPA agree exactly, names resolve or fail clearly."""
+import pytest
+import torch
+
+from kernels.reference import attention_reference
+from model.attention import ATTENTION, get_attention, resolve_attention
+
+
+def _qkv(n_q=24, n_k=24, heads=4, kv_heads=4, head_dim=16, fused=False):
+    """float64 q (B, Nq, H, D), k/v (B, Nk, Hkv, D); `fused` returns strided views of one
+    projection-like buffer, as the model hands them over."""
+    g = torch.Generator().manual_seed(0)
+    if fused:
+        assert n_q == n_k
+        buf = torch.randn(2, n_q, (heads + 2 * kv_heads) * head_dim, generator=g, dtype=torch.float64)
+        q, k, v = buf.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return tuple(t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
+    q = torch.randn(2, n_q, heads, head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(2, n_k, kv_heads, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(2, n_k, kv_heads, head_dim, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("fused", [False, True], ids=["contiguous", "strided"])
+def test_naive_equals_sdpa_float64(causal, kv_heads, fused):
+    q, k, v = _qkv(kv_heads=kv_heads, fused=fused)
+    if fused:
+        assert not q.is_contiguous()
+    naive = get_attention("naive")(q, k, v, causal=causal)
+    sdpa = get_attention("sdpa")(q, k, v, causal=causal)
+    assert sdpa.shape == q.shape
+    torch.testing.assert_close(sdpa, naive, rtol=1e-12, atol=1e-12)
+
+
+def test_sdpa_causal_is_bottom_right_aligned_and_scaled():
+    q, k, v = _qkv(n_q=7, n_k=19, kv_heads=2)
+    want = attention_reference(q, k, v, causal=True, softmax_scale=0.3)
+    got = get_attention("sdpa")(q, k, v, causal=True, softmax_scale=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_sdpa_gradients_match_naive():
+    q, k, v = (t.requires_grad_() for t in _qkv(kv_heads=2))
+    grads = {}
+    for name in ("naive", "sdpa"):
+        out = get_attention(name)(q, k, v, causal=True)
+        grads[name] = torch.autograd.grad((out * out).sum(), (q, k, v))
+    for g_naive, g_sdpa in zip(grads["naive"], grads["sdpa"]):
+        torch.testing.assert_close(g_sdpa, g_naive, rtol=1e-10, atol=1e-10)
+
+
+def test_sdpa_rejects_heads_not_a_multiple():
+    q, k, v = _qkv(heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="not a multiple"):
+        get_attention("sdpa")(q, k, v)
+
+
+def test_naive_is_the_reference_itself():
+    assert ATTENTION["naive"] is attention_reference
+
+
+def test_resolve_auto_picks_sdpa_on_cpu():
+    assert resolve_attention("auto", "cpu") == "sdpa"
+    assert resolve_attention("naive", torch.device("cpu")) == "naive"
+
+
+def test_resolve_auto_on_cuda_wants_flash():
+    if "flash" in ATTENTION:
+        assert resolve_attention("auto", "cuda") == "flash"
+    else:
+        with pytest.raises(ValueError, match="'flash' is not registered"):
+            resolve_attention("auto", "cuda")
+
+
+@pytest.mark.parametrize("bad", ["flsh", "auto", "Naive"])
+def test_unknown_names_list_valid_ones(bad):
+    with pytest.raises(ValueError, match="valid: naive, sdpa") as info:
+        get_attention(bad)
+    assert repr(bad) in str(info.value)
+    if bad != "auto":
+        with pytest.raises(ValueError, match="valid: naive, sdpa"):
+            resolve_attention(bad, "cpu")
