@@ -63,7 +63,7 @@ class WandbRun:
 
         self._wandb = wandb
         self.run = wandb.init(project=logger.project, entity=logger.entity, mode=logger.mode,
-                              dir=str(run_dir), id=run_id or wandb.util.generate_id(), resume="allow",
+                              dir=str(run_dir), id=run_id, resume="allow",
                               config=config, name=name, tags=list(logger.tags))
         self.id = self.run.id
 

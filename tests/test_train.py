@@ -1,0 +1,129 @@
+"""End-to-end runs of train.py on a tiny model: outputs, falling loss, NaN stop, bad input, wandb."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import HAS_CUDA
+from tests.trainrun import losses, run_in_process, run_subprocess, tiny_overrides
+from training.checkpoint import list_checkpoints, load_checkpoint
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("token-cache")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    """One 40-step run shared by the output checks below."""
+    run_dir = tmp_path_factory.mktemp("run")
+    status = run_in_process(tiny_overrides(run_dir, cache_dir, steps=40, **{
+        "trainer.eval_every": 20, "trainer.ckpt_every": 10, "trainer.keep_ckpts": 2, "trainer.log_every": 5,
+        "optim.lr": 3e-3}))
+    assert status == 0
+    return run_dir
+
+
+def test_tiny_run_lowers_the_loss(trained):
+    rows = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert all({"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm"} <= r.keys() for r in rows)
+    assert "mfu" not in rows[0]  # CPU: no peak to divide by
+    assert [r["step"] for r in rows if "val_loss" in r] == [20, 40]
+    assert rows[-1]["tokens"] == 40 * 4 * 64
+    # bytes start near ln(257) = 5.55; forty steps of a tiny model must get well below that
+    assert rows[0]["loss"] > rows[-1]["loss"] + 1.0
+    assert rows[-1]["val_loss"] < 4.5
+
+
+def test_run_dir_holds_resolved_config_and_last_checkpoints(trained):
+    cfg = OmegaConf.load(trained / "config.yaml")
+    assert cfg.attention.name == "sdpa" and cfg.device == "cpu" and cfg.trainer.precision == "fp32"
+    assert cfg.run.data_fingerprint.startswith("stdlib") and cfg.run.num_params > 0
+    assert [p.name for p in list_checkpoints(trained / "checkpoints")] == ["step_00000030.pt", "step_00000040.pt"]
+    assert not list((trained / "checkpoints").glob("*.tmp"))
+    state = load_checkpoint(trained / "checkpoints" / "step_00000040.pt")
+    assert state["step"] == 40 and state["tokens"] == 40 * 4 * 64
+    assert not any(k.startswith("_orig_mod.") for k in state["model"])
+    assert {"python", "numpy", "torch", "cuda"} <= state["rng"].keys()
+    assert state["sampler"] and state["config"]["run"]["data_fingerprint"] == cfg.run.data_fingerprint
+
+
+def test_load_model_for_eval_reproduces_the_logged_val_loss(trained):
+    from data import build_data
+    from training.evaluate import evaluate_loss, load_model_for_eval
+
+    model, cfg, tokenizer = load_model_for_eval(trained / "checkpoints" / "step_00000040.pt", device="cpu")
+    assert not model.training and tokenizer.decode(tokenizer.encode("def f(): pass")) == "def f(): pass"
+    batches = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed).val_batches(cfg.trainer.batch_size,
+                                                                                     cfg.trainer.eval_batches)
+    logged = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+    assert evaluate_loss(model, batches, torch.device("cpu"), "fp32") == logged
+
+
+def test_nan_loss_stops_without_overwriting_the_good_checkpoint(tmp_path, cache_dir, capsys):
+    # lr=1e4 without clipping blows the weights up within a few steps, after the step-2 checkpoint
+    status = run_in_process(tiny_overrides(tmp_path, cache_dir, steps=40, **{
+        "optim.lr": 1e4, "optim.min_lr": 0, "optim.warmup_steps": 0, "optim.grad_clip": 0,
+        "trainer.ckpt_every": 2, "trainer.keep_ckpts": 50}))
+    assert status == 1
+    assert "NaN/inf" in capsys.readouterr().err
+    rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    assert ckpts and len(rows) < 40
+    for path in ckpts:
+        state = load_checkpoint(path)
+        assert all(torch.isfinite(v).all() for v in state["model"].values()), path
+
+
+BAD_INPUT = [
+    ({"model.d_model": 66}, "model.d_model=66 is not divisible by model.n_head=4"),
+    ({"model.max_seq_len": 32}, "trainer.seq_len=64: exceeds model.max_seq_len=32"),
+    ({"trainer.batch_size": 0}, "trainer.batch_size=0: must be a positive integer"),
+    ({"trainer.grad_accum": -1}, "trainer.grad_accum=-1: must be a positive integer"),
+    ({"trainer.max_steps": 0}, "trainer.max_steps=0: must be a positive integer"),
+    ({"optim.min_lr": 1.0}, "optim.min_lr=1.0: must lie in [0, optim.lr="),
+    ({"attention.name": "bogus"}, "attention 'bogus' is not registered"),
+    ({"device": "tpu"}, "device='tpu': expected one of auto, cpu, cuda"),
+    ({"logger.name": "tensorboard"}, "logger.name='tensorboard': expected one of none, wandb"),
+    ({"data.name": "files", "+data.paths": "[/nonexistent/corpus]"}, "/nonexistent/corpus does not exist"),
+    ({"resume": "/nonexistent/step_00000004.pt"}, "checkpoint /nonexistent/step_00000004.pt does not exist"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_INPUT, ids=[next(iter(o)) for o, _ in BAD_INPUT])
+def test_bad_input_is_one_line_before_any_step(tmp_path, cache_dir, capsys, override, message):
+    assert run_in_process(tiny_overrides(tmp_path / "run", cache_dir, **override)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error for a machine without CUDA")
+def test_cuda_requested_without_cuda(tmp_path, cache_dir, capsys):
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, device="cuda")) == 2
+    assert "device='cuda' but torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_unknown_config_key_from_the_command_line(tmp_path, cache_dir):
+    result = run_subprocess(tiny_overrides(tmp_path, cache_dir, **{"trainer.bogus": 1}))
+    assert result.returncode != 0
+    assert "Could not override 'trainer.bogus'" in result.stderr
+
+
+def test_wandb_offline_run_resumes_the_same_wandb_run(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb_overrides = {"logger": "wandb", "logger.mode": "offline", "trainer.ckpt_every": 2}
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=2, **wandb_overrides)) == 0
+    first = load_checkpoint(tmp_path / "checkpoints" / "step_00000002.pt")["wandb_id"]
+    assert first and list((tmp_path / "wandb").glob(f"offline-run-*-{first}"))
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=4, resume="auto", **wandb_overrides)) == 0
+    assert load_checkpoint(tmp_path / "checkpoints" / "step_00000004.pt")["wandb_id"] == first
+    assert len(losses(tmp_path)) == 4 and not math.isnan(losses(tmp_path)[-1][1])

@@ -1,0 +1,57 @@
+"""Helpers for the training tests: tiny overrides, in-process and subprocess runs of train.py.
+
+Not a test module itself (no `test_` prefix); the test_train*/test_resume*/test_checkpoint*
+modules import it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_overrides(run_dir, cache_dir, steps: int = 12, **extra) -> list[str]:
+    """A CPU run of a fraction of a second per step: 2 layers x 64, seq_len 64, 2 MB of corpus."""
+    values = {
+        "run.dir": str(run_dir), "data.cache_dir": str(cache_dir), "data.max_bytes": 2_000_000,
+        "model.n_layer": 2, "model.d_model": 64, "model.n_head": 4, "model.n_kv_head": 2,
+        "trainer.seq_len": 64, "trainer.batch_size": 4, "trainer.max_steps": steps,
+        "trainer.log_every": 1, "trainer.eval_every": 0, "trainer.eval_batches": 2,
+        "trainer.ckpt_every": 4, "trainer.progress": False, "optim.warmup_steps": 2,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_in_process(overrides: list[str]) -> int:
+    """train.py's work without a new interpreter: compose the same config, call train()."""
+    import train
+    from training.config import compose
+
+    return train.train(compose(overrides))
+
+
+def train_command(overrides: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), *overrides]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    env.pop("WANDB_MODE", None)
+    return env
+
+
+def run_subprocess(overrides: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(overrides), cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def losses(run_dir) -> list[tuple]:
+    """(step, loss, val_loss, lr, tokens, grad_norm) per logged row: everything but timings."""
+    from training.loggers import MetricsFile
+
+    return [(r["step"], r["loss"], r.get("val_loss"), r["lr"], r["tokens"], r["grad_norm"])
+            for r in MetricsFile.read(Path(run_dir) / "metrics.jsonl")]
