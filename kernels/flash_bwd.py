@@ -1,0 +1,277 @@
+"""FlashAttention backward: gradients from the saved log-sum-exp, tile by tile.
+
+With P = softmax(S), S = scale * Q K^T and O = P V, the gradients are
+
+    dV = P^T dO
+    dP = dO V^T
+    dS = P * (dP - Delta),     Delta_i = rowsum(dO_i * O_i)   (= rowsum(P_i * dP_i))
+    dQ = scale * dS K
+    dK = scale * dS^T Q
+
+Nothing of size N x N is stored: P is recomputed per tile as exp(S - L) from the
+forward's per-row log-sum-exp L, which is exact (it is the final normaliser, so no
+online rescaling is needed here). Delta is computed first by a small kernel.
+
+The work is split into two kernels so that every gradient element has exactly one
+writer, with no atomics, and therefore gradients are bit-identical run to run:
+
+- `flash_bwd_kv_kernel`: one program owns BLOCK_N keys of one KV head, keeps dK and dV
+  for them in registers, and streams every query tile that can see those keys, for
+  every query head of the GQA group, so dK and dV arrive already summed over the group;
+- `flash_bwd_q_kernel`: one program owns BLOCK_M queries of one head and streams the
+  key tiles they can see, accumulating dQ (the forward's loop, run again).
+
+The cost of determinism is recomputing S and dP in the second kernel (7 tile matmuls
+instead of 5). Masking follows the forward: tiles that are fully visible and in bounds
+run unmasked; the causal diagonal and ragged edges are masked.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def flash_bwd_delta_kernel(
+    Out, dOut, Delta,
+    stride_ob, stride_on, stride_oh, stride_od,
+    stride_db, stride_dn, stride_dh, stride_dd,
+    n_heads, n_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Delta[b, h, i] = sum_d O[b, i, h, d] * dO[b, i, h, d], in float32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_on + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0)
+    do = tl.load(dOut + b * stride_db + h * stride_dh + rows * stride_dn + offs_d[None, :] * stride_dd,
+                 mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + (b * n_heads + h) * n_q + offs_m, delta, mask=offs_m < n_q)
+
+
+@triton.jit
+def _load_rows(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK: tl.constexpr):
+    """Load a (rows x BLOCK_D) tile, masking only what this tile needs masked."""
+    if MASK:
+        return tl.load(ptrs, mask=(offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _bwd_kv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m, offs_n, offs_d,
+                 n_q, n_k, causal_shift, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                 MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """Add one query tile's contribution to dK and dV of the keys this program owns.
+
+    Works on transposed scores S^T (keys x queries) so that dV += P^T dO and
+    dK += dS^T Q are plain matmuls with the key dimension leading.
+    """
+    q = _load_rows(q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    do = _load_rows(do_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    if MASK:
+        lse = tl.load(lse_ptrs, mask=offs_m < n_q, other=0.0)
+        delta = tl.load(delta_ptrs, mask=offs_m < n_q, other=0.0)
+    else:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    # Rows that saw no key have L = -inf; +inf makes their P exactly 0 instead of NaN.
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale       # (BLOCK_N, BLOCK_M)
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    if MASK:
+        visible = (offs_m[None, :] < n_q) & (offs_n[:, None] < n_k)
+        if CAUSAL:
+            visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_shift)
+        p_t = tl.where(visible, p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"],
+                 prune_configs_by=bwd_kv_prune())
+@triton.jit
+def flash_bwd_kv_kernel(
+    Q, K, V, dOut, Lse, Delta, dK, dV,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid: (cdiv(n_k, BLOCK_N), B * Hkv). qk_scale = sm_scale * log2(e)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_kv_heads).to(tl.int64)
+    h_kv = (pid_bh % n_kv_heads).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    causal_shift = n_k - n_q
+    rows_n = offs_n.to(tl.int64)[:, None]
+
+    k = _load_rows(K + b * stride_kb + h_kv * stride_kh + rows_n * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + b * stride_vb + h_kv * stride_vh + rows_n * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query tiles that see any of these keys, split into masked / unmasked ranges.
+    full_end = (n_q // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # first query that sees key start_n is start_n - causal_shift
+        lo = tl.maximum(start_n - causal_shift, 0) // BLOCK_M * BLOCK_M
+        # from here on, every query of a tile sees every key of this program
+        diag_end = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M
+        diag_end = tl.minimum(tl.maximum(diag_end, lo), n_q)
+    else:
+        lo = 0
+        diag_end = 0
+    mid_end = tl.maximum(full_end, diag_end)
+    # A ragged last key tile needs no extra masking here: its out-of-range keys were
+    # loaded as zeros and only produce rows of dK/dV that are never stored.
+
+    for g in range(0, kv_group):
+        h = h_kv * kv_group + g
+        q_base = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
+        do_base = dOut + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
+        lse_base = Lse + (b * n_heads + h) * n_q
+        delta_base = Delta + (b * n_heads + h) * n_q
+        # ranges: [lo, diag_end) masked, [diag_end, mid_end) unmasked, [mid_end, n_q) masked
+        for start_m in range(lo, diag_end, BLOCK_M):
+            offs_m = start_m + offs_m0
+            rows_m = offs_m.to(tl.int64)[:, None]
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base + rows_m * stride_qn, do_base + rows_m * stride_don,
+                                  lse_base + offs_m, delta_base + offs_m, offs_m, offs_n, offs_d,
+                                  n_q, n_k, causal_shift, qk_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
+        for start_m in range(diag_end, mid_end, BLOCK_M):
+            offs_m = start_m + offs_m0
+            rows_m = offs_m.to(tl.int64)[:, None]
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base + rows_m * stride_qn, do_base + rows_m * stride_don,
+                                  lse_base + offs_m, delta_base + offs_m, offs_m, offs_n, offs_d,
+                                  n_q, n_k, causal_shift, qk_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
+        for start_m in range(mid_end, n_q, BLOCK_M):
+            offs_m = start_m + offs_m0
+            rows_m = offs_m.to(tl.int64)[:, None]
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base + rows_m * stride_qn, do_base + rows_m * stride_don,
+                                  lse_base + offs_m, delta_base + offs_m, offs_m, offs_n, offs_d,
+                                  n_q, n_k, causal_shift, qk_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
+
+    dk = dk * sm_scale
+    mask = (offs_n[:, None] < n_k) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(dK + b * stride_dkb + h_kv * stride_dkh + rows_n * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(dK.dtype.element_ty), mask=mask)
+    tl.store(dV + b * stride_dvb + h_kv * stride_dvh + rows_n * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(dV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_q_tile(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
+                n_k, causal_shift, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """Add one key tile's contribution to dQ of the queries this program owns."""
+    k = _load_rows(k_ptrs, start_n + offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    v = _load_rows(v_ptrs, start_n + offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.math.exp2(s - lse[:, None])
+    if MASK:
+        visible = (start_n + offs_n)[None, :] < n_k
+        if CAUSAL:
+            visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None] + causal_shift)
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+
+@triton.autotune(configs=bwd_q_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"],
+                 prune_configs_by=bwd_q_prune())
+@triton.jit
+def flash_bwd_q_kernel(
+    Q, K, V, dOut, Lse, Delta, dQ,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+    n_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid: (cdiv(n_q, BLOCK_M), B * H)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = pid_bh % n_heads
+    h_kv = (h // kv_group).to(tl.int64)
+    h = h.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    causal_shift = n_k - n_q
+    rows_m = offs_m.to(tl.int64)[:, None]
+
+    q = _load_rows(Q + b * stride_qb + h * stride_qh + rows_m * stride_qn + offs_d[None, :] * stride_qd,
+                   offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(dOut + b * stride_dob + h * stride_doh + rows_m * stride_don + offs_d[None, :] * stride_dod,
+                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    lse = tl.load(Lse + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    delta = tl.load(Delta + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+
+    # Same key ranges as the forward pass.
+    full_end = (n_k // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + causal_shift), 0)
+        unmasked_end = tl.minimum(tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N, full_end)
+    else:
+        hi = n_k
+        unmasked_end = full_end
+
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        dq = _bwd_q_tile(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
+                         n_k, causal_shift, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    for start_n in range(unmasked_end, hi, BLOCK_N):
+        dq = _bwd_q_tile(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
+                         n_k, causal_shift, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+
+    dq = dq * sm_scale
+    tl.store(dQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqn + offs_d[None, :] * stride_dqd,
+             dq.to(dQ.dtype.element_ty), mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM))

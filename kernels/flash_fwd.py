@@ -1,0 +1,154 @@
+"""FlashAttention forward: exact attention without the N x N matrix in HBM.
+
+Algorithm (Dao et al. 2022, with FlashAttention-2's loop order):
+
+One program owns BLOCK_M query rows of one (batch, head). It loads that Q tile into
+SRAM once, then streams the K and V tiles of the matching KV head past it, BLOCK_N keys
+at a time. For each tile it computes S = Q K^T (BLOCK_M x BLOCK_N, in registers),
+and keeps for every row a running maximum m and a running sum l of exp(S - m):
+
+    m_new = max(m, rowmax(S))
+    alpha = exp(m - m_new)             # how much the old partial results shrink
+    P     = exp(S - m_new)
+    l     = alpha * l + rowsum(P)
+    acc   = alpha * acc + P V
+
+After the last tile, O = acc / l and the log-sum-exp L = m + log(l) are the only
+things written back: O is (BLOCK_M x D), L is one float per row. The backward pass
+recomputes P = exp(S - L) from L, so nothing of size N x N ever leaves the chip.
+
+Details that matter for speed and exactness:
+- exponentials are exp2 on scores pre-multiplied by scale * log2(e) (one multiply per
+  score instead of one per exp); L is converted back to natural log when stored;
+- key tiles that are fully visible and in bounds run without any masking; only the
+  tiles on the causal diagonal and the ragged last tile pay for masks;
+- causal masking with Nq != Nk is aligned bottom-right: query i sees key j iff
+  j <= i + (Nk - Nq). A query row that sees no key at all gets O = 0 and L = -inf;
+- GQA: query head h reads KV head h // (H / Hkv); K and V are never repeated;
+- all offsets that can exceed 2^31 (batch and sequence strides at 1M tokens) are
+  formed in int64 by moving base pointers, so long sequences index correctly.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.tuning import fwd_configs, fwd_prune
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
+              n_k, causal_shift, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+              MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one BLOCK_N tile of keys into the running (acc, l, m) of a query tile."""
+    if MASK:
+        key_in = (start_n + offs_n) < n_k
+        k = tl.load(k_ptrs, mask=key_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain
+    if MASK:
+        visible = key_in[None, :]
+        if CAUSAL:
+            visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None] + causal_shift)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASK:
+        # A row that has seen only masked keys keeps m = -inf; shift by 0 instead so
+        # that exp2(-inf - -inf) never produces NaN. Its P, l and acc stay exactly 0.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASK:
+        v = tl.load(v_ptrs, mask=key_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"], prune_configs_by=fwd_prune())
+@triton.jit
+def flash_fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_on, stride_oh, stride_od,
+    n_heads, kv_group, n_q, n_k, qk_scale, seq_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = pid_bh % n_heads
+    h_kv = (h // kv_group).to(tl.int64)
+    h = h.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    causal_shift = n_k - n_q
+
+    q_ptrs = (Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn
+              + (offs_m - start_m)[:, None] * stride_qn + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    k_base = K + b * stride_kb + h_kv * stride_kh
+    v_base = V + b * stride_vb + h_kv * stride_vh
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key range this query tile can see, split into tiles needing no mask and the rest.
+    full_end = (n_k // BLOCK_N) * BLOCK_N           # tiles wholly inside [0, n_k)
+    if CAUSAL:
+        hi = tl.minimum(n_k, start_m + BLOCK_M + causal_shift)   # past the last row's view
+        hi = tl.maximum(hi, 0)
+        # tiles whose every key is visible to the tile's first row, hence to all rows
+        unmasked_end = tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N
+        unmasked_end = tl.minimum(unmasked_end, full_end)
+    else:
+        hi = n_k
+        unmasked_end = full_end
+
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d,
+                                  start_n, n_k, causal_shift, qk_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    for start_n in range(unmasked_end, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d,
+                                  start_n, n_k, causal_shift, qk_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+
+    # Rows that saw no key (causal with n_q > n_k): O = 0, L = -inf.
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+
+    o_ptrs = (Out + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
+              + (offs_m - start_m)[:, None] * stride_on + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty),
+             mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM))
+    lse_ptrs = Lse + (b * n_heads + h) * n_q + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < n_q)

@@ -1,0 +1,168 @@
+"""`flash_attention`: the Triton kernels as a differentiable torch.library op.
+
+Forward and backward are registered with `torch.library.triton_op`, so that
+`torch.compile(fullgraph=True)` sees one opaque op per direction (no graph break)
+and Inductor can still schedule the Triton launches; `register_autograd` ties them.
+Input checks run in the Python wrapper, before anything is launched, and raise
+ValueError naming the offending argument instead of a Triton compile trace.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
+from kernels.flash_fwd import LOG2E, flash_fwd_kernel
+from kernels.tuning import INTERPRET
+
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _seq_bucket(n: int) -> int:
+    """Autotuning key: re-tune per power-of-two length band, not per exact length."""
+    return min(max(triton.next_power_of_2(n), 128), 16384)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs get true fp32 products: no silent tf32 rounding.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _strides(t: torch.Tensor):
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError naming the argument if the kernels cannot take these inputs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; flash_attention supports float16, bfloat16, float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"q is on {q.device}; the Triton kernels need CUDA tensors "
+                         "(or TRITON_INTERPRET=1 set before triton is imported, for CPU testing)")
+    if INTERPRET and q.dtype == torch.bfloat16:
+        raise ValueError("q is bfloat16, which Triton's CPU interpreter computes wrongly in tl.dot; "
+                         "use float16/float32 under TRITON_INTERPRET=1")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    B, n_q, H, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {B}")
+    if k.shape[3] != D:
+        raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {D}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"q has head_dim {D}; supported head dims are 1..{MAX_HEAD_DIM}")
+    if k.shape[2] == 0 or H % k.shape[2]:
+        raise ValueError(f"q has {H} heads, which is not a multiple of k's {k.shape[2]} heads")
+    if n_q == 0 or k.shape[1] == 0:
+        raise ValueError(f"empty sequence: q has {n_q} queries, k has {k.shape[1]} keys")
+    if B == 0 or H == 0:
+        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
+
+
+@torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32."""
+    B, n_q, H, D = q.shape
+    n_k, h_kv = k.shape[1], k.shape[2]
+    out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
+
+    def grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
+
+    torch.library.wrap_triton(flash_fwd_kernel)[grid](
+        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, _seq_bucket(max(n_q, n_k)),
+        HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, PRECISION=_precision(q.dtype))
+    return out, lse
+
+
+@torch.library.triton_op("flashtrain::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq, dk, dv; dk and dv are summed over each GQA group, no atomics."""
+    B, n_q, H, D = q.shape
+    n_k, h_kv = k.shape[1], k.shape[2]
+    block_d = _block_d(D)
+    bucket = _seq_bucket(max(n_q, n_k))
+    delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
+    dq = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=v.device)
+
+    delta_rows = 64
+    torch.library.wrap_triton(flash_bwd_delta_kernel)[(triton.cdiv(n_q, delta_rows), B * H)](
+        out, dout, delta, *_strides(out), *_strides(dout), H, n_q,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=delta_rows)
+
+    def kv_grid(meta):
+        return (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv)
+
+    torch.library.wrap_triton(flash_bwd_kv_kernel)[kv_grid](
+        q, k, v, dout, lse, delta, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+        H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket,
+        HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, PRECISION=_precision(q.dtype))
+
+    def q_grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
+
+    torch.library.wrap_triton(flash_bwd_q_kernel)[q_grid](
+        q, k, v, dout, lse, delta, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket,
+        HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, PRECISION=_precision(q.dtype))
+    return dq, dk, dv
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
+    return dq, dk, dv, None, None
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+    """Exact softmax(scale * Q K^T) V by tiling; same contract as kernels.reference.
+
+    q (B, Nq, H, D); k, v (B, Nk, Hkv, D) with H % Hkv == 0; any strides.
+    causal with Nq != Nk is aligned bottom-right. Returns out (B, Nq, H, D) in q's
+    dtype, and with return_lse=True also lse (B, H, Nq) float32 (natural log; -inf
+    for a query that sees no key).
+    """
+    check_inputs(q, k, v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    out, lse = flash_attn_fwd(q, k, v, bool(causal), float(softmax_scale))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,85 @@
+"""Tile shapes the kernels may use, and how one is chosen.
+
+On a GPU each kernel is autotuned over a short list (picked per padded head dim by
+`_for_head_dim`, since a 256-wide head needs smaller tiles to fit in shared memory).
+FLASHTRAIN_AUTOTUNE=0 pins the first entry of each list, which is what the GPU tests
+use to avoid compiling every candidate for every head dim. Under TRITON_INTERPRET=1
+(CPU) block shapes only cost Python time, so one small tile is used.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+AUTOTUNE = os.environ.get("FLASHTRAIN_AUTOTUNE", "1") != "0"
+
+
+def _cfg(block_a, block_b, names, warps, stages):
+    return triton.Config({names[0]: block_a, names[1]: block_b}, num_warps=warps, num_stages=stages)
+
+
+def _entry(config, names):
+    return (config.kwargs[names[0]], config.kwargs[names[1]], config.num_warps, config.num_stages)
+
+
+# (rows, cols, warps, stages) per max padded head dim; the first entry is the default.
+_FWD = {  # BLOCK_M query rows x BLOCK_N keys
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)],
+}
+_BWD_KV = {  # BLOCK_N keys owned x BLOCK_M queries streamed
+    64: [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 32, 8, 3)],
+    256: [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
+}
+_BWD_Q = {  # BLOCK_M queries owned x BLOCK_N keys streamed
+    64: [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 32, 8, 3)],
+    256: [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
+}
+
+
+def _configs(table, names):
+    if INTERPRET:
+        return [_cfg(32, 32, names, 4, 1)]
+    unique = dict.fromkeys(entry for entries in table.values() for entry in entries)
+    return [_cfg(a, b, names, warps, stages) for a, b, warps, stages in unique]
+
+
+def _for_head_dim(table, names):
+    """early_config_prune hook: keep the candidates listed for this BLOCK_D."""
+    def prune(configs, named_args, **kwargs):
+        if INTERPRET:
+            return configs
+        dim = min(d for d in table if d >= kwargs["BLOCK_D"])
+        wanted = table[dim] if AUTOTUNE else table[dim][:1]
+        keep = [c for c in configs if _entry(c, names) in wanted]
+        return sorted(keep, key=lambda c: wanted.index(_entry(c, names)))
+    return prune
+
+
+def fwd_configs():
+    return _configs(_FWD, ("BLOCK_M", "BLOCK_N"))
+
+
+def fwd_prune():
+    return {"early_config_prune": _for_head_dim(_FWD, ("BLOCK_M", "BLOCK_N"))}
+
+
+def bwd_kv_configs():
+    return _configs(_BWD_KV, ("BLOCK_N", "BLOCK_M"))
+
+
+def bwd_kv_prune():
+    return {"early_config_prune": _for_head_dim(_BWD_KV, ("BLOCK_N", "BLOCK_M"))}
+
+
+def bwd_q_configs():
+    return _configs(_BWD_Q, ("BLOCK_M", "BLOCK_N"))
+
+
+def bwd_q_prune():
+    return {"early_config_prune": _for_head_dim(_BWD_Q, ("BLOCK_M", "BLOCK_N"))}

@@ -1,0 +1,251 @@
+"""The Triton FlashAttention against a float64 reference.
+
+On a CPU these run in Triton's interpreter (float32/float16, small sizes); on CUDA the
+same cases run in bfloat16/float16 at real sizes. The error bound is relative: ours
+may be at most 2x as far from the float64 answer as the plain formula evaluated in the
+same dtype on the same inputs (plus a hair for float32, where both are ~1e-7).
+Every run starts from poisoned memory (uninitialised tensors filled with NaN), so an
+element the kernel forgets to write fails the test.
+"""
+import math
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, requires_cuda
+from kernels import attention_reference, flash_attention
+from kernels import flash_op
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if HAS_CUDA else [torch.float32, torch.float16]
+SLACK = {torch.float32: 1e-6, torch.float16: 0.0, torch.bfloat16: 0.0}
+
+
+@pytest.fixture(autouse=True)
+def poison_uninitialised_memory():
+    """torch.empty returns NaN-filled memory while deterministic mode is on."""
+    import torch.utils.deterministic as det
+    old_mode, old_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(old_mode)
+    det.fill_uninitialized_memory = old_fill
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def make_inputs(B, n_q, n_k, H, H_kv, D, dtype, scale=1.0, gen_seed=None):
+    g = torch.Generator(device="cpu")
+    g.manual_seed(gen_seed if gen_seed is not None else torch.seed() % 2**31)
+    q = (torch.randn(B, n_q, H, D, generator=g) * scale).to(DEVICE, dtype)
+    k = (torch.randn(B, n_k, H_kv, D, generator=g) * scale).to(DEVICE, dtype)
+    v = torch.randn(B, n_k, H_kv, D, generator=g).to(DEVICE, dtype)
+    do = torch.randn(B, n_q, H, D, generator=g).to(DEVICE, dtype)
+    return q, k, v, do
+
+
+def forward_backward(fn, q, k, v, do, causal, **kw):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v, causal=causal, return_lse=True, **kw)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    return out, lse, dq, dk, dv
+
+
+def check_against_reference(q, k, v, do, causal, **kw):
+    ours = forward_backward(flash_attention, q, k, v, do, causal, **kw)
+    same_dtype = forward_backward(attention_reference, q, k, v, do, causal, **kw)
+    exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), causal, **kw)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, mine, plain, ref in zip(names, ours, same_dtype, exact):
+        assert mine.shape == ref.shape and mine.dtype == plain.dtype, name
+        assert not torch.isnan(mine).any(), f"{name} has NaN"
+        if name == "lse":
+            # rows that see no key are -inf in both; compare the rest in absolute terms
+            # (lse is float32 in every path, so 2x the same-dtype error would be ~0)
+            assert torch.equal(torch.isinf(mine), torch.isinf(ref)), "lse: -inf rows differ"
+            finite = torch.isfinite(ref)
+            err = (mine.double() - ref)[finite].abs().max().item() if finite.any() else 0.0
+            tol = 1e-4 * (1 + ref[finite].abs().max().item()) if finite.any() else 0.0
+            assert err <= tol, f"lse abs error {err:.3g} > {tol:.3g}"
+            continue
+        assert torch.isfinite(mine).all(), f"{name} has inf"
+        err, base = rel_err(mine, ref), rel_err(plain, ref)
+        bound = 2 * base + SLACK[mine.dtype]
+        assert err <= bound, f"{name}: rel err {err:.3g} > 2 x plain formula's {base:.3g}"
+
+
+# (B, n_q, n_k, H, H_kv, D): odd lengths, Nq != Nk, GQA ratios 1/2/4/8, head dims.
+CPU_SHAPES = [
+    (1, 1, 1, 1, 1, 32),
+    (2, 17, 17, 2, 2, 32),
+    (1, 100, 100, 4, 2, 64),
+    (1, 257, 257, 1, 1, 16),
+    (1, 40, 72, 4, 1, 32),     # Nq < Nk, MQA
+    (1, 72, 40, 8, 1, 16),     # Nq > Nk: causal rows that see no key; GQA 8
+    (1, 33, 33, 8, 2, 96),     # padded head dim, GQA 4
+    (1, 20, 20, 2, 2, 128),
+    (1, 20, 36, 2, 2, 256),
+    (1, 23, 23, 2, 2, 40),     # a non-power-of-two dim that is padded inside the op
+]
+GPU_SHAPES = [
+    (1, 1, 1, 1, 1, 64),
+    (2, 17, 17, 4, 4, 64),
+    (2, 100, 100, 8, 4, 64),
+    (1, 257, 257, 4, 1, 128),
+    (2, 1000, 1000, 8, 2, 128),
+    (1, 1000, 1000, 8, 8, 32),
+    (1, 1000, 1000, 8, 1, 96),
+    (1, 1000, 1000, 4, 4, 256),
+    (1, 500, 1500, 8, 1, 64),
+    (1, 1500, 500, 8, 8, 128),
+    (2, 4096, 4096, 16, 2, 128),
+    (1, 2048, 2048, 8, 8, 80),
+]
+SHAPES = GPU_SHAPES if HAS_CUDA else CPU_SHAPES
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_q{}_k{}_H{}_kv{}_D{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_reference(shape, causal, dtype):
+    check_against_reference(*make_inputs(*shape, dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_custom_softmax_scale(dtype):
+    check_against_reference(*make_inputs(1, 50, 50, 2, 2, 32, dtype), True, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_large_logits_stay_finite(causal):
+    """Scores around 1e4 overflow a naive exp; the online softmax must not."""
+    dtype = DTYPES[-1]  # float16 on both: the narrowest exponent range we support
+    q, k, v, do = make_inputs(1, 64, 64, 2, 2, 32, dtype)
+    q = (q / q.norm(dim=-1, keepdim=True) * 200).to(dtype)
+    k = (k / k.norm(dim=-1, keepdim=True) * 200 * math.sqrt(32) / 4).to(dtype)
+    out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal)
+    for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv)):
+        assert torch.isfinite(t).all(), f"{name} not finite with large logits"
+    assert lse.abs().max() > 1e3, "the test did not produce large logits"
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=causal)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_strided_views_of_fused_qkv():
+    """The model passes q, k, v as views of one projection; no copies are needed."""
+    dtype = DTYPES[0]
+    B, N, H, D = 2, 37, 4, 32
+    qkv = torch.randn(B, N, 3, H, D, device=DEVICE).to(dtype)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    do = torch.randn(B, N, H, D, device=DEVICE).to(dtype)
+    check_against_reference(q, k, v, do, True)
+    # (B, H, N, D) storage seen through a transpose
+    q2, k2, v2 = (torch.randn(B, H, N, D, device=DEVICE).to(dtype).transpose(1, 2) for _ in range(3))
+    check_against_reference(q2, k2, v2, do, False)
+
+
+def test_backward_is_deterministic():
+    q, k, v, do = make_inputs(2, 130, 130, 8, 2, 64, DTYPES[0])
+    first = forward_backward(flash_attention, q, k, v, do, True)
+    for _ in range(2):
+        again = forward_backward(flash_attention, q, k, v, do, True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b), "results differ between identical runs"
+
+
+def test_fresh_inputs_every_call_give_fresh_answers():
+    """Guards against a cached or constant result: different inputs, different outputs."""
+    a = make_inputs(1, 40, 40, 2, 2, 32, DTYPES[0])
+    b = make_inputs(1, 40, 40, 2, 2, 32, DTYPES[0])
+    assert not torch.equal(flash_attention(*a[:3]), flash_attention(*b[:3]))
+
+
+def test_registered_op_passes_opcheck():
+    """Schema, fake-tensor and autograd registration are consistent (torch.compile relies on it)."""
+    q, k, v, _ = make_inputs(1, 24, 24, 2, 1, 32, DTYPES[-1] if not HAS_CUDA else torch.float16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    checks = ("test_schema", "test_autograd_registration")
+    if HAS_CUDA:  # the interpreter runs kernels eagerly, so fake tensors cannot pass through it
+        checks += ("test_faketensor",)
+    torch.library.opcheck(torch.ops.flashtrain.flash_attn_fwd.default, (q, k, v, True, 0.2),
+                          test_utils=checks)
+
+
+# ---- bad input: one clear ValueError naming the argument ------------------------------
+
+def _ok(n=8, D=32, dtype=None):
+    dtype = dtype or DTYPES[0]
+    return [torch.randn(1, n, 2, D, device=DEVICE).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda q, k, v: (q, k.half() if q.dtype != torch.float16 else k.float(), v), "share a dtype"),
+    (lambda q, k, v: (q[0], k, v), "q must be 4-D"),
+    (lambda q, k, v: (q, k, v[:, :5]), "same shape"),
+    (lambda q, k, v: (q.int(), k, v), "q has dtype"),
+    (lambda q, k, v: (torch.randn(2, 8, 2, 32, device=q.device, dtype=q.dtype), k, v), "batch"),
+    (lambda q, k, v: (torch.randn(1, 8, 3, 32, device=q.device, dtype=q.dtype), k, v), "multiple"),
+    (lambda q, k, v: (q[..., :16], k, v), "head_dim"),
+    (lambda q, k, v: (q[:, :0], k, v), "empty sequence"),
+])
+def test_bad_input_is_refused(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        flash_attention(*mutate(*_ok()))
+
+
+def test_head_dim_over_256_is_refused():
+    with pytest.raises(ValueError, match="head_dim 320"):
+        flash_attention(*_ok(D=320))
+
+
+def test_bad_softmax_scale_is_refused():
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attention(*_ok(), softmax_scale=float("nan"))
+
+
+def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setattr(flash_op, "INTERPRET", False)
+    q, k, v = (torch.randn(1, 8, 2, 32) for _ in range(3))
+    with pytest.raises(ValueError, match="q is on cpu"):
+        flash_attention(q, k, v)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter-only restriction")
+def test_bfloat16_in_interpreter_is_refused():
+    with pytest.raises(ValueError, match="bfloat16"):
+        flash_attention(*_ok(dtype=torch.bfloat16))
+
+
+# ---- GPU only: compile, CUDA graphs ---------------------------------------------------
+
+@requires_cuda
+def test_torch_compile_fullgraph_matches_eager():
+    q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, causal=True) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    eager = forward_backward(lambda *a, **kw: (f(*a[:3]), None), q, k, v, do, True)
+    comp = forward_backward(lambda *a, **kw: (compiled(*a[:3]), None), q, k, v, do, True)
+    for a, b in zip(eager, comp):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@requires_cuda
+def test_cuda_graph_replay():
+    q, k, v, _ = make_inputs(1, 256, 256, 4, 4, 64, torch.bfloat16)
+    flash_attention(q, k, v, causal=True)  # warm up: autotune and compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention(q, k, v, causal=True)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, flash_attention(q, k, v, causal=True), atol=0, rtol=0)
