@@ -1,0 +1,31 @@
+"""Passkey retrieval (Mohtashami & Jaggi, 2023): can the model fetch a number from far back?
+
+A prompt is repetitive filler with one sentence stating a random key at a chosen depth
+(0 = start, 1 = end of the filler), followed by a question; the answer is the key. The
+same construction serves as a training task (`data=passkey`) and as an eval
+(`scripts/eval_passkey.py`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+FILLER = "The river runs past the old mill. The fields are quiet and the clouds drift east. "
+KEY_SENTENCE = "Remember this: the secret key is {key}. The secret key is {key}. "
+QUESTION = "What is the secret key? The secret key is"
+
+
+def random_key(rng: np.random.Generator, digits: int) -> str:
+    return str(int(rng.integers(10 ** (digits - 1), 10**digits)))
+
+
+def passkey_prompt(n_tokens: int, depth: float, key: str, count_tokens: Callable[[str], int]) -> tuple[str, str]:
+    """(prompt, answer) whose prompt is about `n_tokens` long as measured by `count_tokens`."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"passkey depth={depth} must be in [0, 1]")
+    fixed = count_tokens(KEY_SENTENCE.format(key=key)) + count_tokens(QUESTION)
+    n_filler = max(0, round((n_tokens - fixed) / count_tokens(FILLER)))
+    before = round(n_filler * depth)
+    prompt = FILLER * before + KEY_SENTENCE.format(key=key) + FILLER * (n_filler - before) + QUESTION
+    return prompt, f" {key}."

@@ -1,0 +1,106 @@
+"""Hugging Face datasets (`data=hf`, presets such as `data=pg19`): one document per record.
+
+Hub names and local JSON lines / parquet files go through the same `datasets.load_dataset`
+call, so the offline tests exercise the code path a hub dataset takes.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterator
+
+
+def load_records(path: str, *, config: str | None = None, split: str = "train", data_files=None,
+                 streaming: bool = False, revision: str | None = None, cache_dir: Path | None = None):
+    """`datasets.load_dataset(...)` for one split, with its failure as one ValueError line."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(
+            path, config, split=split, data_files=data_files, streaming=streaming, revision=revision,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+        )
+    except Exception as e:  # the library raises many types (network, missing split, bad files)
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, StopIteration):   # what the json/parquet builders raise on empty files
+            detail = "no records (empty dataset?)"
+        raise ValueError(f"cannot load dataset {path!r} (config={config}, split={split}): {detail}") from None
+
+
+def column_names(ds) -> list[str]:
+    if ds.column_names is not None:
+        return list(ds.column_names)
+    first = next(iter(ds), None)   # streaming datasets may not know their features up front
+    return [] if first is None else list(first)
+
+
+def record_texts(ds, text_field: str, what: str, max_docs: int | None = None) -> Iterator[tuple[int, str]]:
+    """(index, text) for each record; checks the text field exists before yielding anything."""
+    columns = column_names(ds)
+    if not columns:
+        raise ValueError(f"{what} is empty")
+    if text_field not in columns:
+        raise ValueError(f"text field {text_field!r} not in {what}; its columns are {columns} (set data.text_field)")
+    for i, record in enumerate(ds.select_columns([text_field])):
+        if max_docs is not None and i >= max_docs:
+            return
+        text = record[text_field]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{what}: field {text_field!r} of record {i} is {type(text).__name__}, not text")
+        yield i, text or ""
+
+
+def local_files_signature(paths) -> str:
+    """Hash of (path, size, mtime) of the local files among `paths`; remote names hash as given."""
+    h = hashlib.sha256()
+    for p in sorted(str(p) for p in paths):
+        path = Path(p).expanduser()
+        h.update(p.encode())
+        if path.is_file():
+            st = path.stat()
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def as_list(value) -> list:
+    if value is None:
+        return []
+    return [value] if isinstance(value, (str, Path)) else list(value)
+
+
+class HFSource:
+    name = "hf"
+
+    def __init__(self, cfg, cache_dir: Path):
+        if not cfg.get("dataset"):
+            raise ValueError("data=hf needs data.dataset=<hub name, or json/parquet/text with data.data_files>")
+        self.dataset_name = str(cfg.dataset)
+        self.text_field = str(cfg.get("text_field", "text"))
+        self.max_docs = cfg.get("max_docs")
+        data_files = as_list(cfg.get("data_files"))
+        for f in data_files:
+            if "://" not in str(f) and not any(c in str(f) for c in "*?[") and not Path(str(f)).expanduser().exists():
+                raise ValueError(f"data.data_files: {f} does not exist")
+        settings = dict(
+            config=cfg.get("config"), split=str(cfg.get("split", "train")), data_files=data_files or None,
+            streaming=bool(cfg.get("streaming", False)), revision=cfg.get("revision"),
+        )
+        self._ds = load_records(self.dataset_name, cache_dir=cache_dir / "hf", **settings)
+        self.what = f"dataset {self.dataset_name!r} split {settings['split']!r}"
+        if settings["streaming"]:
+            self.num_documents = self.max_docs
+            content = f"{settings}|{local_files_signature(data_files)}"   # hub revisions pin remote content
+        else:
+            self.num_documents = len(self._ds) if self.max_docs is None else min(len(self._ds), int(self.max_docs))
+            content = self._ds._fingerprint   # datasets' own hash of the prepared files
+        key = hashlib.sha256(f"{self.dataset_name}|{content}|{self.text_field}|{self.max_docs}".encode()).hexdigest()
+        slug = self.dataset_name.replace("/", "_")[-40:]
+        self.fingerprint = f"hf-{slug}-{key[:10]}"
+        list(record_texts(self._ds, self.text_field, self.what, max_docs=0))   # fail now on a bad field
+
+    def for_tokenizer(self, tokenizer) -> "HFSource":
+        return self
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        for i, text in record_texts(self._ds, self.text_field, self.what, self.max_docs):
+            yield str(i), text

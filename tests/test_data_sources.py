@@ -1,0 +1,134 @@
+"""Every data source on small local files, the cache's reuse and keys, and each bad input."""
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from data import build_data
+from data.passkey import passkey_prompt
+
+BYTES = {"name": "bytes"}
+
+
+def bundle_for(tmp_path, data: dict, seq_len=32, tokenizer=BYTES):
+    cfg = OmegaConf.create({
+        "data": {"val_fraction": 0.2, "cache_dir": str(tmp_path / "cache"), "verify_cache": True, **data},
+        "tokenizer": tokenizer,
+    })
+    return build_data(cfg, seq_len=seq_len, seed=0, progress=False)
+
+
+def documents(bundle) -> list[str]:
+    """Every cached document decoded, EOT stripped (cache order)."""
+    c, tok = bundle.cache, bundle.tokenizer
+    return [tok.decode(c.tokens[a : b - 1].tolist()) for a, b in zip(c.offsets[:-1], c.offsets[1:])]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "txt" / "sub").mkdir(parents=True)
+    for i in range(4):
+        (root / "txt" / f"doc{i}.txt").write_text(f"text file {i}. " * 40)
+    (root / "txt" / "sub" / "nested.md").write_text("nested markdown. " * 40)
+    (root / "txt" / ".hidden.txt").write_text("never read")
+    (root / "txt" / "image.png").write_bytes(b"\x89PNG")
+    with open(root / "records.jsonl", "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"body": f"json record {i}. " * 30, "id": i}) + "\n")
+    pq.write_table(pa.table({"body": [f"parquet row {i}. " * 30 for i in range(5)], "n": list(range(5))}), root / "rows.parquet")
+    return root
+
+
+def test_files_txt_folder_one_document_per_file(tmp_path, corpus):
+    b = bundle_for(tmp_path, {"name": "files", "paths": [str(corpus / "txt")], "text_extensions": [".txt", ".md"]})
+    docs = sorted(documents(b))
+    assert docs == sorted([f"text file {i}. " * 40 for i in range(4)] + ["nested markdown. " * 40])
+    assert b.fingerprint.startswith("files-")
+
+
+def test_files_jsonl_and_parquet_one_document_per_record(tmp_path, corpus):
+    b = bundle_for(tmp_path, {"name": "files", "paths": [str(corpus / "records.jsonl"), str(corpus / "rows.parquet")],
+                              "text_field": "body"})
+    expected = [f"json record {i}. " * 30 for i in range(6)] + [f"parquet row {i}. " * 30 for i in range(5)]
+    assert sorted(documents(b)) == sorted(expected)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_path_on_local_files_matches_files_source(tmp_path, corpus, streaming):
+    hf = bundle_for(tmp_path, {"name": "hf", "dataset": "json", "data_files": [str(corpus / "records.jsonl")],
+                               "text_field": "body", "streaming": streaming, "split": "train"})
+    files = bundle_for(tmp_path, {"name": "files", "paths": [str(corpus / "records.jsonl")], "text_field": "body"})
+    assert documents(hf) == documents(files)
+    capped = bundle_for(tmp_path, {"name": "hf", "dataset": "parquet", "data_files": str(corpus / "rows.parquet"),
+                                   "text_field": "body", "streaming": streaming, "max_docs": 3})
+    assert documents(capped) == [f"parquet row {i}. " * 30 for i in range(3)]
+
+
+def test_passkey_documents_hold_the_key_at_the_chosen_depth(tmp_path):
+    b = bundle_for(tmp_path, {"name": "passkey", "num_docs": 6, "length": 600, "depths": [0.0, 1.0], "key_digits": 5, "seed": 0})
+    for i, doc in enumerate(documents(b)):
+        key = doc.rsplit("The secret key is ", 1)[1].rstrip(".")
+        assert len(key) == 5 and doc.count(key) == 3                     # stated twice, answered once
+        where = doc.index(key) / len(doc)
+        assert where < 0.1 if i % 2 == 0 else where > 0.8
+        assert abs(len(doc.encode()) - 600) < 100                       # bytes tokenizer: length in bytes
+    prompt, answer = passkey_prompt(2000, 0.5, "12345", lambda s: len(s))
+    assert prompt.endswith("The secret key is") and answer == " 12345." and abs(len(prompt) - 2000) < 100
+
+
+def test_cache_is_reused_and_keyed_by_content(tmp_path, corpus):
+    data = {"name": "files", "paths": [str(corpus / "txt")]}
+    first = bundle_for(tmp_path, data)
+    manifest = first.cache.path / "manifest.json"
+    stamp = manifest.stat().st_mtime_ns
+    again = bundle_for(tmp_path, data)
+    assert again.cache.path == first.cache.path and manifest.stat().st_mtime_ns == stamp
+    (corpus / "txt" / "doc0.txt").write_text("changed " * 50)
+    changed = bundle_for(tmp_path, data)
+    assert changed.fingerprint != first.fingerprint and changed.cache.path != first.cache.path
+
+
+def test_split_is_by_document_and_independent_of_tokenizer(tmp_path, corpus):
+    data = {"name": "files", "paths": [str(corpus / "txt")], "text_extensions": [".txt", ".md"], "val_fraction": 0.3}
+    by_bytes = bundle_for(tmp_path, data)
+    by_bpe = bundle_for(tmp_path, data, tokenizer={"name": "bpe", "vocab_size": 300, "min_frequency": 2, "train_max_bytes": None})
+    val = lambda b: sorted(b.tokenizer.decode(b.validation.stream.read(0, b.val_tokens).tolist()).split("<|endoftext|>"))
+    assert val(by_bytes) == val(by_bpe) and len(val(by_bytes)) >= 2
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"name": "files", "paths": ["/nonexistent/corpus"]}, "does not exist"),
+    ({"name": "files", "paths": []}, "needs data.paths"),
+    ({"name": "files", "paths": ["{corpus}/rows.parquet"]}, r"text field 'text' not in .*columns are \['body', 'n'\]"),
+    ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/records.jsonl"], "text_field": "txt", "streaming": True},
+     r"text field 'txt' not in .*columns are \['body', 'id'\]"),
+    ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/missing.jsonl"]}, "does not exist"),
+    ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/empty.jsonl"]}, "empty"),
+    ({"name": "files", "paths": ["{corpus}/blank"]}, "no documents"),
+    ({"name": "files", "paths": ["{corpus}/txt/doc0.txt"]}, "single document"),
+    ({"name": "nosuch"}, "unknown data.name 'nosuch'"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, corpus, data, message):
+    (corpus / "empty.jsonl").write_text("")
+    (corpus / "blank").mkdir()
+    (corpus / "blank" / "a.txt").write_text("")
+    data = {k: ([p.format(corpus=corpus) for p in v] if isinstance(v, list) else v) for k, v in data.items()}
+    with pytest.raises(ValueError, match=message) as e:
+        bundle_for(tmp_path, data)
+    assert "\n" not in str(e.value)
+
+
+def test_seq_len_checks_name_the_fix(tmp_path, corpus):
+    data = {"name": "files", "paths": [str(corpus / "txt")]}
+    with pytest.raises(ValueError, match="longer than the whole train split"):
+        bundle_for(tmp_path, data, seq_len=100_000)
+    with pytest.raises(ValueError, match="raise data.val_fraction"):
+        bundle_for(tmp_path, {**data, "val_fraction": 0.05}, seq_len=1000)
+    no_val = bundle_for(tmp_path, {**data, "val_fraction": 0.0})
+    with pytest.raises(ValueError, match="val_fraction is 0"):
+        no_val.val_batches(1, 1)
+    assert np.isclose(no_val.train_tokens, no_val.cache.n_tokens)

@@ -1,0 +1,83 @@
+"""The bytes, BPE and pretrained tokenizers: round trips, BPE caching, bad settings."""
+import glob
+import shlex
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from data.sources.files import FilesSource
+from data.tokenizer import EOT_TOKEN, ByteTokenizer, JsonTokenizer, build_tokenizer, token_dtype
+
+TEXT = "def f(x):\n    return x  # naïve ✓ 😀\n"
+
+
+@pytest.fixture
+def source(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for module in (textwrap, shlex, glob):   # ~40 KB of real text
+        (folder / f"{module.__name__}.txt").write_text(Path(module.__file__).read_text())
+    return FilesSource(OmegaConf.create({"paths": [str(folder)]}), tmp_path / "cache")
+
+
+def bpe(source, tmp_path, vocab_size=320):
+    cfg = OmegaConf.create({"name": "bpe", "vocab_size": vocab_size, "min_frequency": 2, "train_max_bytes": None})
+    return build_tokenizer(cfg, source, tmp_path / "cache", progress=False)
+
+
+def test_bytes_round_trip_and_eot():
+    tok = ByteTokenizer()
+    ids = tok.encode(TEXT)
+    assert ids == list(TEXT.encode()) and tok.decode(ids) == TEXT
+    assert tok.decode(ids + [tok.eot_id]) == TEXT + EOT_TOKEN
+    assert [a.tolist() for a in tok.encode_arrays([TEXT, ""])] == [ids, []]
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([300])
+
+
+def test_bpe_trains_once_per_corpus_and_round_trips(source, tmp_path):
+    tok = bpe(source, tmp_path)
+    assert tok.vocab_size == 320 and tok.decode([tok.eot_id]) == EOT_TOKEN
+    assert tok.decode(tok.encode(TEXT)) == TEXT                    # byte-level: any text survives
+    assert len(tok.encode("    def __init__(self):")) < 23   # fewer tokens than bytes: merges learned
+    stamp = tok.path.stat().st_mtime_ns
+    again = bpe(source, tmp_path)
+    assert again.path == tok.path and tok.path.stat().st_mtime_ns == stamp and again.fingerprint == tok.fingerprint
+    assert bpe(source, tmp_path, vocab_size=300).path != tok.path
+    with pytest.raises(ValueError, match="vocab_size=100 must exceed"):
+        bpe(source, tmp_path, vocab_size=100)
+
+
+def test_pretrained_loads_any_tokenizer_json(source, tmp_path):
+    trained = bpe(source, tmp_path)
+    cfg = OmegaConf.create({"name": "pretrained", "path": str(trained.path), "eot_token": EOT_TOKEN})
+    tok = build_tokenizer(cfg, source, tmp_path / "cache", progress=False)
+    assert tok.encode(TEXT) == trained.encode(TEXT) and tok.eot_id == trained.eot_id
+    assert [a.tolist() for a in tok.encode_arrays([TEXT])] == [tok.encode(TEXT)]
+    with pytest.raises(ValueError, match="tokenizer file not found"):
+        build_tokenizer(OmegaConf.create({"name": "pretrained", "path": str(tmp_path / "none.json")}), source, tmp_path)
+    # A tokenizer without the end-of-document token says how to name the one it has.
+    plain = Tokenizer(models.BPE(unk_token="<unk>"))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    plain.train_from_iterator(["a b c"], trainers.BpeTrainer(vocab_size=50, special_tokens=["<unk>", "</s>"], show_progress=False))
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(ValueError, match="tokenizer.eot_token"):
+        build_tokenizer(OmegaConf.create({"name": "pretrained", "path": str(tmp_path / "plain.json")}), source, tmp_path)
+    eos = build_tokenizer(OmegaConf.create({"name": "pretrained", "path": str(tmp_path / "plain.json"), "eot_token": "</s>"}),
+                          source, tmp_path)
+    assert eos.eot_id == 1
+
+
+def test_bad_tokenizer_settings(source, tmp_path):
+    with pytest.raises(ValueError, match="unknown tokenizer.name 'wordpiece'"):
+        build_tokenizer(OmegaConf.create({"name": "wordpiece"}), source, tmp_path)
+    with pytest.raises(ValueError, match="needs tokenizer.path"):
+        build_tokenizer(OmegaConf.create({"name": "pretrained", "path": None}), source, tmp_path)
+
+
+def test_token_dtype_by_vocab():
+    assert token_dtype(257) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
