@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from model.attention import get_attention
 from model.config import GPTConfig
 from model.layers import Block, init_block_, init_linear_, make_norm
-from model.losses import chunked_linear_cross_entropy
+from model.losses import at_least_float32, chunked_linear_cross_entropy
 from model.rope import rope_cos_sin
 
 IGNORE_INDEX = -100
@@ -67,7 +67,7 @@ class GPT(nn.Module):
                 x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.loss_chunk_size, IGNORE_INDEX
             )
         logits = self.lm_head(x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (a tied matrix counted once). With exclude_embeddings, only the

@@ -13,9 +13,14 @@ from __future__ import annotations
 import torch
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """Softmax statistics in float32 (or float64 when the model is float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _chunk_logits_and_loss(hidden_chunk, weight, target_chunk, ignore_index):
-    """float32 logits of one chunk and the summed loss of its non-ignored tokens."""
-    logits = (hidden_chunk @ weight.t()).float()
+    """Logits (at least float32) of one chunk and the summed loss of its non-ignored tokens."""
+    logits = at_least_float32(hidden_chunk @ weight.t())
     valid = target_chunk != ignore_index
     safe_target = target_chunk.masked_fill(~valid, 0)
     target_logit = logits.gather(1, safe_target[:, None]).squeeze(1)
@@ -27,9 +32,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size, ignore_index):
         count = (targets != ignore_index).sum()
-        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        accumulate_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        loss = torch.zeros((), device=hidden.device, dtype=accumulate_dtype)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=accumulate_dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             hidden_chunk = hidden[start:start + chunk_size]
             logits, lse, safe_target, valid, chunk_loss = _chunk_logits_and_loss(
@@ -42,7 +48,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits *= valid[:, None]
             grad_logits = grad_logits.to(hidden_chunk.dtype)
             grad_hidden[start:start + chunk_size] = grad_logits @ weight.to(hidden_chunk.dtype)
-            grad_weight += (grad_logits.t() @ hidden_chunk).float()
+            grad_weight += grad_logits.t() @ hidden_chunk
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.weight_dtype = weight.dtype
         return loss / count
@@ -60,7 +66,7 @@ def chunked_linear_cross_entropy(hidden, weight, targets, chunk_size: int, ignor
 
     hidden (N, d), weight (V, d), targets (N,) int64; tokens whose target is ignore_index
     are left out of the mean. Equal (loss and gradients) to
-    ``F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=ignore_index)``.
+    ``F.cross_entropy(at_least_float32(hidden @ weight.T), targets, ignore_index=ignore_index)``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
