@@ -1,0 +1,199 @@
+"""What the user tools in scripts/ share: the repo on sys.path, run metadata and result writers.
+
+Scripts run as `python scripts/<tool>.py`, which puts scripts/ (not the repo root) first on
+sys.path; importing this module first makes `model`, `kernels`, `training` importable from any
+working directory. Every result file records where it came from (date, device, versions, commit),
+is written atomically (a crash mid-write never leaves half a JSON), and is rewritten as results
+arrive, so a run killed half-way still leaves what it measured.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+COMMIT_ENV = "FLASHTRAIN_COMMIT"  # names the commit where the checkout has no .git (e.g. a copied tree)
+
+
+def git_commit() -> str | None:
+    """HEAD of the repo, with '-dirty' when tracked files differ; $FLASHTRAIN_COMMIT if git can't tell."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get(COMMIT_ENV)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def device_slug(device: torch.device) -> str:
+    """Short lowercase tag for file names: 'NVIDIA H200' -> 'h200', any CPU -> 'cpu'."""
+    if device.type != "cuda":
+        return "cpu"
+    words = [w for w in re.split(r"[^a-z0-9]+", device_name(device).lower()) if w and w != "nvidia"]
+    return "-".join(words) or "cuda"
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Metadata stored beside every result, so a number can be traced to its setting."""
+    import triton
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "device_type": device.type,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_commit": git_commit(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        meta.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                    device_memory_bytes=props.total_memory,
+                    alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    return meta
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for the allocator's out-of-memory error (also as raised from inside autograd)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+def error_text(exc: BaseException) -> str:
+    """One line for a table cell or JSON field: the type and the first line of the message."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def release_memory(device: torch.device) -> None:
+    """Return cached blocks after a probe (OOM or not) and restart peak tracking from here.
+
+    Call it after the probe's tensors (and any caught exception, whose traceback holds their
+    frames) are out of scope; otherwise the memory is still referenced and nothing comes back.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for header in headers:
+        table.add_column(header, justify="left" if header == headers[0] else "right")
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    console().print(table)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Write a matplotlib figure as PNG and free it (scripts draw many, headless)."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def new_figure(rows: int = 1, cols: int = 1, **kwargs):
+    """A headless (Agg) figure: the GPU machine has no display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, cols, squeeze=False, **kwargs)
+
+
+def human_bytes(n_bytes: float | None) -> str:
+    """'81.3 GiB', '8.4 MiB': one unit that keeps both GPU and CPU-sized figures readable."""
+    if n_bytes is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n_bytes) < 1024:
+            return f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+    return f"{n_bytes:.1f} GiB"
+
+
+def console():
+    """A rich console; when output goes to a log (not a terminal), wide enough for the tables."""
+    from rich.console import Console
+
+    out = Console()
+    return out if out.is_terminal else Console(width=200)
+
+
+def tokens_label(n: int) -> str:
+    """128 -> '128', 11264 -> '11K', 1048576 -> '1M', 1299456 -> '1.24M'."""
+    if n >= 2**20:
+        return f"{n / 2**20:.3g}M"
+    return f"{n / 2**10:.3g}K" if n >= 2**10 else str(n)
+
+
+def tokens_axis(ax, which: str = "x") -> None:
+    """Log-2 scale with token-count labels (1K, 2K, ... 1M) on an axes' x or y axis."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    getattr(ax, f"set_{which}scale")("log", base=2)
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_locator(LogLocator(base=2))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: tokens_label(int(round(v)))))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def plain_log_axis(ax, which: str = "y") -> None:
+    """Log-10 scale labelled 1, 2, 5, 10, 20 ... instead of powers of ten."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    getattr(ax, f"set_{which}scale")("log")
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def memory_unit(peaks: Sequence[float]) -> tuple[float, str]:
+    """GiB for GPU-sized peaks, MiB for the CPU smoke runs: (divisor, label)."""
+    return (2**30, "GiB") if max(peaks, default=0) >= 2**30 else (2**20, "MiB")

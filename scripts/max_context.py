@@ -1,0 +1,461 @@
+"""How long a context can one training step take? Largest sequence per attention implementation.
+
+    python scripts/max_context.py model=gpt2-small impls=[naive,sdpa,flash] features=[plain,ckpt+chunked]
+
+Takes the training config (configs/max_context.yaml adds the search's keys to train.yaml, so
+every model preset and override of train.py applies). For each memory-feature set and attention
+implementation it builds the model once, then probes lengths: one full training step per probe
+(forward and loss inside the model, backward, optimizer step; bf16 autocast and fused AdamW on
+CUDA, as train.py runs them), doubling from `start` until a step fails, then bisecting to
+`granularity`. The optimizer's state is allocated before the first probe, so every probe sees the
+steady-state footprint of step 2 onwards, not the lighter first step.
+
+Probes run in this process, one after another: an out-of-memory error is caught, the step's
+tensors dropped and the allocator's cache emptied, so the next probe starts from the same
+baseline (each probe records what was allocated when it began: weights, optimizer state and
+library workspaces). That is much cheaper than a fresh process per probe (CUDA start-up, kernel
+compilation and model init every time), which matters when a million-token step takes minutes.
+Any other error ends that implementation's search, recorded as an error, and the run moves on;
+if the GPU itself is broken (a kernel fault), the run stops and keeps what it measured.
+
+On the CPU there is no device limit to hit: pass `memory_budget_mb`, and every tensor created
+during the step is counted (live bytes, plus the model and optimizer state); a step whose count
+passes the budget fails like an out-of-memory. That exercises the same search and outputs with a
+tiny model, but only CUDA runs give real figures, which the output says.
+
+Writes <out_dir>/<out_name>.json (after every probe), .md (the table) and two PNGs: peak memory
+against length, and the maximum per implementation.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import _common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from _common import (REPO_ROOT, console, device_slug, environment, error_text, human_bytes, is_oom,
+                     markdown_table, memory_unit, new_figure, plain_log_axis, print_table,
+                     release_memory, save_figure, tokens_axis, tokens_label, write_json, write_text)
+
+RETIME_BELOW_S = 2.0  # a step shorter than this is timed again: the first call at a length compiles
+
+
+# ----------------------------------------------------------------------------- search (pure)
+
+@dataclass
+class Probe:
+    """One training step at `length` tokens per sequence: did it fit, and what did it cost."""
+    length: int
+    fits: bool
+    start_bytes: int | None = None   # allocated before the step: weights, optimizer state, caches
+    peak_bytes: int | None = None
+    step_s: float | None = None
+    tokens_per_s: float | None = None
+    error: str | None = None  # why it did not fit
+
+
+@dataclass
+class Search:
+    max_length: int      # largest length that fitted; 0 when not even `granularity` did
+    capped: bool         # `cap` itself fitted: the true maximum may be larger
+    probes: list[Probe] = field(default_factory=list)
+
+
+def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int, cap: int) -> Search:
+    """Largest multiple of `granularity` in [granularity, cap] for which `probe(n).fits`.
+
+    Doubles from `start` until a probe fails (or `cap` fits), then bisects between the last fit
+    and the first failure. Assumes that fitting is monotone in length; where it is not, the answer
+    is still a verified boundary: the returned length fitted and the one `granularity` above it
+    failed (both were probed), unless it is `cap`. Each length is probed at most once.
+    """
+    settings = {"granularity": granularity, "start": start, "cap": cap}
+    for name, value in settings.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if value % granularity:
+            raise ValueError(f"{name}={value} is not a multiple of granularity={granularity}")
+    if start > cap:
+        raise ValueError(f"start={start} exceeds cap={cap}")
+
+    search = Search(max_length=0, capped=False)
+
+    def fits(n: int) -> bool:
+        result = probe(n)
+        search.probes.append(result)
+        return result.fits
+
+    fitted, failed = 0, None  # 0 stands for "nothing fits": bisection may go below start
+    n = start
+    while failed is None:
+        if not fits(n):
+            failed = n
+        elif n == cap:
+            return Search(max_length=cap, capped=True, probes=search.probes)
+        else:
+            fitted, n = n, min(2 * n, cap)
+    while failed - fitted > granularity:
+        mid = fitted + (failed - fitted) // granularity // 2 * granularity
+        if fits(mid):
+            fitted = mid
+        else:
+            failed = mid
+    search.max_length = fitted
+    return search
+
+
+# ----------------------------------------------------------------------------- memory meters
+
+class LiveTensorBudget(TorchDispatchMode):
+    """CPU stand-in for a GPU memory limit: counts the bytes of every tensor created under it.
+
+    New storages are counted when an op returns them and uncounted when they are freed; views and
+    in-place results alias an input and are not counted again. `baseline` covers what existed
+    before (weights, optimizer state). Crossing the budget raises torch.OutOfMemoryError, exactly
+    where an allocator would. Allocations that bypass the dispatcher (kernel scratch space) are
+    not seen, so this is a floor, good for exercising the search, not for reporting.
+    """
+
+    def __init__(self, budget_bytes: int, baseline: int):
+        super().__init__()
+        self.budget, self.current, self.peak = budget_bytes, baseline, baseline
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage(), inputs)
+        return out
+
+    def _count(self, storage, inputs: set[int]) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in inputs or key in self._live:
+            return
+        self._live[key] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+        if self.current > self.budget:
+            raise torch.OutOfMemoryError(
+                f"out of memory: {self.current} live tensor bytes exceed the CPU budget of {self.budget}")
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+
+class CudaPeak:
+    """torch.cuda.max_memory_allocated over the block: what the caching allocator handed out."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    @property
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def tensor_bytes(tensors) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+# ----------------------------------------------------------------------------- one training step
+
+class StepProbe:
+    """A model and optimizer built once; calling it with a length runs one training step."""
+
+    def __init__(self, cfg: DictConfig, impl: str, device: torch.device, budget_bytes: int | None):
+        from model import build_model
+        from training.device import autocast, resolve_precision
+        from training.optim import build_optimizer
+
+        self.device, self.batch_size, self.budget = device, cfg.batch_size, budget_bytes
+        self.vocab_size = cfg.model.vocab_size
+        self.autocast = lambda: autocast(device, resolve_precision(cfg.trainer.precision, device))
+        model = build_model(cfg.model, vocab_size=self.vocab_size, attention=impl).to(device)
+        self.optimizer = build_optimizer(model, cfg.optim, device)
+        self.model = torch.compile(model) if cfg.trainer.compile else model
+        for p in self.model.parameters():  # allocate Adam's moments now: steady-state footprint
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        release_memory(device)
+
+    def _allocated(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return tensor_bytes([*self.model.parameters(), *self.model.buffers(), *state])
+
+    def _step(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
+        with self.autocast():
+            loss = self.model(idx, targets)  # the loss comes out of the model: no logits here
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _timed_step(self, length: int) -> float:
+        shape = (self.batch_size, length)
+        idx = torch.randint(self.vocab_size, shape, device=self.device)
+        targets = torch.randint(self.vocab_size, shape, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        began = time.perf_counter()
+        self._step(idx, targets)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - began
+
+    def __call__(self, length: int) -> Probe:
+        start_bytes = self._allocated()
+        meter = (LiveTensorBudget(self.budget, start_bytes) if self.device.type == "cpu"
+                 else CudaPeak(self.device))
+        error = None
+        try:
+            with meter:
+                step_s = self._timed_step(length)
+                if step_s < RETIME_BELOW_S:
+                    step_s = self._timed_step(length)
+        except Exception as exc:  # noqa: BLE001 (anything but OOM is re-raised)
+            if not is_oom(exc):
+                raise
+            error = error_text(exc)
+        self.optimizer.zero_grad(set_to_none=True)
+        release_memory(self.device)
+        if error:
+            return Probe(length, fits=False, start_bytes=start_bytes, error=error)
+        return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=meter.peak, step_s=step_s,
+                     tokens_per_s=self.batch_size * length / step_s)
+
+    def close(self) -> None:
+        del self.model, self.optimizer
+        release_memory(self.device)
+
+
+# ----------------------------------------------------------------------------- config
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    from training.config import compose
+    return compose(overrides, config_name="max_context")
+
+
+def validate(cfg: DictConfig, device: torch.device) -> None:
+    """Raise ValueError naming the first bad tool key before any model is built."""
+    from model.attention import ATTENTION
+
+    for impl in cfg.impls:
+        if impl not in ATTENTION:
+            raise ValueError(f"impls: {impl!r} is not registered; valid: {', '.join(ATTENTION)}")
+    for name in cfg.features:
+        if name not in cfg.feature_sets:
+            raise ValueError(f"features: {name!r} is not in feature_sets ({', '.join(cfg.feature_sets)})")
+        for key in cfg.feature_sets[name]:
+            if key not in cfg.model:
+                raise ValueError(f"feature_sets.{name}.{key}: not a model.* key")
+    pairs = {f"{impl}/{name}" for impl in cfg.impls for name in cfg.features}
+    for pair in cfg.skip:
+        if pair not in pairs:
+            raise ValueError(f"skip: {pair!r} is none of the runs ({', '.join(sorted(pairs))})")
+    if not (isinstance(cfg.batch_size, int) and cfg.batch_size > 0):
+        raise ValueError(f"batch_size={cfg.batch_size!r}: must be a positive integer")
+    if cfg.model.vocab_size is None:
+        raise ValueError("model.vocab_size is null: tokens here are random, so no tokenizer sets it; "
+                         "pass model.vocab_size=<n>")
+    if cfg.cap > cfg.model.max_seq_len:
+        raise ValueError(f"cap={cfg.cap} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+                         f"pass model.max_seq_len={cfg.cap} as well")
+    if device.type == "cpu" and cfg.memory_budget_mb is None:
+        raise ValueError("memory_budget_mb is null: on the CPU there is no device limit to find; set a "
+                         "budget (e.g. memory_budget_mb=64) or run on CUDA for real figures")
+    if device.type == "cuda" and cfg.memory_budget_mb is not None:
+        raise ValueError(f"memory_budget_mb={cfg.memory_budget_mb}: CUDA runs search the real memory "
+                         "limit; leave it null")
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def summary_rows(results: list[dict]) -> list[list]:
+    naive = {r["features"]: r["max_length"] for r in results if r["impl"] == "naive" and r["max_length"]}
+    rows = []
+    for r in results:
+        best = max((p for p in r["probes"] if p["fits"]), key=lambda p: p["length"], default=None)
+        if r["error"]:
+            shown = f"error: {r['error']}"
+        elif r["max_length"] is None:
+            shown = "running"
+        else:
+            shown = ("≥ " if r["capped"] else "") + f"{r['max_length']:,}"
+        ratio = (f"{r['max_length'] / naive[r['features']]:.1f}x"
+                 if r["max_length"] and r["features"] in naive else "-")
+        rows.append([r["features"], r["impl"], shown, ratio, human_bytes(best and best["peak_bytes"]),
+                     f"{best['step_s']:.2f}" if best else "-",
+                     f"{best['tokens_per_s']:,.0f}" if best else "-", len(r["probes"])])
+    return rows
+
+
+HEADERS = ["features", "attention", "max tokens", "vs naive", "peak memory", "step s", "tokens/s", "probes"]
+
+
+def write_outputs(stem: Path, report: dict) -> None:
+    """<stem>.json (everything, every probe) and <stem>.md (the summary table)."""
+    write_json(stem.with_suffix(".json"), report)
+    meta, settings = report["metadata"], report["settings"]
+    lines = [f"# Longest training step: {report['model']['name']}, batch {settings['batch_size']}", "",
+             f"{meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
+             f"commit {meta['git_commit']}.",
+             f"One step = forward, backward, optimizer step; precision {settings['precision']}. Lengths "
+             f"searched from {settings['start']:,} up to {settings['cap']:,} tokens, to a granularity of "
+             f"{settings['granularity']:,}; "
+             "'vs naive' divides by naive's maximum under the same features. Peak memory, step time and "
+             "tokens/s are those of the longest step that fitted."]
+    if meta["device_type"] != "cuda":
+        lines.append(f"CPU run against a {settings['memory_budget_mb']} MiB live-tensor budget: it exercises "
+                     "the tool; only CUDA runs give real figures.")
+    write_text(stem.with_suffix(".md"), "\n".join(lines) + "\n\n"
+               + markdown_table(HEADERS, summary_rows(report["results"])))
+
+
+def plot(stem: Path, report: dict) -> None:
+    """<stem>_memory.png: peak memory of the steps that fitted, against length (one panel per
+    feature set); <stem>_max.png: the longest step per implementation and feature set."""
+    results, features = report["results"], report["settings"]["features"]
+    device_bytes = report["metadata"].get("device_memory_bytes")
+    peaks = [p["peak_bytes"] for r in results for p in r["probes"] if p["fits"]]
+    scale, unit = memory_unit(peaks + ([device_bytes] if device_bytes else []))
+    fig, axes = new_figure(1, len(features), figsize=(6 * len(features), 4.5))
+    for ax, name in zip(axes[0], features):
+        for r in (r for r in results if r["features"] == name):
+            fitted = sorted((p["length"], p["peak_bytes"] / scale) for p in r["probes"] if p["fits"])
+            if fitted:
+                ax.plot(*zip(*fitted), marker="o", label=r["impl"])
+        if device_bytes:
+            ax.axhline(device_bytes / scale, color="grey", ls="--", lw=1, label="device memory")
+        tokens_axis(ax, "x")
+        plain_log_axis(ax, "y")
+        ax.set(xlabel="sequence length (tokens)", ylabel=f"peak memory ({unit})",
+               title=f"one training step, features: {name}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    save_figure(fig, stem.with_name(stem.name + "_memory.png"))
+
+    impls = report["settings"]["impls"]
+    fig, axes = new_figure(1, 1, figsize=(max(6, 1.2 * len(impls) * len(features) + 2), 4.5))
+    ax, width = axes[0][0], 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        xs, heights = [], []
+        for j, name in enumerate(features):
+            r = next((r for r in results if r["impl"] == impl and r["features"] == name), None)
+            if r and r["max_length"]:
+                xs.append(j + (i - (len(impls) - 1) / 2) * width)
+                heights.append(r["max_length"])
+        bars = ax.bar(xs, heights, width, label=impl)
+        ax.bar_label(bars, labels=[tokens_label(h) for h in heights], fontsize=8)
+    ax.set_xticks(range(len(features)), features)
+    tokens_axis(ax, "y")
+    found = [r["max_length"] for r in results if r["max_length"]]
+    if found:  # bars rise from half the shortest, so even that one shows
+        ax.set_ylim(bottom=min(found) / 2, top=max(found) * 2)
+    ax.set(xlabel="memory features", ylabel="longest sequence (tokens)",
+           title=f"{report['model']['name']}, batch {report['settings']['batch_size']}: longest training "
+                 f"step, {report['metadata']['device']}")
+    ax.legend()
+    save_figure(fig, stem.with_name(stem.name + "_max.png"))
+
+
+# ----------------------------------------------------------------------------- main
+
+def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int | None, save, out) -> None:
+    """Fill `record` with the search for one implementation under one feature set."""
+    impl, name = record["impl"], record["features"]
+    run_cfg = cfg.copy()
+    run_cfg.model = OmegaConf.merge(cfg.model, cfg.feature_sets[name])
+    prober = StepProbe(run_cfg, impl, device, budget)
+
+    def probe(length: int) -> Probe:
+        out.print(f"[bold]{impl}[/] · {name} · probing {length:,} tokens …")
+        result = prober(length)
+        record["probes"].append(asdict(result))
+        save()
+        out.print("    " + (f"fits: peak {human_bytes(result.peak_bytes)}, {result.step_s:.2f} s, "
+                            f"{result.tokens_per_s:,.0f} tokens/s" if result.fits
+                            else f"does not fit ({result.error})"))
+        return result
+
+    try:
+        search = find_max_length(probe, cfg.start, cfg.granularity, cfg.cap)
+    finally:
+        prober.close()
+    record.update(max_length=search.max_length, capped=search.capped)
+
+
+def run(cfg: DictConfig) -> dict:
+    from training.device import resolve_device
+
+    out = console()
+    device = resolve_device(cfg.device)
+    validate(cfg, device)
+    budget = None if cfg.memory_budget_mb is None else int(cfg.memory_budget_mb * 2**20)
+    stem = REPO_ROOT / cfg.out_dir / (cfg.out_name or f"max_context_{device_slug(device)}")
+    settings = {key: OmegaConf.to_container(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key]
+                for key in ("impls", "features", "skip", "batch_size", "start", "granularity", "cap",
+                            "memory_budget_mb", "feature_sets")}
+    settings["precision"] = cfg.trainer.precision
+    report = {"metadata": environment(device), "settings": settings,
+              "model": OmegaConf.to_container(cfg.model, resolve=True), "results": []}
+    save = lambda: write_json(stem.with_suffix(".json"), report)  # noqa: E731
+
+    for name in cfg.features:
+        for impl in (impl for impl in cfg.impls if f"{impl}/{name}" not in cfg.skip):
+            record = {"impl": impl, "features": name, "max_length": None, "capped": False, "error": None,
+                      "probes": []}
+            report["results"].append(record)
+            try:
+                search_one(cfg, record, device, budget, save, out)
+            except Exception as exc:  # noqa: BLE001 (one failing implementation must not end the run)
+                record["error"] = error_text(exc)
+                out.print(f"[red]{impl} · {name}: {record['error']}[/]")
+            try:
+                release_memory(device)
+            except Exception as exc:  # noqa: BLE001 (a faulted GPU fails every later probe too)
+                write_outputs(stem, report)
+                raise SystemExit(f"the device is unusable after {impl} · {name} ({error_text(exc)}); "
+                                 f"results so far are in {stem}.json") from exc
+            write_outputs(stem, report)
+
+    plot(stem, report)
+    print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, "
+                f"{report['metadata']['device']}", HEADERS, summary_rows(report["results"]))
+    if device.type == "cpu":
+        out.print("[yellow]CPU run against a live-tensor budget: only CUDA runs give real figures.[/]")
+    out.print(f"wrote {stem}.json, .md, _memory.png, _max.png")
+    return report
+
+
+def main(argv: list[str]) -> None:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__)
+        print(Path(REPO_ROOT / "configs" / "max_context.yaml").read_text())
+        return
+    run(compose_config(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,134 @@
+"""scripts/max_context.py: the search on fake budgets, the CPU meter, and a CPU run end to end."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import max_context  # noqa: E402
+from max_context import LiveTensorBudget, Probe, find_max_length  # noqa: E402
+
+
+def budget(limit: int, log: list[int] | None = None):
+    """A fake step that fits when length <= limit, recording the lengths it was asked for."""
+    def probe(n: int) -> Probe:
+        if log is not None:
+            log.append(n)
+        return Probe(n, fits=n <= limit, peak_bytes=n if n <= limit else None)
+    return probe
+
+
+@pytest.mark.parametrize("limit, start, granularity, cap, expected", [
+    (11_500, 1024, 1024, 1 << 20, 11 * 1024),      # between multiples: rounds down
+    (12 * 1024, 1024, 1024, 1 << 20, 12 * 1024),   # exactly on a multiple
+    (131_072, 1024, 1024, 1 << 20, 131_072),       # exactly on a doubling
+    (131_071, 1024, 1024, 1 << 20, 130_048),
+    (5000, 4096, 1024, 65536, 4096),
+    (3000, 4096, 1024, 65536, 2048),               # start too long: bisects below it
+    (1023, 1024, 1024, 65536, 0),                  # nothing fits
+    (0, 8192, 1024, 65536, 0),
+    (10**9, 1024, 1024, 3 * 1024, 3 * 1024),      # cap not a power-of-two multiple of start
+])
+def test_find_max_length_finds_the_boundary(limit, start, granularity, cap, expected):
+    log: list[int] = []
+    search = find_max_length(budget(limit, log), start, granularity, cap)
+    assert search.max_length == expected
+    assert [p.length for p in search.probes] == log
+    assert len(set(log)) == len(log), "a length was probed twice"
+    assert all(n % granularity == 0 and granularity <= n <= cap for n in log)
+    if expected < cap:
+        assert expected + granularity in log, "the failure just above the answer must be observed"
+        assert not search.capped
+
+
+def test_everything_fits_up_to_the_cap_stops_there():
+    log: list[int] = []
+    search = find_max_length(budget(10**9, log), 1024, 1024, 2 * 1024 * 1024)
+    assert search.max_length == 2 * 1024 * 1024 and search.capped
+    assert log == [1024 << k for k in range(12)]  # doubling only, no bisection
+
+
+def test_million_token_boundary_takes_logarithmically_many_probes():
+    search = find_max_length(budget(1_300_000), 1024, 1024, 2 * 1024 * 1024)
+    assert search.max_length == 1_299_456  # 1269 * 1024
+    assert len(search.probes) <= 12 + 10
+
+
+def test_non_monotone_fit_still_returns_a_verified_boundary():
+    """A hole at 17K-23K that bisection steps over: the answer is still a probed fit (28K) with a
+    probed failure just above it."""
+    fits = lambda n: n <= 16 * 1024 or 24 * 1024 <= n <= 28 * 1024  # noqa: E731
+    search = find_max_length(lambda n: Probe(n, fits(n)), 1024, 1024, 64 * 1024)
+    outcome = {p.length: p.fits for p in search.probes}
+    assert search.max_length == 28 * 1024
+    assert outcome[search.max_length] and not outcome[search.max_length + 1024]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(start=1000, granularity=1024, cap=4096), "start=1000"),
+    (dict(start=1024, granularity=0, cap=4096), "granularity=0"),
+    (dict(start=8192, granularity=1024, cap=4096), "exceeds cap"),
+    (dict(start=1024, granularity=1024, cap=5000), "cap=5000"),
+])
+def test_find_max_length_rejects_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        find_max_length(budget(1), **kwargs)
+
+
+def test_live_tensor_budget_counts_new_tensors_and_raises_like_an_allocator():
+    x = torch.randn(256, 256, requires_grad=True)   # exists before: the baseline's business
+    mib = 2**20
+    with LiveTensorBudget(budget_bytes=10 * mib, baseline=0) as meter:
+        y = (x @ x).relu()       # 256 KiB each
+        view = y.t()             # a view: no new bytes
+        y.sum().backward()
+        del y, view
+    assert 2 * 256 * 1024 <= meter.peak < 2 * mib
+    assert meter.current == x.grad.nbytes  # all but the gradient freed again
+    with pytest.raises(torch.OutOfMemoryError):
+        with LiveTensorBudget(budget_bytes=mib, baseline=0):
+            torch.empty(2 * mib, dtype=torch.uint8)
+
+
+def test_cpu_run_end_to_end(tmp_path):
+    """Tiny model on a budget: each implementation's search, the outputs, naive fitting least."""
+    overrides = ["model.vocab_size=256", "model.n_layer=1", "model.d_model=64", "model.n_head=2",
+                 "model.n_kv_head=2", "impls=[naive,sdpa]", "features=[plain,ckpt+chunked]",
+                 "skip=[sdpa/ckpt+chunked]", "start=128", "granularity=128", "cap=4096",
+                 "memory_budget_mb=4", f"out_dir={tmp_path}", "out_name=mc", "device=cpu"]
+    report = max_context.run(max_context.compose_config(overrides))
+
+    saved = json.loads((tmp_path / "mc.json").read_text())
+    assert saved["results"] == report["results"]
+    assert saved["metadata"]["device_type"] == "cpu" and saved["metadata"]["torch"] == torch.__version__
+    found = {(r["impl"], r["features"]): r for r in saved["results"]}
+    assert set(found) == {("naive", "plain"), ("sdpa", "plain"), ("naive", "ckpt+chunked")}
+    for r in found.values():
+        assert r["error"] is None and 0 < r["max_length"] < 4096 and not r["capped"]
+        assert any(not p["fits"] and "out of memory" in p["error"] for p in r["probes"])
+        fitted = [p for p in r["probes"] if p["fits"]]
+        assert all(p["peak_bytes"] <= 4 * 2**20 and p["tokens_per_s"] > 0 for p in fitted)
+    assert found["sdpa", "plain"]["max_length"] > found["naive", "plain"]["max_length"]
+    assert found["naive", "ckpt+chunked"]["max_length"] >= found["naive", "plain"]["max_length"]
+    table = (tmp_path / "mc.md").read_text()
+    assert "vs naive" in table and "only CUDA runs give real figures" in table
+    for png in ("mc_memory.png", "mc_max.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("impls=[naive,fast]", "'fast' is not registered"),
+    ("features=[plain,turbo]", "'turbo' is not in feature_sets"),
+    ("skip=[flash/plain]", "skip: 'flash/plain'"),
+    ("cap=4194304", "model.max_seq_len"),
+    ("memory_budget_mb=null", "memory_budget_mb is null"),
+])
+def test_bad_settings_are_refused_before_any_model_is_built(override, message):
+    cfg = max_context.compose_config(["model.vocab_size=256", "impls=[naive]", "memory_budget_mb=8",
+                                      "device=cpu", override])
+    with pytest.raises(ValueError, match=message):
+        max_context.validate(cfg, torch.device("cpu"))
