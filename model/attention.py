@@ -23,7 +23,9 @@ def sdpa_attention(q, k, v, causal=False, softmax_scale=None):
     """torch's scaled_dot_product_attention on (B, N, H, D) tensors.
 
     SDPA wants (B, H, N, D): transposed views are enough (no copies), and `enable_gqa`
-    lets it read the shared K/V heads without materialising them H / Hkv times.
+    lets it read the shared K/V heads without materialising them H / Hkv times. It is
+    only passed when heads are shared: some CUDA backends (memory-efficient, cuDNN in
+    some versions) refuse `enable_gqa=True` and SDPA would fall back to a slower one.
     SDPA's own `is_causal` is aligned top-left, so Nq != Nk uses the bottom-right bias.
     """
     if q.shape[2] % k.shape[2]:
@@ -33,7 +35,7 @@ def sdpa_attention(q, k, v, causal=False, softmax_scale=None):
     mask = causal_lower_right(n_q, n_k) if causal and n_q != n_k else None
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,
-        scale=softmax_scale, enable_gqa=True,
+        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 

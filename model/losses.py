@@ -36,6 +36,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), device=hidden.device, dtype=accumulate_dtype)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=accumulate_dtype)
+        weight_for_grad = weight.to(hidden.dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             hidden_chunk = hidden[start:start + chunk_size]
             logits, lse, safe_target, valid, chunk_loss = _chunk_logits_and_loss(
@@ -46,8 +47,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = logits.sub_(lse[:, None]).exp_()
             grad_logits[torch.arange(len(safe_target), device=hidden.device), safe_target] -= 1.0
             grad_logits *= valid[:, None]
-            grad_logits = grad_logits.to(hidden_chunk.dtype)
-            grad_hidden[start:start + chunk_size] = grad_logits @ weight.to(hidden_chunk.dtype)
+            grad_logits = grad_logits.to(hidden.dtype)
+            grad_hidden[start:start + chunk_size] = grad_logits @ weight_for_grad
             grad_weight += grad_logits.t() @ hidden_chunk
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.weight_dtype = weight.dtype
