@@ -1,0 +1,101 @@
+"""Interrupt a real `python train.py` and resume it: the losses must match an uninterrupted run
+bit for bit (CPU, float32), whether it was SIGKILLed, SIGTERMed or Ctrl-C'd, and resume=auto
+must step over a checkpoint that was cut short."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainrun import REPO, losses, run_in_process, run_subprocess, subprocess_env, tiny_overrides, train_command
+from training.checkpoint import list_checkpoints
+
+STEPS = 100  # long enough (about half a second) that the interrupt reliably lands mid-run
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("token-cache")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    """The uninterrupted run every interrupted one is compared with."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = run_subprocess(tiny_overrides(run_dir, cache_dir, steps=STEPS, **{"trainer.ckpt_every": 5}))
+    assert result.returncode == 0, result.stderr
+    rows = losses(run_dir)
+    assert [r[0] for r in rows] == list(range(1, STEPS + 1))
+    return rows
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def start_and_signal(overrides: list[str], run_dir: Path, sig: int, after_steps: int) -> int:
+    """Start train.py, send `sig` once `after_steps` rows are logged, return its exit status."""
+    proc = subprocess.Popen(train_command(overrides), cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while logged_steps(run_dir) < after_steps and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert proc.poll() is None, f"train.py ended before it could be interrupted: {proc.stderr.read()}"
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    return proc.returncode
+
+
+def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, cache_dir, reference):
+    overrides = tiny_overrides(tmp_path, cache_dir, steps=STEPS, resume="auto", **{"trainer.ckpt_every": 5})
+    assert start_and_signal(overrides, tmp_path, signal.SIGKILL, after_steps=12) == -signal.SIGKILL
+    killed_at = logged_steps(tmp_path)
+    assert 12 <= killed_at < STEPS
+    result = run_subprocess(overrides)  # the same command again
+    assert result.returncode == 0, result.stderr
+    assert losses(tmp_path) == reference
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_graceful_stop_saves_then_resume_is_bit_identical(tmp_path, cache_dir, reference, sig, status):
+    # no periodic checkpoints: the only one before the end is the one the signal makes
+    overrides = tiny_overrides(tmp_path, cache_dir, steps=STEPS, resume="auto", **{"trainer.ckpt_every": 0})
+    assert start_and_signal(overrides, tmp_path, sig, after_steps=7) == status
+    saved = list_checkpoints(tmp_path / "checkpoints")
+    assert len(saved) == 1
+    stopped_at = int(saved[0].stem.split("_")[1])
+    assert 7 <= stopped_at < STEPS and logged_steps(tmp_path) == stopped_at
+    result = run_subprocess(overrides)
+    assert result.returncode == 0, result.stderr
+    assert losses(tmp_path) == reference
+
+
+def test_resume_auto_skips_truncated_and_garbage_checkpoints(tmp_path, cache_dir, caplog):
+    overrides = tiny_overrides(tmp_path, cache_dir, steps=12, **{"trainer.keep_ckpts": 3})
+    assert run_in_process(overrides) == 0
+    uninterrupted = losses(tmp_path)
+    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_00000004.pt", "step_00000008.pt", "step_00000012.pt"]
+    newest = ckpts[-1].read_bytes()
+    ckpts[-1].write_bytes(newest[: len(newest) // 2])  # a copy cut short mid-write
+    ckpts[-2].write_bytes(b"\0garbage" * 100)
+    assert run_in_process(overrides[:-1] + ["trainer.keep_ckpts=3", "resume=auto"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("step_00000012.pt" in w and "unreadable" in w for w in warnings), warnings
+    assert any("step_00000008.pt" in w and "unreadable" in w for w in warnings), warnings
+    assert losses(tmp_path) == uninterrupted  # resumed from step 4, redid 5..12 identically
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+
+
+def test_resume_from_an_explicit_checkpoint_path(tmp_path, cache_dir):
+    overrides = tiny_overrides(tmp_path, cache_dir, steps=8)
+    assert run_in_process(overrides) == 0
+    uninterrupted = losses(tmp_path)
+    assert run_in_process(overrides + [f"resume={tmp_path / 'checkpoints' / 'step_00000004.pt'}"]) == 0
+    assert losses(tmp_path) == uninterrupted
