@@ -42,6 +42,7 @@ class TokenCache:
     tokens: np.ndarray      # memory-mapped, read-only
     offsets: np.ndarray
     keys: np.ndarray
+    manifest: dict          # what built it: source/tokenizer fingerprints, counts, checksums
 
     @property
     def n_docs(self) -> int:
@@ -82,10 +83,12 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
     path.mkdir(parents=True)
     dtype = token_dtype(tokenizer.vocab_size)
     eot = np.array([tokenizer.eot_id], dtype=dtype)
-    offsets, keys = [0], []
+    offsets, keys, n_bytes = [0], [], 0
     bar = tqdm(total=source.num_documents, unit="doc", desc=f"tokenizing {source.name}", disable=not progress)
 
     def flush(batch: list[tuple[str, str]], out) -> None:
+        nonlocal n_bytes
+        n_bytes += sum(len(text.encode("utf-8")) for _, text in batch)
         for (name, _), ids in zip(batch, tokenizer.encode_arrays([t for _, t in batch])):
             out.write(ids.astype(dtype, copy=False).tobytes())
             out.write(eot.tobytes())
@@ -118,6 +121,7 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
         "dtype": dtype.name,
         "n_docs": len(keys),
         "n_tokens": offsets[-1],
+        "n_bytes": n_bytes,          # UTF-8 text that went in (bytes per token = compression)
         "files": {f: {"size": (path / f).stat().st_size, "sha256": file_sha256(path / f)} for f in FILES},
     }
     tmp = path / "manifest.json.tmp"
@@ -146,4 +150,4 @@ def load(path: Path, verify: bool = True) -> TokenCache:
     if offsets[-1] != n_tokens or len(keys) != manifest["n_docs"] or n_tokens * dtype.itemsize != manifest["files"]["tokens.bin"]["size"]:
         raise InvalidCache("offsets, keys and tokens.bin disagree")
     tokens = np.memmap(path / "tokens.bin", dtype=dtype, mode="r", shape=(n_tokens,))
-    return TokenCache(path, tokens, offsets, keys)
+    return TokenCache(path, tokens, offsets, keys, manifest)

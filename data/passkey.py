@@ -21,11 +21,12 @@ def random_key(rng: np.random.Generator, digits: int) -> str:
 
 
 def passkey_prompt(n_tokens: int, depth: float, key: str, count_tokens: Callable[[str], int]) -> tuple[str, str]:
-    """(prompt, answer) whose prompt is about `n_tokens` long as measured by `count_tokens`."""
+    """(prompt, answer) whose prompt is about `n_tokens` long as measured by `count_tokens`;
+    the answer is the key after a space, the continuation a model should produce."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"passkey depth={depth} must be in [0, 1]")
     fixed = count_tokens(KEY_SENTENCE.format(key=key)) + count_tokens(QUESTION)
     n_filler = max(0, round((n_tokens - fixed) / count_tokens(FILLER)))
     before = round(n_filler * depth)
     prompt = FILLER * before + KEY_SENTENCE.format(key=key) + FILLER * (n_filler - before) + QUESTION
-    return prompt, f" {key}."
+    return prompt, f" {key}"

@@ -43,4 +43,4 @@ class PasskeySource:
         for i in range(self.num_docs):
             depth = self.depths[i % len(self.depths)] if self.depths else float(rng.uniform())
             prompt, answer = passkey_prompt(self.length, depth, random_key(rng, self.key_digits), self.count_tokens)
-            yield f"passkey-{i}", prompt + answer
+            yield f"passkey-{i}", f"{prompt}{answer}."

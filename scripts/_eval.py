@@ -1,0 +1,54 @@
+"""What the long-context evals share: a checkpoint (file or run dir) back as a model, and
+per-token losses without a second copy of the model's loss code."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+import torch.nn.functional as F
+
+LOSS_CHUNK = 2048   # positions per float32 cross-entropy slice (bounds the upcast copy of the logits)
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run dir (its newest checkpoint)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--attention", default=None, help="naive | sdpa | flash (default: auto for the device)")
+    parser.add_argument("--out-dir", type=Path, default=_common.REPO_ROOT / "benchmarks")
+    parser.add_argument("--name", default=None, help="output file stem (default from the run dir)")
+
+
+def load_for_eval(args: argparse.Namespace):
+    """(model, cfg, tokenizer, device, checkpoint path) for the parsed checkpoint arguments."""
+    from training.checkpoint import checkpoint_dir, latest_checkpoint
+    from training.evaluate import load_model_for_eval
+
+    path = args.checkpoint
+    if path.is_dir():
+        found = latest_checkpoint(checkpoint_dir(path))
+        if found is None:
+            raise ValueError(f"{path} holds no usable checkpoint under checkpoints/")
+        path = found[0]
+    model, cfg, tokenizer = load_model_for_eval(path, device=args.device, attention=args.attention)
+    return model, cfg, tokenizer, next(model.parameters()).device, path
+
+
+def run_name(args: argparse.Namespace, path: Path) -> str:
+    return args.name or path.parent.parent.name or "run"
+
+
+@torch.no_grad()
+def token_losses(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str) -> torch.Tensor:
+    """Cross-entropy of every position, (B, T) float32 on the CPU."""
+    from training.device import autocast
+
+    with autocast(device, precision):
+        logits = model(x.to(device))
+    y = y.to(device)
+    out = torch.empty(y.shape, dtype=torch.float32)
+    for s in range(0, y.shape[1], LOSS_CHUNK):
+        chunk = logits[:, s : s + LOSS_CHUNK].float()
+        out[:, s : s + LOSS_CHUNK] = F.cross_entropy(chunk.transpose(1, 2), y[:, s : s + LOSS_CHUNK], reduction="none").cpu()
+    return out
