@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -163,8 +164,8 @@ def train(cfg: DictConfig) -> int:
     """Set up (bad input -> one line on stderr, exit status 2), then train."""
     try:
         run = setup(cfg)
-    except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:  # CheckpointError is a ValueError
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     return fit(run)
 

@@ -88,8 +88,8 @@ def load_checkpoint(path: str | Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # truncated zip, garbage bytes, disallowed pickle: all mean unusable
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is unreadable (incomplete or corrupt): {first_line}") from e
+        reason = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is unreadable (incomplete or corrupt): {reason}") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a flashtrain checkpoint")
     missing = [k for k in ("format_version", *REQUIRED_KEYS) if k not in state]
@@ -139,10 +139,10 @@ def _describe_config_differences(saved: dict, current: dict, prefix: str = "mode
 def restore_model(model: nn.Module, state: dict, path: str | Path, current_model_cfg: dict | None = None) -> None:
     """Load the weights after checking every name and shape, so a mismatch is one clear line."""
     saved, wanted = state["model"], model.state_dict()
-    problems = [f"missing {k}" for k in wanted if k not in saved]
+    problems = [f"{k} has shape {tuple(saved[k].shape)} in checkpoint, {tuple(v.shape)} in model"
+                for k, v in wanted.items() if k in saved and saved[k].shape != v.shape]
+    problems += [f"missing {k}" for k in wanted if k not in saved]
     problems += [f"unexpected {k}" for k in saved if k not in wanted]
-    problems += [f"{k} has shape {tuple(saved[k].shape)} in checkpoint, {tuple(v.shape)} in model"
-                 for k, v in wanted.items() if k in saved and saved[k].shape != v.shape]
     if problems:
         detail = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
         if current_model_cfg is not None:

@@ -1,0 +1,102 @@
+"""Checkpoint files: atomic save, pruning, validation on load, and one-line errors for corrupt
+or mismatched checkpoints handed to train.py."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.trainrun import run_in_process, tiny_overrides
+from training.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
+                                 load_checkpoint, prune_checkpoints, restore_model, save_checkpoint)
+
+
+def state(step: int, **extra) -> dict:
+    return {"step": step, "tokens": step * 10, "model": {"w": torch.full((2, 3), float(step))},
+            "optimizer": {}, "rng": {"torch": torch.get_rng_state()}, "sampler": {"position": step},
+            "config": {"model": {"d_model": 3}}, "wandb_id": None, **extra}
+
+
+def test_save_is_atomic_and_round_trips(tmp_path):
+    path = save_checkpoint(checkpoint_path(tmp_path, 7), state(7))
+    assert path.name == "step_00000007.pt" and [p.name for p in path.parent.iterdir()] == [path.name]
+    loaded = load_checkpoint(path)
+    assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], torch.full((2, 3), 7.0))
+
+
+def test_save_refuses_an_incomplete_state(tmp_path):
+    with pytest.raises(ValueError, match="lacks sampler"):
+        save_checkpoint(tmp_path / "x.pt", {k: v for k, v in state(1).items() if k != "sampler"})
+
+
+def test_prune_keeps_the_newest_and_drops_temp_files(tmp_path):
+    for step in (2, 10, 4, 8):
+        save_checkpoint(checkpoint_path(tmp_path, step), state(step))
+    stale = tmp_path / "checkpoints" / "step_00000012.pt.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    prune_checkpoints(tmp_path / "checkpoints", keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000008.pt", "step_00000010.pt"]
+    assert not stale.exists()
+
+
+def test_latest_skips_unusable_files_with_a_warning_naming_them(tmp_path, caplog):
+    for step in (1, 2, 3):
+        save_checkpoint(checkpoint_path(tmp_path, step), state(step))
+    newest = checkpoint_path(tmp_path, 3)
+    newest.write_bytes(newest.read_bytes()[:100])
+    torch.save({"not": "ours"}, checkpoint_path(tmp_path, 2))
+    with caplog.at_level(logging.WARNING):
+        path, loaded = latest_checkpoint(tmp_path / "checkpoints")
+    assert path == checkpoint_path(tmp_path, 1) and loaded["step"] == 1
+    assert "step_00000003.pt is unreadable" in caplog.text
+    assert "step_00000002.pt is not a flashtrain checkpoint: lacks format_version, step" in caplog.text
+    assert latest_checkpoint(tmp_path / "nothing") is None
+
+
+def test_weights_only_load_refuses_pickled_code(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save(state(1, sampler=logging.getLogger("x")), path)  # an arbitrary object needs unpickling code
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path} is unreadable"):
+        load_checkpoint(path)
+
+
+def test_restore_model_names_the_mismatch(tmp_path):
+    model = torch.nn.Linear(4, 3, bias=False)  # weight (3, 4) against the saved (2, 3)
+    with pytest.raises(CheckpointError, match=r"ckpt\.pt does not match the model: weight has shape \(2, 3\)"
+                                              r".*\(3, 4\) in model.*\(and 1 more\); config: model\.d_model=3 "
+                                              r"in checkpoint, 4 now"):
+        restore_model(model, state(1, model={"w": torch.zeros(2, 3), "weight": torch.zeros(2, 3)}),
+                      tmp_path / "ckpt.pt", {"d_model": 4})
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    assert run_in_process(tiny_overrides(run_dir, tmp_path_factory.mktemp("cache"), steps=4)) == 0
+    return run_dir
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model.d_model": 128}, "does not match the model: "),
+    ({"data.max_bytes": 1_000_000}, "was trained on data stdlib"),
+], ids=["model-shape", "data"])
+def test_train_refuses_a_mismatched_checkpoint(tmp_path, finished_run, capsys, change, message):
+    ckpt = finished_run / "checkpoints" / "step_00000004.pt"
+    cache = load_checkpoint(ckpt)["config"]["data"]["cache_dir"]
+    assert run_in_process(tiny_overrides(tmp_path, cache, resume=str(ckpt), **change)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: checkpoint {ckpt}") and message in err, err
+
+
+def test_train_refuses_a_corrupt_checkpoint_path(tmp_path, finished_run, capsys):
+    ckpt = tmp_path / "step_00000004.pt"
+    ckpt.write_bytes((finished_run / "checkpoints" / "step_00000004.pt").read_bytes()[:-1000])
+    assert run_in_process(tiny_overrides(tmp_path / "run", tmp_path / "cache", resume=str(ckpt))) == 2
+    assert f"error: checkpoint {ckpt} is unreadable (incomplete or corrupt)" in capsys.readouterr().err
+
+
+def test_fresh_run_refuses_a_run_dir_with_checkpoints(finished_run, capsys):
+    cache = load_checkpoint(finished_run / "checkpoints" / "step_00000004.pt")["config"]["data"]["cache_dir"]
+    assert run_in_process(tiny_overrides(finished_run, cache, steps=4)) == 2
+    assert "already holds checkpoints: pass resume=auto" in capsys.readouterr().err
