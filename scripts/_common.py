@@ -9,7 +9,6 @@ arrive, so a run killed half-way still leaves what it measured.
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import platform
@@ -74,29 +73,10 @@ def environment(device: torch.device) -> dict[str, Any]:
     return meta
 
 
-def is_oom(exc: BaseException) -> bool:
-    """True for the allocator's out-of-memory error (also as raised from inside autograd)."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
-
-
 def error_text(exc: BaseException) -> str:
     """One line for a table cell or JSON field: the type and the first line of the message."""
     first = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {first}"[:300]
-
-
-def release_memory(device: torch.device) -> None:
-    """Return cached blocks after a probe (OOM or not) and restart peak tracking from here.
-
-    Call it after the probe's tensors (and any caught exception, whose traceback holds their
-    frames) are out of scope; otherwise the memory is still referenced and nothing comes back.
-    """
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import sys
 import time
-import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -38,12 +37,11 @@ from typing import Callable
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from _common import (REPO_ROOT, console, device_slug, environment, error_text, human_bytes, is_oom,
-                     markdown_table, memory_unit, new_figure, plain_log_axis, print_table,
-                     release_memory, save_figure, tokens_axis, tokens_label, write_json, write_text)
+from _common import (REPO_ROOT, console, device_slug, environment, error_text, human_bytes,
+                     markdown_table, memory_unit, new_figure, plain_log_axis, print_table, save_figure,
+                     tokens_axis, tokens_label, write_json, write_text)
+from _memory import allocated_bytes, is_oom, peak_meter, release_memory
 
 RETIME_BELOW_S = 2.0  # a step shorter than this is timed again: the first call at a length compiles
 
@@ -112,71 +110,6 @@ def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int,
     return search
 
 
-# ----------------------------------------------------------------------------- memory meters
-
-class LiveTensorBudget(TorchDispatchMode):
-    """CPU stand-in for a GPU memory limit: counts the bytes of every tensor created under it.
-
-    New storages are counted when an op returns them and uncounted when they are freed; views and
-    in-place results alias an input and are not counted again. `baseline` covers what existed
-    before (weights, optimizer state). Crossing the budget raises torch.OutOfMemoryError, exactly
-    where an allocator would. Allocations that bypass the dispatcher (kernel scratch space) are
-    not seen, so this is a floor, good for exercising the search, not for reporting.
-    """
-
-    def __init__(self, budget_bytes: int, baseline: int):
-        super().__init__()
-        self.budget, self.current, self.peak = budget_bytes, baseline, baseline
-        self._live: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._count(t.untyped_storage(), inputs)
-        return out
-
-    def _count(self, storage, inputs: set[int]) -> None:
-        key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or key in inputs or key in self._live:
-            return
-        self._live[key] = size
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
-        if self.current > self.budget:
-            raise torch.OutOfMemoryError(
-                f"out of memory: {self.current} live tensor bytes exceed the CPU budget of {self.budget}")
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-
-class CudaPeak:
-    """torch.cuda.max_memory_allocated over the block: what the caching allocator handed out."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __enter__(self):
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-    @property
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
-
-
-def tensor_bytes(tensors) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 # ----------------------------------------------------------------------------- one training step
 
 class StepProbe:
@@ -200,10 +133,8 @@ class StepProbe:
         release_memory(device)
 
     def _allocated(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        return tensor_bytes([*self.model.parameters(), *self.model.buffers(), *state])
+        return allocated_bytes(self.device, [*self.model.parameters(), *self.model.buffers(), *state])
 
     def _step(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
         with self.autocast():
@@ -226,8 +157,7 @@ class StepProbe:
 
     def __call__(self, length: int) -> Probe:
         start_bytes = self._allocated()
-        meter = (LiveTensorBudget(self.budget, start_bytes) if self.device.type == "cpu"
-                 else CudaPeak(self.device))
+        meter = peak_meter(self.device, baseline=start_bytes, budget=self.budget)
         error = None
         try:
             with meter:

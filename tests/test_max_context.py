@@ -10,7 +10,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import max_context  # noqa: E402
-from max_context import LiveTensorBudget, Probe, find_max_length  # noqa: E402
+from _memory import LiveTensorMeter  # noqa: E402
+from max_context import Probe, find_max_length  # noqa: E402
+
+
+@pytest.fixture
+def single_thread():
+    """A 1-layer model on a shared 2-core machine: OpenMP threads would only wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def budget(limit: int, log: list[int] | None = None):
@@ -79,10 +89,10 @@ def test_find_max_length_rejects_bad_settings(kwargs, message):
         find_max_length(budget(1), **kwargs)
 
 
-def test_live_tensor_budget_counts_new_tensors_and_raises_like_an_allocator():
+def test_live_tensor_meter_counts_new_tensors_and_raises_like_an_allocator(single_thread):
     x = torch.randn(256, 256, requires_grad=True)   # exists before: the baseline's business
     mib = 2**20
-    with LiveTensorBudget(budget_bytes=10 * mib, baseline=0) as meter:
+    with LiveTensorMeter() as meter:
         y = (x @ x).relu()       # 256 KiB each
         view = y.t()             # a view: no new bytes
         y.sum().backward()
@@ -90,11 +100,11 @@ def test_live_tensor_budget_counts_new_tensors_and_raises_like_an_allocator():
     assert 2 * 256 * 1024 <= meter.peak < 2 * mib
     assert meter.current == x.grad.nbytes  # all but the gradient freed again
     with pytest.raises(torch.OutOfMemoryError):
-        with LiveTensorBudget(budget_bytes=mib, baseline=0):
-            torch.empty(2 * mib, dtype=torch.uint8)
+        with LiveTensorMeter(baseline=mib // 2, budget=mib):
+            torch.empty(mib, dtype=torch.uint8)
 
 
-def test_cpu_run_end_to_end(tmp_path):
+def test_cpu_run_end_to_end(tmp_path, single_thread):
     """Tiny model on a budget: each implementation's search, the outputs, naive fitting least."""
     overrides = ["model.vocab_size=256", "model.n_layer=1", "model.d_model=64", "model.n_head=2",
                  "model.n_kv_head=2", "impls=[naive,sdpa]", "features=[plain,ckpt+chunked]",

@@ -1,0 +1,102 @@
+"""scripts/bench_attention.py: FLOP accounting and the sweep's plumbing, on CPU-sized shapes.
+
+Our kernel cannot run bf16 under the CPU interpreter, so the plumbing test stands in the plain
+formula for it *in the test only*; the other test checks that the script itself never does.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_attention  # noqa: E402
+from _common import device_slug  # noqa: E402
+from bench_attention import BACKENDS, Backend, attention_flops  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels.reference import attention_reference  # noqa: E402
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def restore_threads():
+    """--smoke on the CPU runs single-threaded (tiny shapes); give later tests their threads back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_attention_flops_follow_the_stated_formulas():
+    flops = attention_flops(batch=1, heads=16, seq_len=16384, head_dim=128, causal=False)
+    assert flops["fwd"] == 4 * 16 * 16384**2 * 128
+    assert flops["bwd"] == 2.5 * flops["fwd"] and flops["fwd+bwd"] == 3.5 * flops["fwd"]
+    assert attention_flops(1, 16, 16384, 128, causal=True)["fwd"] == flops["fwd"] / 2
+
+
+def _stand_in_for_ours(causal, seq_len, device):
+    return lambda q, k, v: attention_reference(q, k, v, causal=causal)
+
+
+def _naive_out_of_memory_above_128(causal, seq_len, device):
+    if seq_len > 128:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+    return lambda q, k, v: attention_reference(q, k, v, causal=causal)
+
+
+def test_smoke_sweep_writes_every_measurement(tmp_path, monkeypatch, restore_threads):
+    monkeypatch.setitem(BACKENDS, "ours", Backend("ours (test stand-in)", False, _stand_in_for_ours))
+    monkeypatch.setitem(BACKENDS, "naive", Backend("naive PyTorch", False, _naive_out_of_memory_above_128))
+    bench_attention.main(["--smoke", "--out", str(tmp_path), "--backends", "ours,naive,sdpa-flash,sdpa-cudnn"])
+    json_path = tmp_path / f"attention_{device_slug(DEVICE)}_smoke.json"
+    report = json.loads(json_path.read_text())
+
+    sweep = bench_attention.SWEEPS["smoke"]
+    assert report["metadata"]["torch"] == torch.__version__ and report["settings"]["mode"] == "smoke"
+    cells = {(r["backend"], r["D"], r["N"], r["causal"]): r for r in report["throughput"]}
+    assert len(cells) == len(report["throughput"]) == 4 * len(sweep.head_dims) * len(sweep.lengths) * 2
+    for (name, D, N, causal), r in cells.items():
+        assert r["B"] * N == sweep.tokens and r["H"] * D == sweep.hidden
+        if name == "sdpa-cudnn" and not torch.cuda.is_available():
+            assert r["status"] == "unavailable"
+            continue
+        assert r["status"] == "ok", r
+        flops = attention_flops(r["B"], r["H"], N, D, causal)
+        for p in ("fwd", "bwd", "fwd+bwd"):
+            assert r[f"{p}_tflops"] * 1e12 * r[f"{p}_ms"] * 1e-3 == pytest.approx(flops[p])
+    if not torch.cuda.is_available():
+        assert report["backends"]["sdpa-cudnn"]["status"].startswith("unavailable: ")
+
+    memory = {(r["backend"], r["N"]): r for r in report["memory"]}
+    assert [n for (b, n) in memory if b == "naive"] == [64, 128, 256]  # stops at the first failure
+    assert memory["naive", 256]["status"] == "out of memory"
+    assert memory["naive", 128]["peak_bytes"] > 2 * memory["naive", 64]["peak_bytes"]  # N^2 scores
+    assert all(r["peak_bytes"] > r["input_bytes"] for r in report["memory"] if r["status"] == "ok")
+
+    table = json_path.with_suffix(".md").read_text()
+    assert "| 64 | yes | 128 | naive |" in table and "ours/this fwd" in table
+    for png in ("_tflops.png", "_memory.png"):
+        assert json_path.with_name(json_path.stem + png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_missing_kernel_is_reported_unavailable_never_substituted(tmp_path, monkeypatch, restore_threads):
+    monkeypatch.delattr(kernels, "flash_attention")
+    report = bench_attention.main(["--smoke", "--out", str(tmp_path), "--backends", "ours,sdpa-flash"])
+    assert report["backends"]["ours"]["status"].startswith("unavailable: ")
+    assert "kernels.flash_attention not importable" in report["backends"]["ours"]["status"]
+    ours = [r for r in report["throughput"] if r["backend"] == "ours"]
+    assert ours and all(r["status"] == "unavailable" and "fwd_tflops" not in r for r in ours)
+    assert all(r["status"] == "ok" for r in report["throughput"] if r["backend"] == "sdpa-flash")
+    assert report["memory"] == []  # neither memory backend could run
+    table = (tmp_path / f"attention_{device_slug(DEVICE)}_smoke.md").read_text()
+    assert "| ours | unavailable |" in table
+
+
+def test_bad_backend_name_is_refused():
+    with pytest.raises(ValueError, match="--backends: unknown fa3"):
+        bench_attention.main(["--smoke", "--backends", "ours,fa3"])
