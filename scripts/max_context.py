@@ -75,8 +75,7 @@ def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int,
     is still a verified boundary: the returned length fitted and the one `granularity` above it
     failed (both were probed), unless it is `cap`. Each length is probed at most once.
     """
-    settings = {"granularity": granularity, "start": start, "cap": cap}
-    for name, value in settings.items():
+    for name, value in {"granularity": granularity, "start": start, "cap": cap}.items():
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name}={value!r}: must be a positive integer")
         if value % granularity:
@@ -84,12 +83,11 @@ def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int,
     if start > cap:
         raise ValueError(f"start={start} exceeds cap={cap}")
 
-    search = Search(max_length=0, capped=False)
+    probes: list[Probe] = []
 
     def fits(n: int) -> bool:
-        result = probe(n)
-        search.probes.append(result)
-        return result.fits
+        probes.append(probe(n))
+        return probes[-1].fits
 
     fitted, failed = 0, None  # 0 stands for "nothing fits": bisection may go below start
     n = start
@@ -97,7 +95,7 @@ def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int,
         if not fits(n):
             failed = n
         elif n == cap:
-            return Search(max_length=cap, capped=True, probes=search.probes)
+            return Search(max_length=cap, capped=True, probes=probes)
         else:
             fitted, n = n, min(2 * n, cap)
     while failed - fitted > granularity:
@@ -106,8 +104,7 @@ def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int,
             fitted = mid
         else:
             failed = mid
-    search.max_length = fitted
-    return search
+    return Search(max_length=fitted, capped=False, probes=probes)
 
 
 # ----------------------------------------------------------------------------- one training step
