@@ -114,7 +114,3 @@ def test_damaged_cache_is_detected_and_rebuilt(tmp_path, damage):
         rebuilt = load_or_build(tmp_path, source, tok, progress=False)
     np.testing.assert_array_equal(np.array(rebuilt.tokens), good)
 
-
-def test_seq_len_longer_than_corpus_is_one_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="longer than the whole train split"):
-        build_data(make_cfg(tmp_path), seq_len=10_000_000, seed=0, progress=False)

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from data.sources.files import FilesSource
-from data.tokenizer import EOT_TOKEN, ByteTokenizer, JsonTokenizer, build_tokenizer, token_dtype
+from data.tokenizer import EOT_TOKEN, ByteTokenizer, build_tokenizer, token_dtype
 
 TEXT = "def f(x):\n    return x  # naïve ✓ 😀\n"
 

@@ -10,7 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import Iterator
 
-from data.sources.hf import as_list, load_records, local_files_signature, record_texts
+from data.sources.hf import as_list, check_text_field, load_records, local_files_signature, record_texts
 
 RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -43,7 +43,7 @@ class FilesSource:
             for fmt, files in sorted(records.items())
         }
         for fmt, ds in self._records.items():
-            list(record_texts(ds, self.text_field, f"the {fmt} files of data.paths", max_docs=0))
+            check_text_field(ds, self.text_field, f"the {fmt} files of data.paths")
         self.num_documents = len(self.text_files) + sum(len(ds) for ds in self._records.values())
         all_files = [p for _, p in self.text_files] + [f for files in records.values() for f in files]
         key = hashlib.sha256(f"{local_files_signature(all_files)}|{self.text_field}".encode()).hexdigest()

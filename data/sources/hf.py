@@ -34,13 +34,17 @@ def column_names(ds) -> list[str]:
     return [] if first is None else list(first)
 
 
-def record_texts(ds, text_field: str, what: str, max_docs: int | None = None) -> Iterator[tuple[int, str]]:
-    """(index, text) for each record; checks the text field exists before yielding anything."""
+def check_text_field(ds, text_field: str, what: str) -> None:
+    """One-line errors for an empty dataset or a text field it does not have (naming the ones it has)."""
     columns = column_names(ds)
     if not columns:
         raise ValueError(f"{what} is empty")
     if text_field not in columns:
         raise ValueError(f"text field {text_field!r} not in {what}; its columns are {columns} (set data.text_field)")
+
+
+def record_texts(ds, text_field: str, what: str, max_docs: int | None = None) -> Iterator[tuple[int, str]]:
+    """(index, text) for each record (None counts as an empty text, which the cache skips)."""
     for i, record in enumerate(ds.select_columns([text_field])):
         if max_docs is not None and i >= max_docs:
             return
@@ -96,7 +100,7 @@ class HFSource:
         key = hashlib.sha256(f"{self.dataset_name}|{content}|{self.text_field}|{self.max_docs}".encode()).hexdigest()
         slug = self.dataset_name.replace("/", "_")[-40:]
         self.fingerprint = f"hf-{slug}-{key[:10]}"
-        list(record_texts(self._ds, self.text_field, self.what, max_docs=0))   # fail now on a bad field
+        check_text_field(self._ds, self.text_field, self.what)
 
     def for_tokenizer(self, tokenizer) -> "HFSource":
         return self
