@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import triton.language as tl
 from kernels.tuning import fwd_configs, fwd_prune
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # jit code may only read constexpr globals
 
 
 @triton.jit

@@ -34,7 +34,7 @@ def poison_uninitialised_memory():
 
 
 def rel_err(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+    return ((x.double() - ref).norm() / ref.norm()).item()
 
 
 def make_inputs(B, n_q, n_k, H, H_kv, D, dtype, scale=1.0, gen_seed=None):
@@ -72,6 +72,10 @@ def check_against_reference(q, k, v, do, causal, **kw):
             assert err <= tol, f"lse abs error {err:.3g} > {tol:.3g}"
             continue
         assert torch.isfinite(mine).all(), f"{name} has inf"
+        if ref.norm() == 0:  # e.g. dq when every query sees a single key: P = 1, dS = 0
+            atol = 10 * torch.finfo(mine.dtype).eps * do.abs().max().item() * v.abs().max().item()
+            assert mine.abs().max().item() <= atol, f"{name} should be ~0, got {mine.abs().max():.3g}"
+            continue
         err, base = rel_err(mine, ref), rel_err(plain, ref)
         bound = 2 * base + SLACK[mine.dtype]
         assert err <= bound, f"{name}: rel err {err:.3g} > 2 x plain formula's {base:.3g}"
