@@ -86,7 +86,7 @@ def fit(run: SimpleNamespace) -> int:
     step_fn = torch.compile(model) if t.compile else model  # checkpoints save `model`: no _orig_mod. keys
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
     peak = peak_flops(device, t.peak_flops)
-    flops_per_step = model.flops_per_token(t.seq_len) * tokens_per_step
+    flops_per_token = model.flops_per_token(t.seq_len)
     healthy = torch.ones((), dtype=torch.bool, device=device)  # checked when the host syncs anyway
     meter, step, tokens, saved_step = Throughput(), run.step, run.tokens, run.step
 
@@ -136,7 +136,7 @@ def fit(run: SimpleNamespace) -> int:
                     row = {"step": step, "loss": loss.item(), "lr": lr, "tokens": tokens,
                            "tokens_per_s": meter.rate(), "grad_norm": grad_norm.item()}
                     if peak:
-                        row["mfu"] = row["tokens_per_s"] * flops_per_step / tokens_per_step / peak
+                        row["mfu"] = row["tokens_per_s"] * flops_per_token / peak
                     if eval_now:
                         row["val_loss"] = evaluate_loss(model, run.val_batches, device, t.precision)
                     loggers.log(row)

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from tests.trainrun import run_in_process, tiny_overrides
+from tests.trainrun import cache_dir, run_in_process, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
 from training.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
                                  load_checkpoint, prune_checkpoints, restore_model, save_checkpoint)
 
@@ -71,9 +71,9 @@ def test_restore_model_names_the_mismatch(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, cache_dir):
     run_dir = tmp_path_factory.mktemp("run")
-    assert run_in_process(tiny_overrides(run_dir, tmp_path_factory.mktemp("cache"), steps=4)) == 0
+    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=4)) == 0
     return run_dir
 
 
@@ -81,22 +81,20 @@ def finished_run(tmp_path_factory):
     ({"model.d_model": 128}, "does not match the model: "),
     ({"data.max_bytes": 1_000_000}, "was trained on data stdlib"),
 ], ids=["model-shape", "data"])
-def test_train_refuses_a_mismatched_checkpoint(tmp_path, finished_run, capsys, change, message):
+def test_train_refuses_a_mismatched_checkpoint(tmp_path, cache_dir, finished_run, capsys, change, message):
     ckpt = finished_run / "checkpoints" / "step_00000004.pt"
-    cache = load_checkpoint(ckpt)["config"]["data"]["cache_dir"]
-    assert run_in_process(tiny_overrides(tmp_path, cache, resume=str(ckpt), **change)) == 2
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, resume=str(ckpt), **change)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: checkpoint {ckpt}") and message in err, err
 
 
-def test_train_refuses_a_corrupt_checkpoint_path(tmp_path, finished_run, capsys):
+def test_train_refuses_a_corrupt_checkpoint_path(tmp_path, cache_dir, finished_run, capsys):
     ckpt = tmp_path / "step_00000004.pt"
     ckpt.write_bytes((finished_run / "checkpoints" / "step_00000004.pt").read_bytes()[:-1000])
-    assert run_in_process(tiny_overrides(tmp_path / "run", tmp_path / "cache", resume=str(ckpt))) == 2
+    assert run_in_process(tiny_overrides(tmp_path / "run", cache_dir, resume=str(ckpt))) == 2
     assert f"error: checkpoint {ckpt} is unreadable (incomplete or corrupt)" in capsys.readouterr().err
 
 
-def test_fresh_run_refuses_a_run_dir_with_checkpoints(finished_run, capsys):
-    cache = load_checkpoint(finished_run / "checkpoints" / "step_00000004.pt")["config"]["data"]["cache_dir"]
-    assert run_in_process(tiny_overrides(finished_run, cache, steps=4)) == 2
+def test_fresh_run_refuses_a_run_dir_with_checkpoints(finished_run, cache_dir, capsys):
+    assert run_in_process(tiny_overrides(finished_run, cache_dir, steps=4)) == 2
     assert "already holds checkpoints: pass resume=auto" in capsys.readouterr().err

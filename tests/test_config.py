@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.trainrun import losses, run_subprocess, tiny_overrides
+from tests.trainrun import cache_dir, losses, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
 from training.config import CONFIG_DIR, compose, validate_trainer
 from training.optim import build_optimizer, lr_at, param_groups, validate_optim
 
@@ -98,8 +98,8 @@ def test_weight_decay_hits_matrices_only():
     assert not optimizer.defaults["fused"]  # fused=auto is for CUDA
 
 
-def test_multirun_sweep_runs_every_job(tmp_path):
-    overrides = tiny_overrides("unused", tmp_path / "cache", steps=3)
+def test_multirun_sweep_runs_every_job(tmp_path, cache_dir):
+    overrides = tiny_overrides("unused", cache_dir, steps=3)
     overrides = [o for o in overrides if not o.startswith("run.dir=")]
     result = run_subprocess(["-m", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides])
     assert result.returncode == 0, result.stderr

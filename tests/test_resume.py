@@ -11,15 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import REPO, losses, run_in_process, run_subprocess, subprocess_env, tiny_overrides, train_command
 from training.checkpoint import list_checkpoints
 
 STEPS = 100  # long enough (about half a second) that the interrupt reliably lands mid-run
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("token-cache")
 
 
 @pytest.fixture(scope="module")

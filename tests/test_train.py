@@ -9,13 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import HAS_CUDA
-from tests.trainrun import losses, run_in_process, run_subprocess, tiny_overrides
+from tests.trainrun import cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
 from training.checkpoint import list_checkpoints, load_checkpoint
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("token-cache")
 
 
 @pytest.fixture(scope="module")

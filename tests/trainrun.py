@@ -10,7 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """A token cache in tmp, shared by the tiny runs (tests never touch the user's cache)."""
+    return tmp_path_factory.mktemp("token-cache")
 
 
 def tiny_overrides(run_dir, cache_dir, steps: int = 12, **extra) -> list[str]:
