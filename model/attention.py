@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels import flash_attention
 from kernels.reference import attention_reference
+from kernels.tuning import INTERPRET
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -44,6 +46,7 @@ def sdpa_attention(q, k, v, causal=False, softmax_scale=None):
 ATTENTION: dict[str, AttentionFn] = {
     "naive": attention_reference,   # materialises the N x N scores: the baseline
     "sdpa": sdpa_attention,
+    "flash": flash_attention,       # our Triton kernel (kernels/)
 }
 
 
@@ -61,6 +64,10 @@ def get_attention(name: str) -> AttentionFn:
 def resolve_attention(name: str, device) -> str:
     """Turn the config's attention name into a registered one: 'auto' means our flash
     kernel on CUDA and SDPA elsewhere; any other name must be registered as given."""
+    on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "flash" if torch.device(device).type == "cuda" else "sdpa"
+        name = "flash" if on_cuda else "sdpa"
+    if name == "flash" and not on_cuda and not INTERPRET:
+        raise ValueError(f"attention=flash needs a CUDA device (got device={device}); use attention=sdpa "
+                         "or naive on CPU, or set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter")
     return _check_name(name)

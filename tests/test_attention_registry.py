@@ -1,8 +1,12 @@
 """The attention registry: naive and SDPA agree exactly, names resolve or fail clearly."""
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels.reference import attention_reference
+import model.attention as attention_module
+from kernels import flash_attention
 from model.attention import ATTENTION, get_attention, resolve_attention
 
 
@@ -67,11 +71,35 @@ def test_resolve_auto_picks_sdpa_on_cpu():
 
 
 def test_resolve_auto_on_cuda_wants_flash():
-    if "flash" in ATTENTION:
-        assert resolve_attention("auto", "cuda") == "flash"
-    else:
-        with pytest.raises(ValueError, match="'flash' is not registered"):
-            resolve_attention("auto", "cuda")
+    assert ATTENTION["flash"] is flash_attention
+    assert resolve_attention("auto", "cuda") == "flash"
+
+
+def test_flash_on_cpu_without_interpreter_is_refused_up_front(monkeypatch):
+    monkeypatch.setattr(attention_module, "INTERPRET", False)
+    with pytest.raises(ValueError, match="attention=flash needs a CUDA device"):
+        resolve_attention("flash", "cpu")
+
+
+def test_flash_in_the_model_matches_naive():
+    """The registry's flash entry inside a real GPT: same loss and gradients as naive
+    (float32; on CPU through Triton's interpreter)."""
+    from omegaconf import OmegaConf
+    from model import build_model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "model" / "tiny.yaml")
+    cfg.merge_with({"n_layer": 2, "d_model": 64, "n_head": 4, "n_kv_head": 2})
+    idx = torch.randint(0, 256, (2, 40), device=device)
+    results = {}
+    for name in ("naive", "flash"):
+        torch.manual_seed(0)
+        model = build_model(cfg, vocab_size=256, attention=name).to(device)
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        results[name] = (loss.detach(), [p.grad for p in model.parameters()])
+    torch.testing.assert_close(results["flash"][0], results["naive"][0], rtol=1e-5, atol=1e-5)
+    for g_flash, g_naive in zip(results["flash"][1], results["naive"][1]):
+        torch.testing.assert_close(g_flash, g_naive, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("bad", ["flsh", "auto", "Naive"])
