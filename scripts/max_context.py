@@ -28,6 +28,7 @@ against length, and the maximum per implementation.
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -232,13 +233,14 @@ def summary_rows(results: list[dict]) -> list[list]:
             shown = ("≥ " if r["capped"] else "") + f"{r['max_length']:,}"
         ratio = (f"{r['max_length'] / naive[r['features']]:.1f}x"
                  if r["max_length"] and r["features"] in naive else "-")
-        rows.append([r["features"], r["impl"], shown, ratio, human_bytes(best and best["peak_bytes"]),
-                     f"{best['step_s']:.2f}" if best else "-",
+        rows.append([r["features"], r["impl"], shown, ratio, f"{r['granularity']:,}",
+                     human_bytes(best and best["peak_bytes"]), f"{best['step_s']:.2f}" if best else "-",
                      f"{best['tokens_per_s']:,.0f}" if best else "-", len(r["probes"])])
     return rows
 
 
-HEADERS = ["features", "attention", "max tokens", "vs naive", "peak memory", "step s", "tokens/s", "probes"]
+HEADERS = ["features", "attention", "max tokens", "vs naive", "granularity", "peak memory", "step s",
+           "tokens/s", "probes"]
 
 
 def write_outputs(stem: Path, report: dict) -> None:
@@ -248,11 +250,10 @@ def write_outputs(stem: Path, report: dict) -> None:
     lines = [f"# Longest training step: {report['model']['name']}, batch {settings['batch_size']}", "",
              f"{meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"commit {meta['git_commit']}.",
-             f"One step = forward, backward, optimizer step; precision {settings['precision']}. Lengths "
-             f"searched from {settings['start']:,} up to {settings['cap']:,} tokens, to a granularity of "
-             f"{settings['granularity']:,}; "
-             "'vs naive' divides by naive's maximum under the same features. Peak memory, step time and "
-             "tokens/s are those of the longest step that fitted."]
+             f"One step = forward, backward, optimizer step; precision {settings['precision']}. Each length "
+             "is doubled until a step does not fit, then bisected to the row's granularity; '≥' marks a "
+             "search that reached its cap. 'vs naive' divides by naive's maximum under the same features. "
+             "Peak memory, step time and tokens/s are those of the longest step that fitted."]
     if meta["device_type"] != "cuda":
         lines.append(f"CPU run against a {settings['memory_budget_mb']} MiB live-tensor budget: it exercises "
                      "the tool; only CUDA runs give real figures.")
@@ -260,10 +261,28 @@ def write_outputs(stem: Path, report: dict) -> None:
                + markdown_table(HEADERS, summary_rows(report["results"])))
 
 
+def earlier_results(path: Path, report: dict) -> list[dict]:
+    """The completed searches in an earlier report, if it measured the same thing (extend=true)."""
+    if not path.exists():
+        raise ValueError(f"extend=true: {path} does not exist (run once without extend, "
+                         "with the same out_dir and out_name)")
+    earlier = json.loads(path.read_text())
+    same = {"model": (earlier["model"], report["model"]),
+            "batch_size": (earlier["settings"]["batch_size"], report["settings"]["batch_size"]),
+            "precision": (earlier["settings"]["precision"], report["settings"]["precision"]),
+            "device": (earlier["metadata"]["device"], report["metadata"]["device"])}
+    for key, (then, now) in same.items():
+        if then != now:
+            raise ValueError(f"extend=true: {path} was measured with a different {key} ({then} vs {now} now)")
+    return [r for r in earlier["results"] if r["error"] is None and r["max_length"] is not None]
+
+
 def plot(stem: Path, report: dict) -> None:
     """<stem>_memory.png: peak memory of the steps that fitted, against length (one panel per
     feature set); <stem>_max.png: the longest step per implementation and feature set."""
-    results, features = report["results"], report["settings"]["features"]
+    results = report["results"]
+    features = list(dict.fromkeys(r["features"] for r in results))
+    impls = list(dict.fromkeys(r["impl"] for r in results))
     device_bytes = report["metadata"].get("device_memory_bytes")
     peaks = [p["peak_bytes"] for r in results for p in r["probes"] if p["fits"]]
     scale, unit = memory_unit(peaks + ([device_bytes] if device_bytes else []))
@@ -283,7 +302,6 @@ def plot(stem: Path, report: dict) -> None:
         ax.legend()
     save_figure(fig, stem.with_name(stem.name + "_memory.png"))
 
-    impls = report["settings"]["impls"]
     fig, axes = new_figure(1, 1, figsize=(max(6, 1.2 * len(impls) * len(features) + 2), 4.5))
     ax, width = axes[0][0], 0.8 / len(impls)
     for i, impl in enumerate(impls):
@@ -334,7 +352,7 @@ def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int 
 
 
 def run(cfg: DictConfig) -> dict:
-    from training.device import resolve_device
+    from training.device import resolve_device, resolve_precision
 
     out = console()
     device = resolve_device(cfg.device)
@@ -344,15 +362,23 @@ def run(cfg: DictConfig) -> dict:
     settings = {key: OmegaConf.to_container(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key]
                 for key in ("impls", "features", "skip", "batch_size", "start", "granularity", "cap",
                             "memory_budget_mb", "feature_sets")}
-    settings["precision"] = cfg.trainer.precision
-    report = {"metadata": environment(device), "settings": settings,
+    settings["precision"] = resolve_precision(cfg.trainer.precision, device)
+    meta = environment(device)
+    report = {"metadata": meta, "settings": settings,
               "model": OmegaConf.to_container(cfg.model, resolve=True), "results": []}
+    if cfg.extend:
+        report["results"] = earlier_results(stem.with_suffix(".json"), report)
+    done = {(r["impl"], r["features"]) for r in report["results"]}
     save = lambda: write_json(stem.with_suffix(".json"), report)  # noqa: E731
 
     for name in cfg.features:
         for impl in (impl for impl in cfg.impls if f"{impl}/{name}" not in cfg.skip):
+            if (impl, name) in done:
+                out.print(f"{impl} · {name}: kept from {stem}.json (extend=true)")
+                continue
             record = {"impl": impl, "features": name, "max_length": None, "capped": False, "error": None,
-                      "probes": []}
+                      "start": cfg.start, "granularity": cfg.granularity, "cap": cfg.cap,
+                      "date": meta["date"], "git_commit": meta["git_commit"], "probes": []}
             report["results"].append(record)
             try:
                 search_one(cfg, record, device, budget, save, out)

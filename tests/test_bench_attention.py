@@ -52,7 +52,8 @@ def _naive_out_of_memory_above_128(causal, seq_len, device):
 def test_smoke_sweep_writes_every_measurement(tmp_path, monkeypatch, restore_threads):
     monkeypatch.setitem(BACKENDS, "ours", Backend("ours (test stand-in)", False, _stand_in_for_ours))
     monkeypatch.setitem(BACKENDS, "naive", Backend("naive PyTorch", False, _naive_out_of_memory_above_128))
-    bench_attention.main(["--smoke", "--out", str(tmp_path), "--backends", "ours,naive,sdpa-flash,sdpa-cudnn"])
+    bench_attention.main(["--smoke", "--out", str(tmp_path),
+                          "--backends", "ours,naive,sdpa-flash,sdpa-cudnn"])
     json_path = tmp_path / f"attention_{device_slug(DEVICE)}_smoke.json"
     report = json.loads(json_path.read_text())
 

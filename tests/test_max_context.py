@@ -129,6 +129,18 @@ def test_cpu_run_end_to_end(tmp_path, single_thread):
     for png in ("mc_memory.png", "mc_max.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
+    # A second run extends the same files: completed searches are kept, the missing one is added.
+    extended = max_context.run(max_context.compose_config(
+        [o for o in overrides if not o.startswith(("skip=", "features="))]
+        + ["features=[ckpt+chunked]", "extend=true"]))
+    pairs = [(r["impl"], r["features"]) for r in extended["results"]]
+    assert pairs == [*found, ("sdpa", "ckpt+chunked")]
+    assert extended["results"][:3] == saved["results"]
+    assert extended["results"][3]["error"] is None and extended["results"][3]["max_length"] > 0
+    assert (tmp_path / "mc.md").read_text().count("| ckpt+chunked |") == 2
+    with pytest.raises(ValueError, match="different model"):
+        max_context.run(max_context.compose_config(overrides + ["extend=true", "model.d_model=32"]))
+
 
 @pytest.mark.parametrize("override, message", [
     ("impls=[naive,fast]", "'fast' is not registered"),
@@ -142,3 +154,10 @@ def test_bad_settings_are_refused_before_any_model_is_built(override, message):
                                       "device=cpu", override])
     with pytest.raises(ValueError, match=message):
         max_context.validate(cfg, torch.device("cpu"))
+
+
+def test_extend_needs_an_earlier_report(tmp_path):
+    cfg = max_context.compose_config(["model.vocab_size=256", "impls=[naive]", "memory_budget_mb=8",
+                                      "device=cpu", f"out_dir={tmp_path}", "extend=true"])
+    with pytest.raises(ValueError, match="max_context_cpu.json does not exist"):
+        max_context.run(cfg)
