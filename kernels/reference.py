@@ -3,7 +3,8 @@
 This is the formula FlashAttention must reproduce, written the obvious way:
 S = scale * Q K^T is materialised as a (B, H, Nq, Nk) tensor, masked, soft-maxed
 and multiplied by V. Memory is O(N^2), which is exactly what `attention=naive`
-is there to show. Same signature and layout as `kernels.flash_attention`.
+is there to show; nothing beyond the formula's own N x N tensors is allocated, so
+the naive baseline's memory is not inflated. Same signature and layout as `kernels.flash_attention`.
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=Fa
         rows = torch.arange(Nq, device=q.device)[:, None]
         cols = torch.arange(Nk, device=q.device)[None, :]
         scores = scores.masked_fill(cols > rows + (Nk - Nq), float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)           # (B, H, Nq)
     probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)                # fully masked rows -> 0
+    if causal and Nq > Nk:
+        probs = torch.nan_to_num(probs, nan=0.0)            # rows that see no key -> 0
     out = torch.matmul(probs, vh).transpose(1, 2)           # (B, Nq, H, D)
-    return (out, lse) if return_lse else out
+    if not return_lse:
+        return out
+    return out, torch.logsumexp(scores.float(), dim=-1)      # (B, H, Nq)
