@@ -21,15 +21,15 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from data import build_data
 from model import build_model
 from model.attention import resolve_attention
-from training.checkpoint import (CheckpointError, checkpoint_dir, checkpoint_path, find_resume_checkpoint,
-                                 prune_checkpoints, restore_model, save_checkpoint)
+from training.checkpoint import (checkpoint_dir, checkpoint_path, find_resume_checkpoint, prune_checkpoints,
+                                 restore_training_state, save_checkpoint)
 from training.config import validate_run
 from training.device import autocast, resolve_device, resolve_precision
 from training.evaluate import evaluate_loss
 from training.loggers import Loggers, validate_logger
 from training.metrics import Throughput, peak_flops
 from training.optim import build_optimizer, lr_at, validate_optim
-from training.rng import rng_state, seed_everything, set_rng_state
+from training.rng import rng_state, seed_everything
 from training.signals import StopRequest
 
 log = logging.getLogger("train")
@@ -54,21 +54,14 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
     with open_dict(cfg):
         cfg.run.data_fingerprint = data.fingerprint
         cfg.run.num_params = model.num_params()
-    run = SimpleNamespace(cfg=cfg, device=device, run_dir=run_dir, data=data, step=0, tokens=0, wandb_id=None,
-                          resumed_from=None, val_batches=data.val_batches(cfg.trainer.batch_size,
-                                                                          cfg.trainer.eval_batches))
-    if resume:
-        path, state = resume
-        saved_fp = state["config"].get("run", {}).get("data_fingerprint")
-        if saved_fp != data.fingerprint:
-            raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads {data.fingerprint}")
-        restore_model(model, state, path, OmegaConf.to_container(cfg.model))
-    run.model = model.to(device)
+    run = SimpleNamespace(cfg=cfg, device=device, run_dir=run_dir, data=data, model=model.to(device), step=0,
+                          tokens=0, wandb_id=None, resumed_from=None,
+                          val_batches=data.val_batches(cfg.trainer.batch_size, cfg.trainer.eval_batches))
     run.optimizer = build_optimizer(run.model, cfg.optim, device)
     if resume:
-        run.optimizer.load_state_dict(state["optimizer"])
-        data.train.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
+        path, state = resume
+        restore_training_state(path, state, model=run.model, optimizer=run.optimizer, sampler=data.train,
+                               data_fingerprint=data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model))
         run.step, run.tokens, run.wandb_id, run.resumed_from = state["step"], state["tokens"], state["wandb_id"], path
     return run
 

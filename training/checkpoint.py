@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from training.rng import set_rng_state
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -150,3 +152,18 @@ def restore_model(model: nn.Module, state: dict, path: str | Path, current_model
             detail += f"; config: {config_diff}" if config_diff else ""
         raise CheckpointError(f"checkpoint {path} does not match the model: {detail}")
     model.load_state_dict(saved)
+
+
+def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, optimizer, sampler,
+                           data_fingerprint: str, model_cfg: dict) -> None:
+    """Put a run back exactly where `state` left it: weights, optimizer moments, data position, RNGs.
+
+    Refuses a checkpoint of other data: the sampler position would then index different tokens.
+    """
+    saved_fp = state["config"].get("run", {}).get("data_fingerprint")
+    if saved_fp != data_fingerprint:
+        raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads {data_fingerprint}")
+    restore_model(model, state, path, model_cfg)
+    optimizer.load_state_dict(state["optimizer"])
+    sampler.load_state_dict(state["sampler"])
+    set_rng_state(state["rng"])
