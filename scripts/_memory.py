@@ -90,9 +90,11 @@ def allocated_bytes(device: torch.device, tensors=()) -> int:
 
 
 def is_oom(exc: BaseException) -> bool:
-    """True for the allocator's out-of-memory error (also as re-raised from inside autograd)."""
+    """True for the allocator's out-of-memory error, also as re-raised from inside autograd, and for
+    a library (cuBLAS, cuDNN) failing to allocate its workspace near the limit."""
+    text = str(exc)
     return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+        isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "ALLOC_FAILED" in text))
 
 
 def release_memory(device: torch.device) -> None:

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import max_context  # noqa: E402
-from _memory import LiveTensorMeter  # noqa: E402
+from _memory import LiveTensorMeter, is_oom  # noqa: E402
 from max_context import Probe, find_max_length  # noqa: E402
 
 
@@ -106,10 +106,11 @@ def test_live_tensor_meter_counts_new_tensors_and_raises_like_an_allocator(singl
 
 def test_cpu_run_end_to_end(tmp_path, single_thread):
     """Tiny model on a budget: each implementation's search, the outputs, naive fitting least."""
-    overrides = ["model.vocab_size=256", "model.n_layer=1", "model.d_model=64", "model.n_head=2",
-                 "model.n_kv_head=2", "impls=[naive,sdpa]", "features=[plain,ckpt+chunked]",
-                 "skip=[sdpa/ckpt+chunked]", "start=128", "granularity=128", "cap=4096",
-                 "memory_budget_mb=4", f"out_dir={tmp_path}", "out_name=mc", "device=cpu"]
+    # 8 heads of width 8: naive's N x N scores dominate its memory, as they do at scale
+    overrides = ["model.vocab_size=256", "model.n_layer=1", "model.d_model=64", "model.n_head=8",
+                 "model.n_kv_head=8", "impls=[naive,sdpa]", "features=[plain,ckpt+chunked]",
+                 "skip=[sdpa/ckpt+chunked]", "start=256", "granularity=256", "cap=8192",
+                 "memory_budget_mb=12", f"out_dir={tmp_path}", "out_name=mc", "device=cpu"]
     report = max_context.run(max_context.compose_config(overrides))
 
     saved = json.loads((tmp_path / "mc.json").read_text())
@@ -118,11 +119,11 @@ def test_cpu_run_end_to_end(tmp_path, single_thread):
     found = {(r["impl"], r["features"]): r for r in saved["results"]}
     assert set(found) == {("naive", "plain"), ("sdpa", "plain"), ("naive", "ckpt+chunked")}
     for r in found.values():
-        assert r["error"] is None and 0 < r["max_length"] < 4096 and not r["capped"]
+        assert r["error"] is None and 0 < r["max_length"] < 8192 and not r["capped"]
         assert any(not p["fits"] and "out of memory" in p["error"] for p in r["probes"])
         fitted = [p for p in r["probes"] if p["fits"]]
-        assert all(p["peak_bytes"] <= 4 * 2**20 and p["tokens_per_s"] > 0 for p in fitted)
-    assert found["sdpa", "plain"]["max_length"] > found["naive", "plain"]["max_length"]
+        assert all(p["peak_bytes"] <= 12 * 2**20 and p["tokens_per_s"] > 0 for p in fitted)
+    assert found["sdpa", "plain"]["max_length"] >= 2 * found["naive", "plain"]["max_length"]
     assert found["naive", "ckpt+chunked"]["max_length"] >= found["naive", "plain"]["max_length"]
     table = (tmp_path / "mc.md").read_text()
     assert "vs naive" in table and "only CUDA runs give real figures" in table
@@ -136,7 +137,8 @@ def test_cpu_run_end_to_end(tmp_path, single_thread):
     pairs = [(r["impl"], r["features"]) for r in extended["results"]]
     assert pairs == [*found, ("sdpa", "ckpt+chunked")]
     assert extended["results"][:3] == saved["results"]
-    assert extended["results"][3]["error"] is None and extended["results"][3]["max_length"] > 0
+    added = extended["results"][3]
+    assert added["error"] is None and added["max_length"] >= found["sdpa", "plain"]["max_length"]
     assert (tmp_path / "mc.md").read_text().count("| ckpt+chunked |") == 2
     with pytest.raises(ValueError, match="different model"):
         max_context.run(max_context.compose_config(overrides + ["extend=true", "model.d_model=32"]))
@@ -161,3 +163,14 @@ def test_extend_needs_an_earlier_report(tmp_path):
                                       "device=cpu", f"out_dir={tmp_path}", "extend=true"])
     with pytest.raises(ValueError, match="max_context_cpu.json does not exist"):
         max_context.run(cfg)
+
+
+@pytest.mark.parametrize("exc, oom", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (RuntimeError("CUDA error: out of memory"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (ValueError("sequence length 2097152 exceeds model.max_seq_len=1048576"), False),
+])
+def test_only_allocation_failures_count_as_not_fitting(exc, oom):
+    assert is_oom(exc) is oom
