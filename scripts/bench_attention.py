@@ -1,7 +1,8 @@
 """Attention speed and memory: our Triton FlashAttention against SDPA (FA2, cuDNN), FlexAttention, naive.
 
-    python scripts/bench_attention.py            # the full sweep (about 5 minutes on an H200)
-    python scripts/bench_attention.py --quick    # two lengths, memory up to 32K
+    python scripts/bench_attention.py            # full sweep: an estimated 5-7 minutes on an H200,
+                                                 # half of it compiling FlexAttention for each shape
+    python scripts/bench_attention.py --quick    # two lengths, memory up to 32K (1-2 minutes)
     python scripts/bench_attention.py --smoke    # CPU-sized plumbing check (not a benchmark)
 
 Throughput: forward, backward and forward+backward TFLOP/s for head dims 64 and 128, sequence
@@ -413,11 +414,11 @@ def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="mode", const="quick",
-                      help="N in {4K, 16K}, memory up to 32K (about a minute on an H200)")
+                      help="N in {4K, 16K}, memory up to 32K (1-2 minutes on an H200)")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke",
                       help="CPU-sized shapes that only check the plumbing; not a benchmark")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
