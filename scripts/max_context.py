@@ -231,7 +231,7 @@ def summary_rows(results: list[dict]) -> list[list]:
             shown = "running"
         else:
             shown = ("≥ " if r["capped"] else "") + f"{r['max_length']:,}"
-        ratio = (f"{r['max_length'] / naive[r['features']]:.1f}x"
+        ratio = (("≥ " if r["capped"] else "") + f"{r['max_length'] / naive[r['features']]:.1f}x"
                  if r["max_length"] and r["features"] in naive else "-")
         rows.append([r["features"], r["impl"], shown, ratio, f"{r['granularity']:,}",
                      human_bytes(best and best["peak_bytes"]), f"{best['step_s']:.2f}" if best else "-",
