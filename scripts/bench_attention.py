@@ -394,6 +394,7 @@ def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dic
                 report["throughput"] += rows
                 print_shape(out, rows)
                 write_outputs(stem, report)
+            plot(stem, report)  # a run cut short still leaves its plots
 
     B, H, D = sweep.memory_shape
     for name in (n for n in MEMORY_BACKENDS if n in runnable):

@@ -299,7 +299,8 @@ def plot(stem: Path, report: dict) -> None:
         ax.set(xlabel="sequence length (tokens)", ylabel=f"peak memory ({unit})",
                title=f"one training step, features: {name}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
     save_figure(fig, stem.with_name(stem.name + "_memory.png"))
 
     fig, axes = new_figure(1, 1, figsize=(max(6, 1.2 * len(impls) * len(features) + 2), 4.5))
@@ -392,8 +393,8 @@ def run(cfg: DictConfig) -> dict:
                 raise SystemExit(f"the device is unusable after {impl} · {name} ({error_text(exc)}); "
                                  f"results so far are in {stem}.json") from exc
             write_outputs(stem, report)
+            plot(stem, report)  # after every search: a run cut short still leaves its plots
 
-    plot(stem, report)
     print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, "
                 f"{report['metadata']['device']}", HEADERS, summary_rows(report["results"]))
     if device.type == "cpu":
