@@ -116,6 +116,15 @@ def save_figure(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def draw_safely(out, draw, *args) -> None:
+    """Run a plotting function after measurements: a failure to draw is printed, never allowed to
+    end a GPU run whose results are still being collected (the JSON has them either way)."""
+    try:
+        draw(*args)
+    except Exception as exc:  # noqa: BLE001
+        out.print(f"[red]could not draw the plots: {error_text(exc)}[/]")
+
+
 def new_figure(rows: int = 1, cols: int = 1, **kwargs):
     """A headless (Agg) figure: the GPU machine has no display."""
     import matplotlib

@@ -37,9 +37,9 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.nn.functional as F
 
-from _common import (REPO_ROOT, console, device_slug, environment, error_text, human_bytes, markdown_table,
-                     memory_unit, new_figure, plain_log_axis, print_table, save_figure, tokens_axis,
-                     tokens_label, write_json, write_text)
+from _common import (REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
+                     markdown_table, memory_unit, new_figure, plain_log_axis, print_table, save_figure,
+                     tokens_axis, tokens_label, write_json, write_text)
 from _memory import is_oom, peak_meter, release_memory
 
 TOKENS, HIDDEN = 16384, 2048
@@ -316,13 +316,17 @@ def plot(stem: Path, report: dict) -> None:
                 if points:
                     ax.plot(*zip(*points), marker="o", label=info["label"])
             tokens_axis(ax, "x")
-            ax.set(title=f"{p}, D={D}, {'causal' if causal else 'non-causal'}", ylim=(0, None))
+            ax.set(title=f"{p}, D={D}, {'causal' if causal else 'non-causal'}")
             ax.grid(True, alpha=0.3)
             if col == 0:
                 ax.set_ylabel("TFLOP/s")
             if row == len(PASSES) - 1:
                 ax.set_xlabel("sequence length N (B = tokens / N)")
-    axes[0][0].legend(fontsize=8)
+    for ax in axes.flat:  # once every panel of the (shared) row has its data
+        ax.set_ylim(bottom=0)
+    lines = {line.get_label(): line for ax in axes.flat for line in ax.lines}
+    if lines:
+        fig.legend(lines.values(), lines.keys(), loc="upper right", fontsize=8)
     fig.suptitle(f"Attention throughput, bf16, {report['metadata']['device']}")
     save_figure(fig, stem.with_name(stem.name + "_tflops.png"))
 
@@ -394,7 +398,7 @@ def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dic
                 report["throughput"] += rows
                 print_shape(out, rows)
                 write_outputs(stem, report)
-            plot(stem, report)  # a run cut short still leaves its plots
+            draw_safely(out, plot, stem, report)  # a run cut short still leaves its plots
 
     B, H, D = sweep.memory_shape
     for name in (n for n in MEMORY_BACKENDS if n in runnable):
@@ -406,7 +410,7 @@ def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dic
             if row["status"] != "ok":  # longer sequences fail the same way, only slower
                 break
 
-    plot(stem, report)
+    draw_safely(out, plot, stem, report)
     print_table(f"Attention TFLOP/s, {report['metadata']['device']}", THROUGHPUT_HEADERS,
                 throughput_rows(report))
     print_table("Peak memory, one causal forward+backward", MEMORY_HEADERS, memory_rows(report))

@@ -39,7 +39,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from _common import (REPO_ROOT, console, device_slug, environment, error_text, human_bytes,
+from _common import (REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
                      markdown_table, memory_unit, new_figure, plain_log_axis, print_table, save_figure,
                      tokens_axis, tokens_label, write_json, write_text)
 from _memory import allocated_bytes, is_oom, peak_meter, release_memory
@@ -294,13 +294,13 @@ def plot(stem: Path, report: dict) -> None:
                 ax.plot(*zip(*fitted), marker="o", label=r["impl"])
         if device_bytes:
             ax.axhline(device_bytes / scale, color="grey", ls="--", lw=1, label="device memory")
-        tokens_axis(ax, "x")
-        plain_log_axis(ax, "y")
+        if ax.lines:
+            tokens_axis(ax, "x")
+            plain_log_axis(ax, "y")
+            ax.legend()
         ax.set(xlabel="sequence length (tokens)", ylabel=f"peak memory ({unit})",
                title=f"one training step, features: {name}")
         ax.grid(True, which="both", alpha=0.3)
-        if ax.lines:
-            ax.legend()
     save_figure(fig, stem.with_name(stem.name + "_memory.png"))
 
     fig, axes = new_figure(1, 1, figsize=(max(6, 1.2 * len(impls) * len(features) + 2), 4.5))
@@ -315,9 +315,9 @@ def plot(stem: Path, report: dict) -> None:
         bars = ax.bar(xs, heights, width, label=impl)
         ax.bar_label(bars, labels=[tokens_label(h) for h in heights], fontsize=8)
     ax.set_xticks(range(len(features)), features)
-    tokens_axis(ax, "y")
     found = [r["max_length"] for r in results if r["max_length"]]
     if found:  # bars rise from half the shortest, so even that one shows
+        tokens_axis(ax, "y")
         ax.set_ylim(bottom=min(found) / 2, top=max(found) * 2)
     ax.set(xlabel="memory features", ylabel="longest sequence (tokens)",
            title=f"{report['model']['name']}, batch {report['settings']['batch_size']}: longest training "
@@ -393,7 +393,7 @@ def run(cfg: DictConfig) -> dict:
                 raise SystemExit(f"the device is unusable after {impl} · {name} ({error_text(exc)}); "
                                  f"results so far are in {stem}.json") from exc
             write_outputs(stem, report)
-            plot(stem, report)  # after every search: a run cut short still leaves its plots
+            draw_safely(out, plot, stem, report)  # after every search: a run cut short keeps its plots
 
     print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, "
                 f"{report['metadata']['device']}", HEADERS, summary_rows(report["results"]))

@@ -174,3 +174,13 @@ def test_extend_needs_an_earlier_report(tmp_path):
 ])
 def test_only_allocation_failures_count_as_not_fitting(exc, oom):
     assert is_oom(exc) is oom
+
+
+def test_plots_survive_a_run_where_nothing_was_measured(tmp_path):
+    """The plots are redrawn after every search, so the first one may have failed outright."""
+    report = {"results": [{"impl": "naive", "features": "plain", "max_length": None, "capped": False,
+                           "error": "ValueError: x", "granularity": 1024, "probes": []}],
+              "metadata": {"device": "cpu", "device_type": "cpu"}, "settings": {"batch_size": 1},
+              "model": {"name": "tiny"}}
+    max_context.plot(tmp_path / "mc", report)
+    assert (tmp_path / "mc_memory.png").exists() and (tmp_path / "mc_max.png").exists()
