@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.tiles import load_tile, store_tile, tile_offsets
 from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
@@ -48,48 +49,37 @@ def flash_bwd_delta_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
-    rows = offs_m.to(tl.int64)[:, None]
-    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_on + offs_d[None, :] * stride_od,
-                mask=mask, other=0.0)
-    do = tl.load(dOut + b * stride_db + h * stride_dh + rows * stride_dn + offs_d[None, :] * stride_dd,
-                 mask=mask, other=0.0)
+    start_m = pid_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    o = load_tile(Out + b * stride_ob + h * stride_oh, start_m, stride_on,
+                  tile_offsets(rows, cols, stride_on, stride_od), rows, n_q, cols, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(dOut + b * stride_db + h * stride_dh, start_m, stride_dn,
+                   tile_offsets(rows, cols, stride_dn, stride_dd), rows, n_q, cols, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    offs_m = start_m + rows
     tl.store(Delta + (b * n_heads + h) * n_q + offs_m, delta, mask=offs_m < n_q)
 
 
 @triton.jit
-def _load_rows(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASK: tl.constexpr):
-    """Load a (rows x BLOCK_D) tile, masking only what this tile needs masked."""
-    if MASK:
-        return tl.load(ptrs, mask=(offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        return tl.load(ptrs)
-
-
-@triton.jit
-def _bwd_kv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_m, offs_n, offs_d,
-                 n_q, n_k, causal_shift, qk_scale,
+def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs, stride_qn, stride_don,
+                 start_m, rows_m, offs_n, offs_d, n_q, n_k, causal_shift, qk_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """Add one query tile's contribution to dK and dV of the keys this program owns.
+    """Add queries [start_m, start_m + BLOCK_M)'s contribution to this program's dK, dV.
 
     Works on transposed scores S^T (keys x queries) so that dV += P^T dO and
     dK += dS^T Q are plain matmuls with the key dimension leading.
     """
-    q = _load_rows(q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
-    do = _load_rows(do_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    q = load_tile(Q_bh, start_m, stride_qn, q_offs, rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    do = load_tile(dO_bh, start_m, stride_don, do_offs, rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    offs_m = start_m + rows_m
     if MASK:
-        lse = tl.load(lse_ptrs, mask=offs_m < n_q, other=0.0)
-        delta = tl.load(delta_ptrs, mask=offs_m < n_q, other=0.0)
+        lse = tl.load(Lse_bh + offs_m, mask=offs_m < n_q, other=0.0)
+        delta = tl.load(Delta_bh + offs_m, mask=offs_m < n_q, other=0.0)
     else:
-        lse = tl.load(lse_ptrs)
-        delta = tl.load(delta_ptrs)
+        lse = tl.load(Lse_bh + offs_m)
+        delta = tl.load(Delta_bh + offs_m)
     # Rows that saw no key have L = -inf; +inf makes their P exactly 0 instead of NaN.
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale       # (BLOCK_N, BLOCK_M)
@@ -127,16 +117,18 @@ def flash_bwd_kv_kernel(
     b = (pid_bh // n_kv_heads).to(tl.int64)
     h_kv = (pid_bh % n_kv_heads).to(tl.int64)
     start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
+    rows_n = tl.arange(0, BLOCK_N)
+    offs_n = start_n + rows_n
+    rows_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     causal_shift = n_k - n_q
-    rows_n = offs_n.to(tl.int64)[:, None]
 
-    k = _load_rows(K + b * stride_kb + h_kv * stride_kh + rows_n * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + b * stride_vb + h_kv * stride_vh + rows_n * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    k = load_tile(K + b * stride_kb + h_kv * stride_kh, start_n, stride_kn,
+                  tile_offsets(rows_n, offs_d, stride_kn, stride_kd), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(V + b * stride_vb + h_kv * stride_vh, start_n, stride_vn,
+                  tile_offsets(rows_n, offs_d, stride_vn, stride_vd), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    q_offs = tile_offsets(rows_m, offs_d, stride_qn, stride_qd)
+    do_offs = tile_offsets(rows_m, offs_d, stride_don, stride_dod)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -157,49 +149,41 @@ def flash_bwd_kv_kernel(
 
     for g in range(0, kv_group):
         h = h_kv * kv_group + g
-        q_base = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
-        do_base = dOut + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
-        lse_base = Lse + (b * n_heads + h) * n_q
-        delta_base = Delta + (b * n_heads + h) * n_q
+        Q_bh = Q + b * stride_qb + h * stride_qh
+        dO_bh = dOut + b * stride_dob + h * stride_doh
+        Lse_bh = Lse + (b * n_heads + h) * n_q
+        Delta_bh = Delta + (b * n_heads + h) * n_q
         # ranges: [lo, diag_end) masked, [diag_end, mid_end) unmasked, [mid_end, n_q) masked
         for start_m in range(lo, diag_end, BLOCK_M):
-            offs_m = start_m + offs_m0
-            rows_m = offs_m.to(tl.int64)[:, None]
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base + rows_m * stride_qn, do_base + rows_m * stride_don,
-                                  lse_base + offs_m, delta_base + offs_m, offs_m, offs_n, offs_d,
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs,
+                                  stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
                                   n_q, n_k, causal_shift, qk_scale,
                                   HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
         for start_m in range(diag_end, mid_end, BLOCK_M):
-            offs_m = start_m + offs_m0
-            rows_m = offs_m.to(tl.int64)[:, None]
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base + rows_m * stride_qn, do_base + rows_m * stride_don,
-                                  lse_base + offs_m, delta_base + offs_m, offs_m, offs_n, offs_d,
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs,
+                                  stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
                                   n_q, n_k, causal_shift, qk_scale,
                                   HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
         for start_m in range(mid_end, n_q, BLOCK_M):
-            offs_m = start_m + offs_m0
-            rows_m = offs_m.to(tl.int64)[:, None]
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base + rows_m * stride_qn, do_base + rows_m * stride_don,
-                                  lse_base + offs_m, delta_base + offs_m, offs_m, offs_n, offs_d,
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs,
+                                  stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
                                   n_q, n_k, causal_shift, qk_scale,
                                   HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
 
-    dk = dk * sm_scale
-    mask = (offs_n[:, None] < n_k) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(dK + b * stride_dkb + h_kv * stride_dkh + rows_n * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(dK.dtype.element_ty), mask=mask)
-    tl.store(dV + b * stride_dvb + h_kv * stride_dvh + rows_n * stride_dvn + offs_d[None, :] * stride_dvd,
-             dv.to(dV.dtype.element_ty), mask=mask)
+    store_tile(dK + b * stride_dkb + h_kv * stride_dkh, start_n, stride_dkn,
+               tile_offsets(rows_n, offs_d, stride_dkn, stride_dkd), rows_n, n_k, offs_d, dk * sm_scale, HEAD_DIM)
+    store_tile(dV + b * stride_dvb + h_kv * stride_dvh, start_n, stride_dvn,
+               tile_offsets(rows_n, offs_d, stride_dvn, stride_dvd), rows_n, n_k, offs_d, dv, HEAD_DIM)
 
 
 @triton.jit
-def _bwd_q_tile(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
-                n_k, causal_shift, qk_scale,
+def _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                 MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """Add one key tile's contribution to dQ of the queries this program owns."""
-    k = _load_rows(k_ptrs, start_n + offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
-    v = _load_rows(v_ptrs, start_n + offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    """Add keys [start_n, start_n + BLOCK_N)'s contribution to this program's dQ."""
+    k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+    v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
     if MASK:
@@ -234,23 +218,25 @@ def flash_bwd_q_kernel(
     h_kv = (h // kv_group).to(tl.int64)
     h = h.to(tl.int64)
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows_m = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     causal_shift = n_k - n_q
-    rows_m = offs_m.to(tl.int64)[:, None]
 
-    q = _load_rows(Q + b * stride_qb + h * stride_qh + rows_m * stride_qn + offs_d[None, :] * stride_qd,
-                   offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(dOut + b * stride_dob + h * stride_doh + rows_m * stride_don + offs_d[None, :] * stride_dod,
-                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = load_tile(Q + b * stride_qb + h * stride_qh, start_m, stride_qn,
+                  tile_offsets(rows_m, offs_d, stride_qn, stride_qd), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(dOut + b * stride_dob + h * stride_doh, start_m, stride_don,
+                   tile_offsets(rows_m, offs_d, stride_don, stride_dod), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
     lse = tl.load(Lse + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
     delta = tl.load(Delta + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    k_ptrs = K + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    K_bh = K + b * stride_kb + h_kv * stride_kh
+    V_bh = V + b * stride_vb + h_kv * stride_vh
+    k_offs = tile_offsets(offs_n, offs_d, stride_kn, stride_kd)
+    v_offs = tile_offsets(offs_n, offs_d, stride_vn, stride_vd)
 
     # Same key ranges as the forward pass.
     full_end = (n_k // BLOCK_N) * BLOCK_N
@@ -262,16 +248,13 @@ def flash_bwd_q_kernel(
         unmasked_end = full_end
 
     for start_n in range(0, unmasked_end, BLOCK_N):
-        dq = _bwd_q_tile(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
-                         n_k, causal_shift, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                         start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
+                         HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
     for start_n in range(unmasked_end, hi, BLOCK_N):
-        dq = _bwd_q_tile(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
-                         n_k, causal_shift, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                         start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
+                         HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
 
-    dq = dq * sm_scale
-    tl.store(dQ + b * stride_dqb + h * stride_dqh + rows_m * stride_dqn + offs_d[None, :] * stride_dqd,
-             dq.to(dQ.dtype.element_ty), mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM))
+    store_tile(dQ + b * stride_dqb + h * stride_dqh, start_m, stride_dqn,
+               tile_offsets(rows_m, offs_d, stride_dqn, stride_dqd), rows_m, n_q, offs_d, dq * sm_scale, HEAD_DIM)

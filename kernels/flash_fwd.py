@@ -26,13 +26,14 @@ Details that matter for speed and exactness:
   j <= i + (Nk - Nq). A query row that sees no key at all gets O = 0 and L = -inf;
 - GQA: query head h reads KV head h // (H / Hkv); K and V are never repeated;
 - all offsets that can exceed 2^31 (batch and sequence strides at 1M tokens) are
-  formed in int64 by moving base pointers, so long sequences index correctly.
+  scalars formed in int64 (kernels/tiles.py), so long sequences index correctly.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from kernels.tiles import load_tile, store_tile, tile_offsets
 from kernels.tuning import fwd_configs, fwd_prune
 
 LOG2E = 1.4426950408889634
@@ -40,21 +41,15 @@ LN2 = tl.constexpr(0.6931471805599453)  # jit code may only read constexpr globa
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
-              n_k, causal_shift, qk_scale,
+def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+              start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold one BLOCK_N tile of keys into the running (acc, l, m) of a query tile."""
-    if MASK:
-        key_in = (start_n + offs_n) < n_k
-        k = tl.load(k_ptrs, mask=key_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
+    """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of a query tile."""
+    k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain
     if MASK:
-        visible = key_in[None, :]
+        visible = (start_n + offs_n)[None, :] < n_k
         if CAUSAL:
             visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None] + causal_shift)
         s = tl.where(visible, s, float("-inf"))
@@ -66,12 +61,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, start_n,
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASK:
-        v = tl.load(v_ptrs, mask=key_in[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        v = tl.load(v_ptrs)
+    v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new
@@ -97,19 +87,19 @@ def flash_fwd_kernel(
     h_kv = (h // kv_group).to(tl.int64)
     h = h.to(tl.int64)
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows_m = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     causal_shift = n_k - n_q
 
-    q_ptrs = (Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn
-              + (offs_m - start_m)[:, None] * stride_qn + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-
-    k_base = K + b * stride_kb + h_kv * stride_kh
-    v_base = V + b * stride_vb + h_kv * stride_vh
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    Q_bh = Q + b * stride_qb + h * stride_qh
+    K_bh = K + b * stride_kb + h_kv * stride_kh
+    V_bh = V + b * stride_vb + h_kv * stride_vh
+    q = load_tile(Q_bh, start_m, stride_qn, tile_offsets(rows_m, offs_d, stride_qn, stride_qd),
+                  rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    k_offs = tile_offsets(offs_n, offs_d, stride_kn, stride_kd)
+    v_offs = tile_offsets(offs_n, offs_d, stride_vn, stride_vd)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -128,27 +118,19 @@ def flash_fwd_kernel(
         unmasked_end = full_end
 
     for start_n in range(0, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d,
-                                  start_n, n_k, causal_shift, qk_scale,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                                  start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
                                   HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
     for start_n in range(unmasked_end, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d,
-                                  start_n, n_k, causal_shift, qk_scale,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                                  start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
                                   HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
 
     # Rows that saw no key (causal with n_q > n_k): O = 0, L = -inf.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
-
-    o_ptrs = (Out + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on
-              + (offs_m - start_m)[:, None] * stride_on + offs_d[None, :] * stride_od)
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty),
-             mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM))
-    lse_ptrs = Lse + (b * n_heads + h) * n_q + offs_m
-    tl.store(lse_ptrs, lse, mask=offs_m < n_q)
+    store_tile(Out + b * stride_ob + h * stride_oh, start_m, stride_on,
+               tile_offsets(rows_m, offs_d, stride_on, stride_od), rows_m, n_q, offs_d,
+               acc / l_safe[:, None], HEAD_DIM)
+    tl.store(Lse + (b * n_heads + h) * n_q + offs_m, lse, mask=offs_m < n_q)

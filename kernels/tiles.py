@@ -1,0 +1,44 @@
+"""Tile loads and stores shared by the forward and backward kernels.
+
+Every Q/K/V/O/dO tile is BLOCK rows of one (sequence x head_dim) matrix, addressed as
+
+    base + start * row_stride  +  offs            offs = rows * row_stride + cols * col_stride
+
+The first term is a scalar formed in int64 (at a million tokens, start * row_stride
+passes 2^31 elements); `offs` is an int32 tile computed once per program. Keeping the
+per-iteration state down to one scalar matters on Hopper: a loop-carried tile of 64-bit
+addresses costs two registers per element and made the kernels spill (kernels/NOTES.md).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_offsets(rows, cols, row_stride, col_stride):
+    return rows[:, None] * row_stride + cols[None, :] * col_stride
+
+
+@triton.jit
+def load_tile(base, start, row_stride, offs, rows, n_rows, cols,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Rows [start, start + len(rows)) of a (n_rows x HEAD_DIM) matrix, zero-padded.
+
+    Bounds are checked only where they can fail: rows on ragged tiles (MASK_ROWS),
+    columns only when the head dim is padded up to BLOCK_D.
+    """
+    ptrs = base + tl.cast(start, tl.int64) * row_stride + offs
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=((start + rows) < n_rows)[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=(cols < HEAD_DIM)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def store_tile(base, start, row_stride, offs, rows, n_rows, cols, value, HEAD_DIM: tl.constexpr):
+    ptrs = base + tl.cast(start, tl.int64) * row_stride + offs
+    tl.store(ptrs, value.to(base.dtype.element_ty),
+             mask=((start + rows) < n_rows)[:, None] & (cols < HEAD_DIM)[None, :])
