@@ -112,6 +112,8 @@ def flash_bwd_kv_kernel(
     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Grid: (cdiv(n_k, BLOCK_N), B * Hkv). qk_scale = sm_scale * log2(e)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -211,6 +213,8 @@ def flash_bwd_q_kernel(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_heads).to(tl.int64)

@@ -80,6 +80,8 @@ def flash_fwd_kernel(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e)."""
+    # torch.compile passes Python floats as fp64; keep every score in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_heads).to(tl.int64)

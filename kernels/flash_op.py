@@ -15,7 +15,7 @@ import triton
 
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import LOG2E, flash_fwd_kernel
-from kernels.tuning import INTERPRET
+from kernels.tuning import INTERPRET, seq_bucket
 
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -23,11 +23,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
-
-
-def _seq_bucket(n: int) -> int:
-    """Autotuning key: re-tune per power-of-two length band, not per exact length."""
-    return min(max(triton.next_power_of_2(n), 128), 16384)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -89,7 +84,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
     torch.library.wrap_triton(flash_fwd_kernel)[grid](
         q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, _seq_bucket(max(n_q, n_k)),
+        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, seq_bucket(max(n_q, n_k)),
         HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, PRECISION=_precision(q.dtype))
     return out, lse
 
@@ -102,7 +97,7 @@ def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
-    bucket = _seq_bucket(max(n_q, n_k))
+    bucket = seq_bucket(max(n_q, n_k))
     delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
     dq = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)

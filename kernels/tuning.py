@@ -3,7 +3,8 @@
 On a GPU each kernel is autotuned over a short list (picked per padded head dim by
 `_for_head_dim`, since a 256-wide head needs smaller tiles to fit in shared memory).
 FLASHTRAIN_AUTOTUNE=0 pins the first entry of each list, which is what the GPU tests
-use to avoid compiling every candidate for every head dim. Under TRITON_INTERPRET=1
+use to avoid compiling every candidate for every head dim; sequences longer than
+TUNE_MAX_TOKENS always use that first entry. Under TRITON_INTERPRET=1
 (CPU) block shapes only cost Python time, so one small tile is used.
 """
 from __future__ import annotations
@@ -51,13 +52,26 @@ def _configs(table, names):
     return [_cfg(a, b, names, warps, stages) for a, b, warps, stages in unique]
 
 
+# Autotuning runs every candidate on the real inputs. Past this length one call takes
+# seconds (a causal 1M-token forward of 12 heads is ~4 s), so tuning would cost minutes:
+# such lengths use the pinned default, which the candidates' order puts first.
+TUNE_MAX_TOKENS = 131072
+
+
+def seq_bucket(n: int) -> int:
+    """Autotuning key: re-tune per power-of-two length band, not per exact length;
+    every length past TUNE_MAX_TOKENS shares one band that is never tuned."""
+    return min(max(triton.next_power_of_2(n), 128), 2 * TUNE_MAX_TOKENS)
+
+
 def _for_head_dim(table, names):
     """early_config_prune hook: keep the candidates listed for this BLOCK_D."""
     def prune(configs, named_args, **kwargs):
         if INTERPRET:
             return configs
         dim = min(d for d in table if d >= kwargs["BLOCK_D"])
-        wanted = table[dim] if AUTOTUNE else table[dim][:1]
+        tune = AUTOTUNE and named_args["seq_bucket"] <= TUNE_MAX_TOKENS
+        wanted = table[dim] if tune else table[dim][:1]
         keep = [c for c in configs if _entry(c, names) in wanted]
         return sorted(keep, key=lambda c: wanted.index(_entry(c, names)))
     return prune

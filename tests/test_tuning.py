@@ -1,0 +1,40 @@
+"""Which tile shapes the autotuner may try (the GPU's choice among them is measured there)."""
+import pytest
+
+from kernels import tuning
+
+NAMES = ("BLOCK_M", "BLOCK_N")
+
+
+@pytest.fixture
+def prune(monkeypatch):
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.setattr(tuning, "AUTOTUNE", True)
+    unique = dict.fromkeys(e for entries in tuning._FWD.values() for e in entries)  # as _configs builds them
+    candidates = [tuning._cfg(a, b, NAMES, w, s) for a, b, w, s in unique]
+    hook = tuning._for_head_dim(tuning._FWD, NAMES)
+    return lambda block_d, n: [tuning._entry(c, NAMES) for c in
+                               hook(candidates, {"seq_bucket": tuning.seq_bucket(n)}, BLOCK_D=block_d)]
+
+
+@pytest.mark.parametrize("block_d, table_dim", [(16, 64), (64, 64), (128, 128), (256, 256)])
+def test_candidates_follow_the_padded_head_dim(prune, block_d, table_dim):
+    assert prune(block_d, 4096) == tuning._FWD[table_dim]
+
+
+def test_very_long_sequences_use_the_pinned_default(prune):
+    """Tuning at a million tokens would time every candidate for seconds per call."""
+    assert prune(128, tuning.TUNE_MAX_TOKENS) == tuning._FWD[128]
+    assert prune(128, tuning.TUNE_MAX_TOKENS + 1) == tuning._FWD[128][:1]
+    assert prune(128, 1 << 20) == tuning._FWD[128][:1]
+
+
+def test_autotune_off_pins_the_default(prune, monkeypatch):
+    monkeypatch.setattr(tuning, "AUTOTUNE", False)
+    assert prune(64, 4096) == tuning._FWD[64][:1]
+
+
+def test_length_bands():
+    assert tuning.seq_bucket(1) == 128
+    assert tuning.seq_bucket(1000) == 1024 and tuning.seq_bucket(1024) == 1024
+    assert tuning.seq_bucket(1 << 20) == tuning.seq_bucket(1 << 22) == 2 * tuning.TUNE_MAX_TOKENS
