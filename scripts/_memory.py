@@ -21,17 +21,16 @@ class CudaPeak:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.peak: int | None = None
 
     def __enter__(self):
         torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
     def __exit__(self, *exc) -> bool:
+        # Read now: whoever cleans up next (release_memory) resets the allocator's peak.
+        self.peak = torch.cuda.max_memory_allocated(self.device)
         return False
-
-    @property
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
 
 
 class LiveTensorMeter(TorchDispatchMode):

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import max_context  # noqa: E402
-from _memory import LiveTensorMeter, is_oom  # noqa: E402
+from _memory import CudaPeak, LiveTensorMeter, is_oom, release_memory  # noqa: E402
 from max_context import Probe, find_max_length  # noqa: E402
 
 
@@ -184,3 +184,19 @@ def test_plots_survive_a_run_where_nothing_was_measured(tmp_path):
               "model": {"name": "tiny"}}
     max_context.plot(tmp_path / "mc", report)
     assert (tmp_path / "mc_memory.png").exists() and (tmp_path / "mc_max.png").exists()
+
+
+def test_cuda_peak_survives_the_cleanup_after_a_probe(monkeypatch):
+    """A probe reads its peak after release_memory() has reset the allocator's statistics;
+    the meter must keep what it saw (on the H200 it once reported only the weights)."""
+    import torch
+    stats = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: stats.update(peak=5))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["peak"])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    meter = CudaPeak(torch.device("cuda"))
+    with meter:
+        stats["peak"] = 100  # the step's high-water mark
+    release_memory(torch.device("cuda"))
+    assert stats["peak"] == 5 and meter.peak == 100
