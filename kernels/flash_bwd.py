@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import load_tile, store_tile, tile_offsets
+from kernels.tiles import key_ranges, load_tile, store_tile, tile_offsets
 from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
@@ -242,15 +242,7 @@ def flash_bwd_q_kernel(
     k_offs = tile_offsets(offs_n, offs_d, stride_kn, stride_kd)
     v_offs = tile_offsets(offs_n, offs_d, stride_vn, stride_vd)
 
-    # Same key ranges as the forward pass.
-    full_end = (n_k // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + causal_shift), 0)
-        unmasked_end = tl.minimum(tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N, full_end)
-    else:
-        hi = n_k
-        unmasked_end = full_end
-
+    unmasked_end, hi = key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)  # as in the forward
     for start_n in range(0, unmasked_end, BLOCK_N):
         dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
                          start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import load_tile, store_tile, tile_offsets
+from kernels.tiles import key_ranges, load_tile, store_tile, tile_offsets
 from kernels.tuning import fwd_configs, fwd_prune
 
 LOG2E = 1.4426950408889634
@@ -107,18 +107,7 @@ def flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key range this query tile can see, split into tiles needing no mask and the rest.
-    full_end = (n_k // BLOCK_N) * BLOCK_N           # tiles wholly inside [0, n_k)
-    if CAUSAL:
-        hi = tl.minimum(n_k, start_m + BLOCK_M + causal_shift)   # past the last row's view
-        hi = tl.maximum(hi, 0)
-        # tiles whose every key is visible to the tile's first row, hence to all rows
-        unmasked_end = tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N
-        unmasked_end = tl.minimum(unmasked_end, full_end)
-    else:
-        hi = n_k
-        unmasked_end = full_end
-
+    unmasked_end, hi = key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
                                   start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,

@@ -1,4 +1,4 @@
-"""Tile loads and stores shared by the forward and backward kernels.
+"""Tile addressing, loads, stores and key ranges shared by the forward and backward kernels.
 
 Every Q/K/V/O/dO tile is BLOCK rows of one (sequence x head_dim) matrix, addressed as
 
@@ -42,3 +42,21 @@ def store_tile(base, start, row_stride, offs, rows, n_rows, cols, value, HEAD_DI
     ptrs = base + tl.cast(start, tl.int64) * row_stride + offs
     tl.store(ptrs, value.to(base.dtype.element_ty),
              mask=((start + rows) < n_rows)[:, None] & (cols < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def key_ranges(start_m, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys the query tile [start_m, start_m + BLOCK_M) must visit, as two ranges:
+    [0, unmasked_end) of tiles needing no mask, then [unmasked_end, hi) of tiles that do
+    (the causal diagonal and the ragged last tile). Causal is aligned bottom-right:
+    query i sees key j iff j <= i + (n_k - n_q)."""
+    full_end = (n_k // BLOCK_N) * BLOCK_N                    # tiles wholly inside [0, n_k)
+    if CAUSAL:
+        shift = n_k - n_q
+        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + shift), 0)  # past the last row's view
+        # tiles whose every key is visible to the tile's first row, hence to all its rows
+        unmasked_end = tl.minimum(tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N, full_end)
+    else:
+        hi = n_k
+        unmasked_end = full_end
+    return unmasked_end, hi
