@@ -11,12 +11,14 @@ losses are compared. Without CUDA both runs get TRITON_INTERPRET=1, so attention
 Triton kernel in the interpreter (float32); the naive run sees the same environment.
 
 Writes <out>/<name>.json (both series, val losses, differences, metadata), .md (summary) and .png
-(curves overlaid, and |difference| per step). Exits non-zero if a run fails.
+(curves overlaid, and |difference| per step). Exits non-zero if a run fails. `--redraw x.json` redoes
+the .md and .png from a saved result, without training.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import subprocess
@@ -98,7 +100,8 @@ def compare(base: dict, other: dict, early_steps: int = EARLY_STEPS) -> dict:
 
 
 def summary_markdown(result: dict) -> str:
-    (base, other), series, diff, env = result["attention"], result["series"], result["comparison"], result["environment"]
+    base, other = result["attention"]
+    series, diff, env = result["series"], result["comparison"], result["environment"]
     rows = [(name, f"{series[name]['loss'][-1]:.6f}",
              ", ".join(f"{step}: {loss:.6f}" for step, loss in series[name]["val_loss"].items()),
              f"{result['wall_s'][name]:.0f}") for name in (base, other)]
@@ -125,12 +128,13 @@ def draw(result: dict, path: Path) -> None:
         series = result["series"][name]
         line, = curves.plot(series["steps"], series["loss"], style, lw=1, label=f"{name} (train)")
         val = series["val_loss"]
-        curves.plot(list(val), list(val.values()), "o", color=line.get_color(), mfc="none", label=f"{name} (val)")
+        curves.plot([int(step) for step in val], list(val.values()), "o", color=line.get_color(), mfc="none",
+                    label=f"{name} (val)")  # int(): a saved JSON (--redraw) has the steps as str keys
     curves.set_ylabel("loss (nats)")
     curves.set_title(f"attention={' vs '.join(result['attention'])}, seed {result['seed']}", fontsize=9)
     curves.legend(fontsize=8)
     steps, diffs = result["series"][result["attention"][0]]["steps"], result["comparison"]["abs_diff"]
-    gap.plot(steps, [d if d > 0 else math.nan for d in diffs], lw=1, color="black")
+    gap.plot(steps, [d if d > 0 else math.nan for d in diffs], ".-", ms=3, lw=0.8, color="black")
     if any(d > 0 for d in diffs):
         gap.set_yscale("log")
     gap.set_xlabel("step")
@@ -164,7 +168,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--work", type=Path, help="folder for the two run dirs (default outputs/loss_parity/<time>)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="folder for the results")
     parser.add_argument("--name", help="file stem of the results (default loss_parity_<device>)")
+    parser.add_argument("--redraw", type=Path, metavar="JSON", help="only rewrite the .md and .png beside a saved JSON")
     args = parser.parse_args(argv)
+    if args.redraw:
+        result = json.loads(args.redraw.read_text())
+        write_text(args.redraw.with_suffix(".md"), summary_markdown(result))
+        draw(result, args.redraw.with_suffix(".png"))
+        return
 
     overrides = run_overrides(args.overrides)
     work = args.work or REPO_ROOT / "outputs" / "loss_parity" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")

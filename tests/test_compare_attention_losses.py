@@ -64,6 +64,17 @@ def test_outputs_hold_both_series_the_differences_and_metadata(tmp_path, runs):
     assert (tmp_path / "out" / "parity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_redraw_rewrites_the_summary_and_plot_from_the_saved_json(tmp_path, runs):
+    stem = tmp_path / "parity"
+    cal.write_outputs(cal.build_result(["naive", "flash"], [], runs, {"naive": 1.0, "flash": 9.0}), stem)
+    summary = stem.with_suffix(".md").read_text()
+    stem.with_suffix(".md").unlink()
+    stem.with_suffix(".png").unlink()
+    cal.main(["--redraw", str(stem.with_suffix(".json"))])
+    assert stem.with_suffix(".md").read_text() == summary
+    assert stem.with_suffix(".png").stat().st_size > 0
+
+
 def test_plot_of_bit_identical_runs_draws_without_a_log_axis(tmp_path):
     same = {name: write_run(tmp_path / name, BASE[:3], {3: 4.8}) for name in ("naive", "flash")}
     result = cal.build_result(["naive", "flash"], [], same, {"naive": 1.0, "flash": 1.0})
