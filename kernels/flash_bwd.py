@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import key_ranges, load_tile, store_tile, tile_offsets
+from kernels.tiles import key_ranges, load_tile, query_heads, store_tile, tile_offsets
 from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
@@ -216,11 +216,7 @@ def flash_bwd_q_kernel(
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = pid_bh % n_heads
-    h_kv = (h // kv_group).to(tl.int64)
-    h = h.to(tl.int64)
+    b, h, h_kv = query_heads(tl.program_id(1), n_heads, kv_group)
     start_m = pid_m * BLOCK_M
     rows_m = tl.arange(0, BLOCK_M)
     offs_m = start_m + rows_m

@@ -16,6 +16,14 @@ import triton.language as tl
 
 
 @triton.jit
+def query_heads(pid_bh, n_heads, kv_group):
+    """(batch, query head, KV head) of a program in a (..., B * H) grid, in int64 for addressing.
+    GQA: query head h reads KV head h // kv_group."""
+    h = pid_bh % n_heads
+    return (pid_bh // n_heads).to(tl.int64), h.to(tl.int64), (h // kv_group).to(tl.int64)
+
+
+@triton.jit
 def tile_offsets(rows, cols, row_stride, col_stride):
     return rows[:, None] * row_stride + cols[None, :] * col_stride
 
