@@ -62,6 +62,13 @@ def flash_bwd_delta_kernel(
 
 
 @triton.jit
+def _lse_log2(lse):
+    """The forward's natural-log L in the exp2 domain of the recomputed scores. Rows that
+    saw no key have L = -inf; +inf makes their P = exp2(S - L) exactly 0 instead of NaN."""
+    return tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+
+
+@triton.jit
 def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs, stride_qn, stride_don,
                  start_m, rows_m, offs_n, offs_d, n_q, n_k, causal_shift, qk_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -80,8 +87,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs, s
     else:
         lse = tl.load(Lse_bh + offs_m)
         delta = tl.load(Delta_bh + offs_m)
-    # Rows that saw no key have L = -inf; +inf makes their P exactly 0 instead of NaN.
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    lse = _lse_log2(lse)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale       # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASK:
@@ -229,7 +235,7 @@ def flash_bwd_q_kernel(
     do = load_tile(dOut + b * stride_dob + h * stride_doh, start_m, stride_don,
                    tile_offsets(rows_m, offs_d, stride_don, stride_dod), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
     lse = tl.load(Lse + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    lse = _lse_log2(lse)
     delta = tl.load(Delta + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
