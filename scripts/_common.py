@@ -69,7 +69,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         meta.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                     device_memory_bytes=props.total_memory,
-                    alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+                    alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                    flashtrain_autotune=os.environ.get("FLASHTRAIN_AUTOTUNE", "1"))
     return meta
 
 

@@ -47,8 +47,14 @@ def make_inputs(B, n_q, n_k, H, H_kv, D, dtype, scale=1.0, gen_seed=None):
     return q, k, v, do
 
 
+def strided_leaf(t):
+    """A leaf copy of `t` with the same strides (clone() would compact a gapped view)."""
+    leaf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return leaf.copy_(t).requires_grad_()
+
+
 def forward_backward(fn, q, k, v, do, causal, **kw):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    q, k, v = (strided_leaf(t.detach()) for t in (q, k, v))
     out, lse = fn(q, k, v, causal=causal, return_lse=True, **kw)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     return out, lse, dq, dk, dv
@@ -58,27 +64,34 @@ def check_against_reference(q, k, v, do, causal, **kw):
     ours = forward_backward(flash_attention, q, k, v, do, causal, **kw)
     same_dtype = forward_backward(attention_reference, q, k, v, do, causal, **kw)
     exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), causal, **kw)
-    names = ("out", "lse", "dq", "dk", "dv")
-    for name, mine, plain, ref in zip(names, ours, same_dtype, exact):
-        assert mine.shape == ref.shape and mine.dtype == plain.dtype, name
-        assert not torch.isnan(mine).any(), f"{name} has NaN"
-        if name == "lse":
-            # rows that see no key are -inf in both; compare the rest in absolute terms
-            # (lse is float32 in every path, so 2x the same-dtype error would be ~0)
-            assert torch.equal(torch.isinf(mine), torch.isinf(ref)), "lse: -inf rows differ"
-            finite = torch.isfinite(ref)
-            err = (mine.double() - ref)[finite].abs().max().item() if finite.any() else 0.0
-            tol = 1e-4 * (1 + ref[finite].abs().max().item()) if finite.any() else 0.0
-            assert err <= tol, f"lse abs error {err:.3g} > {tol:.3g}"
-            continue
-        assert torch.isfinite(mine).all(), f"{name} has inf"
-        if ref.norm() == 0:  # e.g. dq when every query sees a single key: P = 1, dS = 0
-            atol = 10 * torch.finfo(mine.dtype).eps * do.abs().max().item() * v.abs().max().item()
-            assert mine.abs().max().item() <= atol, f"{name} should be ~0, got {mine.abs().max():.3g}"
-            continue
-        err, base = rel_err(mine, ref), rel_err(plain, ref)
-        bound = 2 * base + SLACK[mine.dtype]
-        assert err <= bound, f"{name}: rel err {err:.3g} > 2 x plain formula's {base:.3g}"
+    for name, mine, plain, ref in zip(NAMES, ours, same_dtype, exact):
+        assert_as_exact_as_plain(name, mine, plain, ref, do, v)
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def assert_as_exact_as_plain(name, mine, plain, ref, do, v):
+    """`mine` may be at most 2x as far from the float64 `ref` as the same-dtype formula `plain`."""
+    assert mine.shape == ref.shape and mine.dtype == plain.dtype, name
+    assert not torch.isnan(mine).any(), f"{name} has NaN"
+    if name == "lse":
+        # rows that see no key are -inf in both; compare the rest in absolute terms
+        # (lse is float32 in every path, so 2x the same-dtype error would be ~0)
+        assert torch.equal(torch.isinf(mine), torch.isinf(ref)), "lse: -inf rows differ"
+        finite = torch.isfinite(ref)
+        err = (mine.double() - ref)[finite].abs().max().item() if finite.any() else 0.0
+        tol = 1e-4 * (1 + ref[finite].abs().max().item()) if finite.any() else 0.0
+        assert err <= tol, f"lse abs error {err:.3g} > {tol:.3g}"
+        return
+    assert torch.isfinite(mine).all(), f"{name} has inf"
+    if ref.norm() == 0:  # e.g. dq when every query sees a single key: P = 1, dS = 0
+        atol = 10 * torch.finfo(mine.dtype).eps * do.abs().max().item() * v.abs().max().item()
+        assert mine.abs().max().item() <= atol, f"{name} should be ~0, got {mine.abs().max():.3g}"
+        return
+    err, base = rel_err(mine, ref), rel_err(plain, ref)
+    bound = 2 * base + SLACK[mine.dtype]
+    assert err <= bound, f"{name}: rel err {err:.3g} > 2 x plain formula's {base:.3g}"
 
 
 # (B, n_q, n_k, H, H_kv, D): odd lengths, Nq != Nk, GQA ratios 1/2/4/8, head dims.
@@ -239,6 +252,32 @@ def test_torch_compile_fullgraph_matches_eager():
     for a, b in zip(eager, comp):
         if a is not None:
             torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@requires_cuda
+def test_element_offsets_past_int32_range():
+    """A million-token view of a wide fused projection puts element offsets past 2^31.
+
+    Only the last R query rows get a gradient, so the check needs no N x N reference:
+    with causal masking aligned bottom-right, those rows are exactly attention of
+    q[-R:] over all N keys, and rows with dO = 0 add nothing to dK or dV (dS = P * (dP - delta)
+    with dP = 0 and delta = 0 there). Addresses computed in int32 would wrap and fail this.
+    """
+    N, D, width, R = 2**20, 64, 2304, 128  # the row stride of gpt2-small's fused QKV
+    assert (N - 1) * width > 2**31
+    g = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    buf = torch.randn(1, N, width, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (buf[:, :, i * D:(i + 1) * D].unsqueeze(2) for i in range(3))
+    do = torch.zeros(1, N, 1, D, device="cuda", dtype=torch.bfloat16)
+    do[:, -R:] = torch.randn(1, R, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, True)
+    assert torch.equal(dq[:, :-R], torch.zeros_like(dq[:, :-R])), "dq of rows with dO = 0"
+    ours = (out[:, -R:], lse[..., -R:], dq[:, -R:], dk, dv)
+    last = (q[:, -R:], k, v, do[:, -R:])
+    plain = forward_backward(attention_reference, *last, True)
+    exact = forward_backward(attention_reference, *(t.double() for t in last), True)
+    for name, mine, p, ref in zip(NAMES, ours, plain, exact):
+        assert_as_exact_as_plain(name, mine, p, ref, do, v)
 
 
 @requires_cuda
