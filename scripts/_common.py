@@ -28,7 +28,10 @@ COMMIT_ENV = "FLASHTRAIN_COMMIT"  # names the commit where the checkout has no .
 
 
 def git_commit() -> str | None:
-    """HEAD of the repo, with '-dirty' when tracked files differ; $FLASHTRAIN_COMMIT if git can't tell."""
+    """$FLASHTRAIN_COMMIT when set (a copy of the tree, e.g. on a GPU machine, may carry a stale
+    .git), else HEAD of the repo with '-dirty' when tracked files differ."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
@@ -36,7 +39,7 @@ def git_commit() -> str | None:
                                capture_output=True, text=True, check=True).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get(COMMIT_ENV)
+        return None
 
 
 def device_name(device: torch.device) -> str:

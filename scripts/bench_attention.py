@@ -3,6 +3,7 @@
     python scripts/bench_attention.py            # full sweep: an estimated 5-7 minutes on an H200,
                                                  # half of it compiling FlexAttention for each shape
     python scripts/bench_attention.py --quick    # two lengths, memory up to 32K (1-2 minutes)
+    python scripts/bench_attention.py --long     # gpt2-small's heads, batch 1, N up to 256K
     python scripts/bench_attention.py --smoke    # CPU-sized plumbing check (not a benchmark)
 
 Throughput: forward, backward and forward+backward TFLOP/s for head dims 64 and 128, sequence
@@ -69,6 +70,9 @@ SWEEPS = {
     "quick": Sweep((64, 128), (4096, 16384), TOKENS, HIDDEN,
                    (1024, 4096, 16384, 32768), (1, 16, 128), 16384),
     "smoke": Sweep((32, 64), (128, 512), 256, 128, (64, 128, 256), (1, 2, 32), 512),
+    # gpt2-small's attention (12 heads of 64) at one sequence per batch, up to 256K tokens:
+    # the rates behind a million-token training step (benchmarks/max_context_h200.md)
+    "long": Sweep((64,), (16384, 65536, 131072, 262144), 1, 768, (), (1, 12, 64), 16384),
 }
 
 
@@ -285,13 +289,17 @@ def memory_rows(report: dict) -> list[list]:
             for r in report["memory"]]
 
 
+def batch_note(tokens: int) -> str:
+    return "batch 1" if tokens == 1 else f"B*N = {tokens:,} tokens (B at least 1)"
+
+
 def write_outputs(stem: Path, report: dict) -> None:
     write_json(stem.with_suffix(".json"), report)
     meta, sweep = report["metadata"], report["settings"]
     mem_b, mem_h, mem_d = sweep["memory_shape"]
     lines = [f"# Attention benchmark: {meta['device']}", "",
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit']}. "
-             f"bf16; B*N = {sweep['tokens']:,} tokens (B at least 1), H*D = {sweep['hidden']}. "
+             f"bf16; {batch_note(sweep['tokens'])}, H*D = {sweep['hidden']}. "
              "FLOPs: forward 4*B*H*N^2*D (halved when causal), backward 2.5x forward, forward+backward 3.5x. "
              f"Timer: {sweep['timer']}. 'ours/this' > 1 means ours is faster.", ""]
     lines += [f"- {name}: {info['label']}, {info['status']}" for name, info in report["backends"].items()]
@@ -424,6 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="mode", const="quick",
                       help="N in {4K, 16K}, memory up to 32K (1-2 minutes on an H200)")
+    size.add_argument("--long", action="store_const", dest="mode", const="long",
+                      help="gpt2-small's attention, batch 1, N from 16K to 256K (a few minutes)")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke",
                       help="CPU-sized shapes that only check the plumbing; not a benchmark")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
