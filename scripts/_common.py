@@ -77,6 +77,13 @@ def environment(device: torch.device) -> dict[str, Any]:
     return meta
 
 
+def tuning_note(meta: dict[str, Any]) -> str:
+    """A sentence for a result's header when our kernels ran with autotuning off."""
+    if meta.get("flashtrain_autotune") == "0":
+        return " Our kernels' tile shapes were pinned (FLASHTRAIN_AUTOTUNE=0), not autotuned."
+    return ""
+
+
 def error_text(exc: BaseException) -> str:
     """One line for a table cell or JSON field: the type and the first line of the message."""
     first = (str(exc).strip().splitlines() or [""])[0]

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from _common import (REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
                      markdown_table, memory_unit, new_figure, plain_log_axis, print_table, save_figure,
-                     tokens_axis, tokens_label, write_json, write_text)
+                     tokens_axis, tokens_label, write_json, write_text, tuning_note)
 from _memory import is_oom, peak_meter, release_memory
 
 TOKENS, HIDDEN = 16384, 2048
@@ -301,11 +301,12 @@ def write_outputs(stem: Path, report: dict) -> None:
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit']}. "
              f"bf16; {batch_note(sweep['tokens'])}, H*D = {sweep['hidden']}. "
              "FLOPs: forward 4*B*H*N^2*D (halved when causal), backward 2.5x forward, forward+backward 3.5x. "
-             f"Timer: {sweep['timer']}. 'ours/this' > 1 means ours is faster.", ""]
+             f"Timer: {sweep['timer']}. 'ours/this' > 1 means ours is faster.{tuning_note(meta)}", ""]
     lines += [f"- {name}: {info['label']}, {info['status']}" for name, info in report["backends"].items()]
-    lines += ["", "## Throughput", "", markdown_table(THROUGHPUT_HEADERS, throughput_rows(report)),
-              f"## Peak memory of one causal forward+backward (B={mem_b}, H={mem_h}, D={mem_d})", "",
-              markdown_table(MEMORY_HEADERS, memory_rows(report))]
+    lines += ["", "## Throughput", "", markdown_table(THROUGHPUT_HEADERS, throughput_rows(report))]
+    if sweep["memory_lengths"]:
+        lines += [f"## Peak memory of one causal forward+backward (B={mem_b}, H={mem_h}, D={mem_d})", "",
+                  markdown_table(MEMORY_HEADERS, memory_rows(report))]
     write_text(stem.with_suffix(".md"), "\n".join(lines))
 
 
@@ -337,6 +338,8 @@ def plot(stem: Path, report: dict) -> None:
         fig.legend(lines.values(), lines.keys(), loc="upper right", fontsize=8)
     fig.suptitle(f"Attention throughput, bf16, {report['metadata']['device']}")
     save_figure(fig, stem.with_name(stem.name + "_tflops.png"))
+    if not report["memory"]:  # a sweep without a memory part (--long)
+        return
 
     fig, axes = new_figure(1, 1, figsize=(6, 4.5))
     ax = axes[0][0]
@@ -422,7 +425,7 @@ def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dic
     print_table(f"Attention TFLOP/s, {report['metadata']['device']}", THROUGHPUT_HEADERS,
                 throughput_rows(report))
     print_table("Peak memory, one causal forward+backward", MEMORY_HEADERS, memory_rows(report))
-    out.print(f"wrote {stem}.json, .md, _tflops.png, _memory.png")
+    out.print(f"wrote {stem}.json, .md, _tflops.png" + (", _memory.png" if report["memory"] else ""))
     return report
 
 

@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from _common import (REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
                      markdown_table, memory_unit, new_figure, plain_log_axis, print_table, save_figure,
-                     tokens_axis, tokens_label, write_json, write_text)
+                     tokens_axis, tokens_label, write_json, write_text, tuning_note)
 from _memory import allocated_bytes, is_oom, peak_meter, release_memory
 
 RETIME_BELOW_S = 2.0  # a step shorter than this is timed again: the first call at a length compiles
@@ -253,7 +253,10 @@ def write_outputs(stem: Path, report: dict) -> None:
              f"One step = forward, backward, optimizer step; precision {settings['precision']}. Each length "
              "is doubled until a step does not fit, then bisected to the row's granularity; '≥' marks a "
              "search that reached its cap. 'vs naive' divides by naive's maximum under the same features. "
-             "Peak memory, step time and tokens/s are those of the longest step that fitted."]
+             "Peak memory, step time and tokens/s are those of the longest step that fitted. A step of "
+             f"over {RETIME_BELOW_S:g} s is timed once, so its time includes first-call costs such as "
+             "compiling kernels; kernel speed is measured by scripts/bench_attention.py."
+             + tuning_note(meta)]
     if meta["device_type"] != "cuda":
         lines.append(f"CPU run against a {settings['memory_budget_mb']} MiB live-tensor budget: it exercises "
                      "the tool; only CUDA runs give real figures.")
