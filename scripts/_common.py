@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -75,6 +75,22 @@ def environment(device: torch.device) -> dict[str, Any]:
                     alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                     flashtrain_autotune=os.environ.get("FLASHTRAIN_AUTOTUNE", "1"))
     return meta
+
+
+def run_cli(main: Callable[[list[str]], Any]) -> None:
+    """Call a script's main with its arguments. Bad input (a ValueError, a missing file, a bad
+    config key) becomes one line on stderr and exit status 2, as train.py does;
+    FLASHTRAIN_TRACEBACK=1 shows the whole traceback instead."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as exc:
+        if os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
+            raise
+        print(f"error: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def tuning_note(meta: dict[str, Any]) -> str:

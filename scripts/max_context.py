@@ -39,7 +39,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from _common import (REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
+from _common import (run_cli, REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
                      markdown_table, memory_unit, new_figure, plain_log_axis, print_table, save_figure,
                      tokens_axis, tokens_label, write_json, write_text, tuning_note)
 from _memory import allocated_bytes, is_oom, peak_meter, release_memory
@@ -415,4 +415,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main)
