@@ -141,7 +141,7 @@ class StepProbe:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _timed_step(self, length: int) -> float:
+    def timed_step(self, length: int) -> float:
         shape = (self.batch_size, length)
         idx = torch.randint(self.vocab_size, shape, device=self.device)
         targets = torch.randint(self.vocab_size, shape, device=self.device)
@@ -159,9 +159,9 @@ class StepProbe:
         error = None
         try:
             with meter:
-                step_s = self._timed_step(length)
+                step_s = self.timed_step(length)
                 if step_s < RETIME_BELOW_S:
-                    step_s = self._timed_step(length)
+                    step_s = self.timed_step(length)
         except Exception as exc:  # noqa: BLE001 (anything but OOM is re-raised)
             if not is_oom(exc):
                 raise
@@ -183,6 +183,13 @@ class StepProbe:
 def compose_config(overrides: list[str]) -> DictConfig:
     from training.config import compose
     return compose(overrides, config_name="max_context")
+
+
+def with_features(cfg: DictConfig, name: str) -> DictConfig:
+    """`cfg` with the model.* keys of feature set `name` applied."""
+    run_cfg = cfg.copy()
+    run_cfg.model = OmegaConf.merge(cfg.model, cfg.feature_sets[name])
+    return run_cfg
 
 
 def validate(cfg: DictConfig, device: torch.device) -> None:
@@ -334,9 +341,7 @@ def plot(stem: Path, report: dict) -> None:
 def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int | None, save, out) -> None:
     """Fill `record` with the search for one implementation under one feature set."""
     impl, name = record["impl"], record["features"]
-    run_cfg = cfg.copy()
-    run_cfg.model = OmegaConf.merge(cfg.model, cfg.feature_sets[name])
-    prober = StepProbe(run_cfg, impl, device, budget)
+    prober = StepProbe(with_features(cfg, name), impl, device, budget)
 
     def probe(length: int) -> Probe:
         out.print(f"[bold]{impl}[/] · {name} · probing {length:,} tokens …")

@@ -1,42 +1,44 @@
 """Where one long training step spends its GPU time: the kernels, summed by name.
 
-    python scripts/profile_step.py model=gpt2-small length=262144 features=ckpt+chunked
+    python scripts/profile_step.py model=gpt2-small length=262144 'features=[ckpt+chunked]'
 
-Same Hydra config as scripts/max_context.py (configs/max_context.yaml) plus `length`; one
-step is run untimed (compiling the kernels), then one under torch.profiler. Prints the
-kernels that took most GPU time, to set beside the FLOP count of benchmarks/ rates.
+The config is configs/profile_step.yaml: scripts/max_context.py's (so train.py's) plus
+`length`; the first of `impls` and of `features` is profiled. One step runs untimed
+(compiling the kernels), then one under torch.profiler. The table of the kernels that took
+most GPU time is what to set beside a FLOP count and the rates of scripts/bench_attention.py
+(kernels/NOTES.md does this for a million-token step).
 """
 from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-
-from _common import run_cli  # noqa: E402
-from max_context import StepProbe, compose_config  # noqa: E402
+import _common  # noqa: F401  (puts the repo root on sys.path)
+from _common import run_cli
+from max_context import StepProbe, validate, with_features
+from training.config import compose
 
 
 def main(argv: list[str]) -> None:
-    extra = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in ("length", "impl")}
-    rest = [a for a in argv if a.split("=", 1)[0] not in ("length", "impl")]
-    cfg = compose_config(rest)
-    length, impl = int(extra.get("length", 65536)), extra.get("impl", "flash")
-    name = cfg.features if isinstance(cfg.features, str) else cfg.features[0]
-    cfg.model = OmegaConf.merge(cfg.model, cfg.feature_sets[name])
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__)
+        return
+    cfg = compose(argv, config_name="profile_step")
+    if not (isinstance(cfg.length, int) and 0 < cfg.length <= cfg.model.max_seq_len):
+        raise ValueError(f"length={cfg.length!r}: must be a positive integer <= model.max_seq_len "
+                         f"({cfg.model.max_seq_len})")
     if not torch.cuda.is_available():
-        raise SystemExit("profile_step.py needs CUDA: it profiles GPU kernels")
-    probe = StepProbe(cfg, impl, torch.device("cuda"), None)
-    print(f"{impl} · {name} · {length:,} tokens: warm-up step {probe._timed_step(length):.2f} s")
+        raise ValueError("profile_step.py needs CUDA: it profiles GPU kernels")
+    device = torch.device("cuda")
+    validate(cfg, device)
+    impl, name = cfg.impls[0], cfg.features[0]
+    probe = StepProbe(with_features(cfg, name), impl, device, None)
+    print(f"{impl} · {name} · {cfg.length:,} tokens: warm-up step {probe.timed_step(cfg.length):.2f} s")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         began = time.perf_counter()
-        probe._timed_step(length)
+        probe.timed_step(cfg.length)
         wall = time.perf_counter() - began
     print(f"profiled step: {wall:.2f} s wall")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))

@@ -200,3 +200,22 @@ def test_cuda_peak_survives_the_cleanup_after_a_probe(monkeypatch):
         stats["peak"] = 100  # the step's high-water mark
     release_memory(torch.device("cuda"))
     assert stats["peak"] == 5 and meter.peak == 100
+
+
+# ----------------------------------------------------------------------------- profile_step.py
+
+def test_profile_step_config_and_refusals():
+    """profile_step.py composes max_context's config plus `length`, and refuses bad input in one
+    ValueError before building anything (it needs CUDA, so the CPU run ends at that refusal)."""
+    import profile_step
+    from training.config import compose
+
+    cfg = compose(["model=tiny", "length=4096"], config_name="profile_step")
+    assert (cfg.length, cfg.cap, cfg.impls[0], cfg.features[0]) == (4096, 4096, "flash", "ckpt+chunked")
+    with pytest.raises(ValueError, match="length=0: must be a positive integer"):
+        profile_step.main(["model=tiny", "length=0"])
+    with pytest.raises(ValueError, match="model.max_seq_len"):
+        profile_step.main(["model=tiny", "model.max_seq_len=1024", "length=2048"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            profile_step.main(["model=tiny", "length=1024"])
