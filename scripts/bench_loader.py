@@ -18,7 +18,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import run_cli, REPO_ROOT, device_slug, environment, print_table, write_json
+from _common import REPO_ROOT, device_slug, environment, print_table, run_cli, write_json
 
 GPT2_SMALL_H200_TOKENS_PER_S = 419_000   # DESIGN.md reference: training consumption to stay ahead of
 

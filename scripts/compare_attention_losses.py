@@ -30,7 +30,8 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import OmegaConf
 
-from _common import run_cli, REPO_ROOT, device_slug, environment, markdown_table, new_figure, save_figure, write_json, write_text
+from _common import (REPO_ROOT, device_slug, environment, markdown_table, new_figure, run_cli, save_figure,
+                     write_json, write_text)
 from training.loggers import MetricsFile
 
 DEFAULT_OVERRIDES = ("trainer.log_every=1", "trainer.progress=false")  # unless the command line sets them

@@ -15,7 +15,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 
-from _common import run_cli, markdown_table, print_table, write_json, write_text
+from _common import markdown_table, print_table, run_cli, write_json, write_text
 
 PERCENTILES = (0, 10, 25, 50, 75, 90, 100)
 

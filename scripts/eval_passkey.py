@@ -16,7 +16,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
-from _common import run_cli, environment, markdown_table, new_figure, print_table, save_figure, write_json, write_text
+from _common import environment, markdown_table, new_figure, print_table, run_cli, save_figure, write_json, write_text
 from _eval import add_checkpoint_args, load_for_eval, run_name
 
 

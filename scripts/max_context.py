@@ -39,9 +39,9 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from _common import (run_cli, REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
-                     markdown_table, memory_unit, new_figure, plain_log_axis, print_table, save_figure,
-                     tokens_axis, tokens_label, write_json, write_text, tuning_note)
+from _common import (REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
+                     markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
+                     save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
 from _memory import allocated_bytes, is_oom, peak_meter, release_memory
 
 RETIME_BELOW_S = 2.0  # a step shorter than this is timed again: the first call at a length compiles
