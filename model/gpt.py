@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from model.attention import get_attention
 from model.config import GPTConfig
+from model.kv_cache import KVCache
 from model.layers import Block, init_block_, init_linear_, make_norm
 from model.losses import at_least_float32, chunked_linear_cross_entropy
 from model.rope import rope_cos_sin
@@ -44,24 +45,44 @@ class GPT(nn.Module):
         if not self.config.tie_embeddings:
             init_linear_(self.lm_head, std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                positions: int | torch.Tensor | None = None, cache: KVCache | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V); with targets (B, T) -> mean cross-entropy
-        over the tokens whose target is not -100."""
+        over the tokens whose target is not -100.
+
+        Keyword-only, for generation and anything that places tokens elsewhere than 0..T-1:
+        - positions: an int, the first token's position (default 0, or the cache's length),
+          or a (T,) / (B, T) tensor of every token's position;
+        - cache: a KVCache; these tokens' keys and values are added to it and attention reads
+          all cached tokens (the new ones are the last rows of the causal mask);
+        - logits_to_keep: > 0 returns only the last that many positions' logits (a long
+          prompt's full logits would not fit).
+        """
         seq_len = idx.shape[1]
-        if seq_len > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.config.max_seq_len}")
+        if positions is None:
+            positions = cache.length if cache is not None else 0
+        if isinstance(positions, int) and positions + seq_len > self.config.max_seq_len:
+            raise ValueError(f"sequence length {positions + seq_len} exceeds model.max_seq_len={self.config.max_seq_len}")
         x = self.tok_emb(idx)
         rope = None
         if self.pos_emb is None:
-            rope = rope_cos_sin(seq_len, self.config.head_dim, self.config.rope_theta, idx.device)
+            rope = rope_cos_sin(seq_len, self.config.head_dim, self.config.rope_theta, idx.device, positions=positions)
+        elif isinstance(positions, int):
+            x = x + self.pos_emb(torch.arange(positions, positions + seq_len, device=idx.device))
         else:
-            x = x + self.pos_emb(torch.arange(seq_len, device=idx.device))
+            x = x + self.pos_emb(positions.to(idx.device))
         x = self.dropout(x)
-        for block in self.blocks:
-            x = block(x, rope)
+        if cache is None:
+            for block in self.blocks:
+                x = block(x, rope)
+        else:
+            for layer, block in enumerate(self.blocks):
+                x = block.forward_cached(x, rope, cache, layer)
+            cache.advance(seq_len)
         x = self.norm_out(x)
         if targets is None:
-            return self.lm_head(x)
+            return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep > 0 else x)
         if self.config.loss_chunk_size > 0:
             return chunked_linear_cross_entropy(
                 x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.loss_chunk_size, IGNORE_INDEX

@@ -99,6 +99,12 @@ class Block(nn.Module):
     def _forward(self, x, rope):
         return self.post_attention(x, self.attn.attention(*self.pre_attention(x, rope), causal=True))
 
+    def forward_cached(self, x: torch.Tensor, rope, cache, layer: int) -> torch.Tensor:
+        """The block for generation: x's keys and values join `cache`, queries attend to all of it."""
+        q, k, v = self.pre_attention(x, rope)
+        k, v = cache.append(layer, k, v)
+        return self.post_attention(x, self.attn.attention(q, k, v, causal=True))
+
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         if self.checkpointing == "full":
             return checkpoint(self._forward, x, rope, use_reentrant=False)
