@@ -1,0 +1,138 @@
+"""Generate text from a trained checkpoint: prompts in, completions out, through a KV cache.
+
+    python scripts/generate.py runs/a --prompt "def main(" --max-new-tokens 200 --temperature 0.8 --top-p 0.95
+    python scripts/generate.py runs/a/checkpoints/step_00000300.pt --prompt-file p1.txt --prompt-file p2.txt \\
+        --num-samples 4 --seed 1 --stop $'\\n\\n' --jsonl out.jsonl
+
+The checkpoint's tokenizer (rebuilt from its config, as training built it) encodes the prompts.
+Prompts of the same token length run as one batch (the attention functions take no padding
+mask); each row stops at its stop string, at the end-of-document token, or after
+--max-new-tokens. A prompt longer than the model's context is refused (exit status 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+
+from _common import run_cli
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run dir (its newest checkpoint)")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    parser.add_argument("--prompt-file", action="append", default=[], type=Path,
+                        help="a file whose whole text is one prompt, '-' for stdin (repeatable)")
+    parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="stop a completion at this string (repeatable)")
+    parser.add_argument("--ignore-eot", action="store_true", help="keep going after the end-of-document token")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--attention", default=None, help="naive | sdpa | flash (default: auto for the device)")
+    parser.add_argument("--jsonl", type=Path, default=None, help="write one JSON object per completion here")
+    args = parser.parse_args(argv)
+    if args.num_samples < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num-samples and --max-new-tokens must be at least 1")
+    if any(s == "" for s in args.stop):
+        raise ValueError("--stop must not be empty")
+    return args
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    for path in args.prompt_file:
+        prompts.append(sys.stdin.read() if str(path) == "-" else path.read_text())
+    if not prompts:
+        raise ValueError("no prompt: give --prompt TEXT or --prompt-file FILE")
+    return prompts
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """text up to (not including) the earliest stop string, and whether one was found."""
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[:min(ends)], True) if ends else (text, False)
+
+
+def complete_batch(model, tokenizer, ids: list[list[int]], args, sampling, generator, device, precision) -> list[dict]:
+    """Decode one batch of equal-length prompts until every row has stopped."""
+    from model.generation import decode
+    from training.device import autocast
+
+    prompt = torch.tensor(ids, device=device)
+    new: list[list[int]] = [[] for _ in ids]
+    reasons: list[str | None] = [None] * len(ids)
+    with autocast(device, precision):
+        for _, chosen in decode(model, prompt, args.max_new_tokens, sampling, generator=generator,
+                                vocab_size=tokenizer.vocab_size):
+            for row, token in enumerate(chosen.tolist()):
+                if reasons[row] is not None:
+                    continue
+                if token == tokenizer.eot_id and not args.ignore_eot:
+                    reasons[row] = "eot"
+                    continue
+                new[row].append(token)
+                if args.stop and cut_at_stop(tokenizer.decode(new[row]), args.stop)[1]:
+                    reasons[row] = "stop"
+            if all(reasons):
+                break
+    results = []
+    for row, tokens in enumerate(new):
+        text, _ = cut_at_stop(tokenizer.decode(tokens), args.stop)
+        results.append({"completion": text, "new_tokens": len(tokens), "stop_reason": reasons[row] or "length"})
+    return results
+
+
+def main(argv: list[str]) -> list[dict]:
+    args = parse_args(argv)
+    from model.generation import Sampling
+    from _eval import load_for_eval
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)   # bad values refused before loading
+    prompts = read_prompts(args)
+    model, cfg, tokenizer, device, path = load_for_eval(args)
+    encoded = [tokenizer.encode(p) for p in prompts]
+    limit = model.config.max_seq_len
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i + 1} is empty")
+        if len(ids) >= limit:
+            raise ValueError(f"prompt {i + 1} has {len(ids):,} tokens; the model's context is {limit:,} "
+                             f"(model.max_seq_len), leaving no room to generate")
+    groups: dict[int, list[int]] = defaultdict(list)   # token length -> rows
+    rows = [(i, ids) for i, ids in enumerate(encoded) for _ in range(args.num_samples)]
+    for r, (_, ids) in enumerate(rows):
+        groups[len(ids)].append(r)
+    generator = torch.Generator(device).manual_seed(args.seed)
+    results: list[dict | None] = [None] * len(rows)
+    for members in groups.values():
+        done = complete_batch(model, tokenizer, [rows[r][1] for r in members], args, sampling, generator,
+                              device, cfg.trainer.precision)
+        for r, result in zip(members, done):
+            i = rows[r][0]
+            results[r] = {"prompt_index": i, "prompt": prompts[i], "prompt_tokens": len(encoded[i]), **result}
+    if args.jsonl:
+        args.jsonl.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.jsonl, "w") as f:
+            for result in results:
+                f.write(json.dumps({**result, "checkpoint": str(path), "seed": args.seed}) + "\n")
+    else:
+        for r, result in enumerate(results):
+            print(f"=== prompt {result['prompt_index'] + 1}"
+                  f"{f', sample {r % args.num_samples + 1}' if args.num_samples > 1 else ''} "
+                  f"({result['new_tokens']} new tokens, {result['stop_reason']}) ===")
+            print(result["prompt"] + result["completion"])
+    return results
+
+
+if __name__ == "__main__":
+    run_cli(main)
