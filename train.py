@@ -26,6 +26,7 @@ from training.checkpoint import (checkpoint_dir, checkpoint_path, find_resume_ch
 from training.config import validate_run
 from training.device import autocast, resolve_device, resolve_precision
 from training.evaluate import evaluate_loss
+from training.hf import apply_init_from, load_hf_weights
 from training.loggers import Loggers, validate_logger
 from training.metrics import Throughput, peak_flops
 from training.optim import build_optimizer, lr_at, validate_optim
@@ -38,6 +39,8 @@ log = logging.getLogger("train")
 def setup(cfg: DictConfig) -> SimpleNamespace:
     """Everything that can fail on bad input, done before the first step."""
     OmegaConf.resolve(cfg)
+    if cfg.model.get("init_from"):
+        apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones
     validate_run(cfg)
     validate_optim(cfg.optim)
     validate_logger(cfg.logger)
@@ -51,6 +54,8 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
     seed_everything(cfg.seed)
     data = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed, rank=0, world_size=1)
     model = build_model(cfg.model, vocab_size=data.vocab_size, attention=cfg.attention.name)
+    if cfg.model.get("init_from") and not resume:  # a resumed run's weights come from its checkpoint
+        load_hf_weights(model, cfg.model.init_from)
     with open_dict(cfg):
         cfg.run.data_fingerprint = data.fingerprint
         cfg.run.num_params = model.num_params()

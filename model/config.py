@@ -37,6 +37,7 @@ class GPTConfig:
     pos_emb: str = "rope"
     rope_theta: float = 10000.0
     norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
     mlp: str = "swiglu"
     tie_embeddings: bool = True
     bias: bool = False
@@ -44,6 +45,7 @@ class GPTConfig:
     init_std: float = 0.02
     activation_checkpointing: str = "none"
     loss_chunk_size: int = 0
+    init_from: Optional[str] = None     # a Hugging Face folder to start from (training/hf.py reads it)
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +90,8 @@ class GPTConfig:
             raise ValueError(f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}")
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got d_model/n_head={self.head_dim}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"model.norm_eps={self.norm_eps} must be positive")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.loss_chunk_size < 0:

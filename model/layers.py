@@ -17,13 +17,11 @@ from model.attention import AttentionFn
 from model.config import GPTConfig
 from model.rope import apply_rope
 
-NORM_EPS = 1e-5
-
 
 def make_norm(config: GPTConfig) -> nn.Module:
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.d_model, eps=NORM_EPS)
-    return nn.LayerNorm(config.d_model, eps=NORM_EPS, bias=config.bias)
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
 
 
 class CausalSelfAttention(nn.Module):
