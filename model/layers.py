@@ -98,10 +98,11 @@ class Block(nn.Module):
         return self.post_attention(x, self.attn.attention(*self.pre_attention(x, rope), causal=True))
 
     def forward_cached(self, x: torch.Tensor, rope, cache, layer: int) -> torch.Tensor:
-        """The block for generation: x's keys and values join `cache`, queries attend to all of it."""
+        """The block for generation: x's keys and values join `cache`, queries attend to all of it.
+        One new token sees every cached key, so its attention needs no causal mask."""
         q, k, v = self.pre_attention(x, rope)
         k, v = cache.append(layer, k, v)
-        return self.post_attention(x, self.attn.attention(q, k, v, causal=True))
+        return self.post_attention(x, self.attn.attention(q, k, v, causal=q.shape[1] > 1))
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         if self.checkpointing == "full":
