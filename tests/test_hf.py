@@ -11,7 +11,7 @@ import torch
 
 from data.tokenizer import ByteTokenizer, JsonTokenizer, train_bpe
 from model import build_model
-from tests.trainrun import REPO, run_in_process, tiny_overrides
+from tests.trainrun import REPO, cache_dir, run_in_process, tiny_overrides  # noqa: F401 (cache_dir: fixture)
 from training.hf import export_hf, hf_architecture, tokenizer_json_text
 
 transformers = pytest.importorskip("transformers")
@@ -106,13 +106,13 @@ def save_hf_folder(folder, kind):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_init_from_starts_a_run_from_hf_weights_and_tokenizer(tmp_path, kind):
+def test_init_from_starts_a_run_from_hf_weights_and_tokenizer(tmp_path, cache_dir, kind):
     import train
     from training.config import compose
 
     folder = tmp_path / kind
     hf_model = save_hf_folder(folder, kind)
-    overrides = tiny_overrides(tmp_path / "run", tmp_path / "cache", steps=2, **{"model.init_from": str(folder)})
+    overrides = tiny_overrides(tmp_path / "run", cache_dir, steps=2, **{"model.init_from": str(folder)})
     run = train.setup(compose(overrides))
     assert run.cfg.tokenizer.name == "pretrained" and run.cfg.tokenizer.eot_token == "<|endoftext|>"
     assert hf_architecture(run.model.config) == kind and run.model.config.vocab_size == 320
@@ -124,26 +124,26 @@ def test_init_from_starts_a_run_from_hf_weights_and_tokenizer(tmp_path, kind):
         assert run_in_process(overrides) == 0
 
 
-def test_init_from_refuses_what_does_not_map(tmp_path, capsys):
+def test_init_from_refuses_what_does_not_map(tmp_path, cache_dir, capsys):
     folder = tmp_path / "hf"
     save_hf_folder(folder, "llama")
     config = json.loads((folder / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0}
     (folder / "config.json").write_text(json.dumps(config))
-    assert run_in_process(tiny_overrides(tmp_path / "run", tmp_path / "cache", **{"model.init_from": str(folder)})) == 2
+    assert run_in_process(tiny_overrides(tmp_path / "run", cache_dir, **{"model.init_from": str(folder)})) == 2
     err = capsys.readouterr().err
     assert "rope_parameters={'rope_type': 'llama3'" in err and "only plain RoPE" in err
     config.update(model_type="mistral")
     (folder / "config.json").write_text(json.dumps(config))
-    assert run_in_process(tiny_overrides(tmp_path / "run", tmp_path / "cache", **{"model.init_from": str(folder)})) == 2
+    assert run_in_process(tiny_overrides(tmp_path / "run", cache_dir, **{"model.init_from": str(folder)})) == 2
     assert "model_type='mistral' does not map (gpt2 and llama do)" in capsys.readouterr().err
 
 
-def test_export_script_on_a_trained_run(tmp_path):
+def test_export_script_on_a_trained_run(tmp_path, cache_dir):
     from training.evaluate import load_model_for_eval
 
     run_dir = tmp_path / "run"
-    assert run_in_process(tiny_overrides(run_dir, tmp_path / "cache", steps=2)) == 0
+    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=2)) == 0
     out = export_script.main([str(run_dir), str(tmp_path / "hf")])
     model, _, tokenizer = load_model_for_eval(sorted((run_dir / "checkpoints").glob("*.pt"))[-1], device="cpu")
     ids = torch.tensor([tokenizer.encode(TEXT)])
