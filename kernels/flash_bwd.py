@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.tiles import key_ranges, load_tile, query_heads, store_tile, tile_offsets
-from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune
+from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune, persistent
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
@@ -103,7 +103,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs, s
 
 
 @triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"],
-                 prune_configs_by=bwd_kv_prune())
+                 prune_configs_by=bwd_kv_prune(), **persistent())
 @triton.jit
 def flash_bwd_kv_kernel(
     Q, K, V, dOut, Lse, Delta, dK, dV,
@@ -205,7 +205,7 @@ def _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, st
 
 
 @triton.autotune(configs=bwd_q_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"],
-                 prune_configs_by=bwd_q_prune())
+                 prune_configs_by=bwd_q_prune(), **persistent())
 @triton.jit
 def flash_bwd_q_kernel(
     Q, K, V, dOut, Lse, Delta, dQ,

@@ -18,8 +18,9 @@ things written back: O is (BLOCK_M x D), L is one float per row. The backward pa
 recomputes P = exp(S - L) from L, so nothing of size N x N ever leaves the chip.
 
 Details that matter for speed and exactness:
-- exponentials are exp2 on scores pre-multiplied by scale * log2(e) (one multiply per
-  score instead of one per exp); L is converted back to natural log when stored;
+- exponentials are exp2 of scale * log2(e) * S - m, one fused multiply-add per score
+  (the row max is taken on raw scores and then scaled); L is converted back to natural
+  log when stored;
 - key tiles that are fully visible and in bounds run without any masking; only the
   tiles on the causal diagonal and the ragged last tile pay for masks;
 - causal masking with Nq != Nk is aligned bottom-right: query i sees key j iff
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.tiles import key_ranges, load_tile, query_heads, store_tile, tile_offsets
-from kernels.tuning import fwd_configs, fwd_prune
+from kernels.tuning import fwd_configs, fwd_prune, persistent
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # jit code may only read constexpr globals
@@ -47,19 +48,22 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
               MASK: tl.constexpr, PRECISION: tl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of a query tile."""
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; scaled below
     if MASK:
         visible = (start_n + offs_n)[None, :] < n_k
         if CAUSAL:
             visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None] + causal_shift)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # The running max lives in the scaled log2 domain. Scaling the row max (qk_scale > 0,
+    # and rounding is monotonic, so this is exactly the max of the scaled scores) rather
+    # than the whole tile leaves one fused multiply-add per score for P below.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASK:
         # A row that has seen only masked keys keeps m = -inf; shift by 0 instead so
         # that exp2(-inf - -inf) never produces NaN. Its P, l and acc stay exactly 0.
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     acc = acc * alpha[:, None]
@@ -67,7 +71,8 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     return acc, l_i, m_new
 
 
-@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"], prune_configs_by=fwd_prune())
+@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"], prune_configs_by=fwd_prune(),
+                 **persistent())
 @triton.jit
 def flash_fwd_kernel(
     Q, K, V, Out, Lse,

@@ -3,8 +3,11 @@
 Forward and backward are registered with `torch.library.triton_op`, so that
 `torch.compile(fullgraph=True)` sees one opaque op per direction (no graph break)
 and Inductor can still schedule the Triton launches; `register_autograd` ties them.
-Input checks run in the Python wrapper, before anything is launched, and raise
-ValueError naming the offending argument instead of a Triton compile trace.
+Outside torch.compile the same launches run under a plain `autograd.Function`: the
+custom-op dispatch costs host time that a small call (gpt2-small's heads at T = 1K)
+cannot hide behind the GPU. Input checks run in the Python wrapper, before anything
+is launched, and raise ValueError naming the offending argument instead of a Triton
+compile trace.
 """
 from __future__ import annotations
 
@@ -70,10 +73,12 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
 
 
-@torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32."""
+def _no_wrap(kernel):
+    """Eager launches call the kernel itself (wrap_triton would trace it into a graph op)."""
+    return kernel
+
+
+def _launch_forward(q, k, v, causal: bool, softmax_scale: float, wrap=_no_wrap):
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
@@ -82,18 +87,21 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
 
-    torch.library.wrap_triton(flash_fwd_kernel)[grid](
+    wrap(flash_fwd_kernel)[grid](
         q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, seq_bucket(max(n_q, n_k)),
         HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, PRECISION=_precision(q.dtype))
     return out, lse
 
 
-@torch.library.triton_op("flashtrain::flash_attn_bwd", mutates_args=())
-def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dq, dk, dv; dk and dv are summed over each GQA group, no atomics."""
+@torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32."""
+    return _launch_forward(q, k, v, causal, softmax_scale, torch.library.wrap_triton)
+
+
+def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, wrap=_no_wrap):
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
@@ -104,14 +112,14 @@ def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=v.device)
 
     delta_rows = 64
-    torch.library.wrap_triton(flash_bwd_delta_kernel)[(triton.cdiv(n_q, delta_rows), B * H)](
+    wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, delta_rows), B * H)](
         out, dout, delta, *_strides(out), *_strides(dout), H, n_q,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=delta_rows)
 
     def kv_grid(meta):
         return (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv)
 
-    torch.library.wrap_triton(flash_bwd_kv_kernel)[kv_grid](
+    wrap(flash_bwd_kv_kernel)[kv_grid](
         q, k, v, dout, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket,
@@ -120,12 +128,20 @@ def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     def q_grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
 
-    torch.library.wrap_triton(flash_bwd_q_kernel)[q_grid](
+    wrap(flash_bwd_q_kernel)[q_grid](
         q, k, v, dout, lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
         H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket,
         HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, PRECISION=_precision(q.dtype))
     return dq, dk, dv
+
+
+@torch.library.triton_op("flashtrain::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq, dk, dv; dk and dv are summed over each GQA group, no atomics."""
+    return _launch_backward(dout, q, k, v, out, lse, causal, softmax_scale, torch.library.wrap_triton)
 
 
 def _setup_context(ctx, inputs, output):
@@ -137,13 +153,27 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, _dlse, launch=flash_attn_bwd):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
+    dq, dk, dv = launch(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
     return dq, dk, dv, None, None
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFlashAttention(torch.autograd.Function):
+    """The same kernels and the same saved tensors as the op above, without its dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale):
+        out, lse = _launch_forward(q, k, v, causal, softmax_scale)
+        _setup_context(ctx, (q, k, v, causal, softmax_scale), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return _backward(ctx, dout, _dlse, launch=_launch_backward)
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
@@ -159,5 +189,6 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    out, lse = flash_attn_fwd(q, k, v, bool(causal), float(softmax_scale))
+    args = (q, k, v, bool(causal), float(softmax_scale))
+    out, lse = flash_attn_fwd(*args) if torch.compiler.is_compiling() else _EagerFlashAttention.apply(*args)
     return (out, lse) if return_lse else out

@@ -9,9 +9,11 @@ TUNE_MAX_TOKENS always use that first entry. Under TRITON_INTERPRET=1
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import triton
+from triton.runtime.autotuner import Autotuner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("FLASHTRAIN_AUTOTUNE", "1") != "0"
@@ -38,6 +40,11 @@ _BWD_KV = {  # BLOCK_N keys owned x BLOCK_M queries streamed
     128: [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 3)],
     256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2)],
 }
+# Causal dK/dV: the pinned default where the tuner's pick differs from the non-causal one.
+# Masking makes half the tiles partial, and the tuner picked these at 4K and 16K on the
+# H200 (benchmarks/attention_h200_training.md); pinned, the first entries ran the causal
+# backward past 128K at 0.8x the tuned rate (kernels/NOTES.md, "Long sequences").
+_BWD_KV_CAUSAL = {64: (64, 64, 4, 2), 128: (128, 64, 8, 2)}
 _BWD_Q = {  # BLOCK_M queries owned x BLOCK_N keys streamed
     64: [(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
     128: [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
@@ -64,17 +71,30 @@ def seq_bucket(n: int) -> int:
     return min(max(triton.next_power_of_2(n), 128), 2 * TUNE_MAX_TOKENS)
 
 
-def _for_head_dim(table, names):
-    """early_config_prune hook: keep the candidates listed for this BLOCK_D."""
+def _for_head_dim(table, names, causal_default=None):
+    """early_config_prune hook: keep the candidates listed for this BLOCK_D; untuned, the
+    pinned default (the list's first entry, or `causal_default[dim]` for causal calls)."""
     def prune(configs, named_args, **kwargs):
         if INTERPRET:
             return configs
         dim = min(d for d in table if d >= kwargs["BLOCK_D"])
         tune = AUTOTUNE and named_args["seq_bucket"] <= TUNE_MAX_TOKENS
-        wanted = table[dim] if tune else table[dim][:1]
+        pinned = (causal_default or {}).get(dim, table[dim][0]) if kwargs.get("CAUSAL") else table[dim][0]
+        wanted = table[dim] if tune else [pinned]
         keep = [c for c in configs if _entry(c, names) in wanted]
         return sorted(keep, key=lambda c: wanted.index(_entry(c, names)))
     return prune
+
+
+def persistent() -> dict:
+    """Autotuner arguments that keep tuning results on disk, in Triton's cache (TRITON_CACHE_DIR,
+    default ~/.triton/cache), keyed by Triton's version, the GPU architecture, the kernel's
+    source, the tuning key (head dim, causal, length band) and the candidate list: a second
+    process with the same shapes starts without re-timing every candidate. Triton releases
+    without the option tune in every process, as before."""
+    if "cache_results" in inspect.signature(Autotuner.__init__).parameters and not INTERPRET:
+        return {"cache_results": True}
+    return {}
 
 
 def fwd_configs():
@@ -90,7 +110,7 @@ def bwd_kv_configs():
 
 
 def bwd_kv_prune():
-    return {"early_config_prune": _for_head_dim(_BWD_KV, ("BLOCK_N", "BLOCK_M"))}
+    return {"early_config_prune": _for_head_dim(_BWD_KV, ("BLOCK_N", "BLOCK_M"), _BWD_KV_CAUSAL)}
 
 
 def bwd_q_configs():

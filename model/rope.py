@@ -2,40 +2,60 @@
 
 Channel i of the first half of each head is paired with channel i of the second half
 and the pair is rotated by angle pos * theta^(-2i/D). Nothing is tabulated up front:
-cos/sin are computed per forward for the current length, once for all layers, so a
+cos/sin are computed per forward for the positions at hand, once for all layers, so a
 million-token context needs no precomputed table and no maximum to outgrow.
+
+The table is built by one opaque op (`flashtrain::rope_cos_sin`). Written as plain
+pointwise code, torch.compile fused the float64 cos/sin into every consumer and so
+recomputed them for q and k of every layer, forward and backward: at gpt2-small,
+T = 4K, that recomputation was 29% of a training step on an H200
+(benchmarks/train_h200_profile_before.txt). As an op its output is computed once per forward
+and the layers only read it.
 """
 from __future__ import annotations
 
 import torch
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, *,
-                 positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each (seq_len, head_dim // 2) in float32.
+@torch.library.custom_op("flashtrain::rope_cos_sin", mutates_args=())
+def rope_table(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles at `positions` (any shape of integers), each
+    (*positions.shape, head_dim // 2) in float32.
 
-    `positions` says where the seq_len tokens sit: an int is the first one's position (0 for
-    training, the cache length when decoding continues a prompt); a tensor gives every token's
-    position, (seq_len,) or (B, seq_len), and the result then has its shape plus head_dim // 2.
     Angles are formed in float64: in float32 a position near 10^6 times the fastest
     frequency (1 rad/token) is off by up to 0.06 rad, which would blur long contexts.
     """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    if isinstance(positions, torch.Tensor):
-        if positions.shape[-1] != seq_len or positions.dim() > 2:
-            raise ValueError(f"positions of shape {tuple(positions.shape)} do not give one position "
-                             f"per token of a {seq_len}-token sequence")
-        pos = positions.to(device=device, dtype=torch.float64)
-    else:
-        pos = torch.arange(positions, positions + seq_len, device=device, dtype=torch.float64)
-    angles = pos[..., None] * inv_freq
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
     return angles.cos().float(), angles.sin().float()
 
 
+@rope_table.register_fake
+def _(positions, head_dim, theta):
+    shape = (*positions.shape, head_dim // 2)
+    return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, *,
+                 positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table for seq_len tokens: cos and sin, each (seq_len, head_dim // 2).
+
+    `positions` says where the tokens sit: an int is the first one's position (0 for training,
+    the cache length when decoding continues a prompt); a tensor gives every token's position,
+    (seq_len,) or (B, seq_len), and the table then has its shape plus head_dim // 2.
+    """
+    if isinstance(positions, torch.Tensor):
+        if positions.dim() > 2 or positions.shape[-1] != seq_len:
+            raise ValueError(f"positions of shape {tuple(positions.shape)} do not give one position "
+                             f"per token of a {seq_len}-token sequence")
+        return rope_table(positions.to(device), head_dim, theta)
+    return rope_table(torch.arange(positions, positions + seq_len, device=device), head_dim, theta)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, D) by position; returns a new tensor, x (often a strided view
-    of the fused QKV projection) is only read. cos/sin are (T, D/2) or per sequence (B, T, D/2)."""
-    cos = cos.to(x.dtype)[..., None, :]   # (T, 1, D/2) or (B, T, 1, D/2): broadcast over heads
-    sin = sin.to(x.dtype)[..., None, :]
+    """Rotate x (B, T, H, D) by position; cos/sin are (T, D/2) or (B, T, D/2). Returns a new
+    tensor, x (often a strided view of the fused QKV projection) is only read."""
+    cos = cos.to(x.dtype).unsqueeze(-2)   # (..., T, 1, D/2): broadcast over heads (and batch)
+    sin = sin.to(x.dtype).unsqueeze(-2)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -26,6 +26,7 @@ shape: <out>/attention_<gpu>.json (with metadata), .md (tables) and two PNGs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -86,15 +87,17 @@ def _ours(causal: bool, seq_len: int, device: torch.device) -> Attention:
     return lambda q, k, v: flash_attention(q, k, v, causal=causal)
 
 
-def _sdpa(backend_name: str):
+def _sdpa(backend_name: str | None):
+    """SDPA restricted to one backend, or (None) left to pick its own, as `attention=sdpa` does."""
     def make(causal: bool, seq_len: int, device: torch.device) -> Attention:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backend = getattr(SDPBackend, backend_name)
+        only = (lambda: sdpa_kernel(getattr(SDPBackend, backend_name))) if backend_name else contextlib.nullcontext
 
         def attention(q, k, v):
-            with sdpa_kernel(backend):  # a few microseconds per call, hidden behind the GPU's queue
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            with only():  # a few microseconds per call, hidden behind the GPU's queue
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                      enable_gqa=q.shape[1] != k.shape[1])
         return attention
     return make
 
@@ -111,7 +114,7 @@ def _flex(causal: bool, seq_len: int, device: torch.device) -> Attention:
     mask = (create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len,
                               device=device) if causal else None)
     compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, block_mask=mask)
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _naive(causal: bool, seq_len: int, device: torch.device) -> Attention:
@@ -128,6 +131,7 @@ class Backend:
 
 BACKENDS = {
     "ours": Backend("ours (Triton)", False, _ours),
+    "sdpa-default": Backend("SDPA, its own choice of backend", True, _sdpa(None)),
     "sdpa-flash": Backend("SDPA flash (FA2)", True, _sdpa("FLASH_ATTENTION")),
     "sdpa-cudnn": Backend("SDPA cuDNN", True, _sdpa("CUDNN_ATTENTION")),
     "flex": Backend("FlexAttention (compiled)", True, _flex),
@@ -378,6 +382,226 @@ def print_shape(out, rows: list[dict]) -> None:
         out.print(f"    {r['backend']:>10}: {line}")
 
 
+# ----------------------------------------------------------------------------- training shapes
+
+# (query heads, K/V heads, head dim) of the models people train: gpt2-small's attention, a
+# 2048-wide model with heads of 128, and the same with grouped-query attention (32 over 8).
+TRAINING_HEADS = ((12, 12, 64), (16, 16, 128), (32, 8, 128))
+TRAINING_LENGTHS = (1024, 2048, 4096, 8192, 16384, 65536, 131072)
+TRAINING_BACKENDS = ("ours", "sdpa-default", "sdpa-cudnn", "flex")
+SUSTAINED_S = 20.0
+
+
+def fused_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, heads_first: bool, device):
+    """q, k, v as strided views of one fused QKV projection output (the leaf that gets the
+    gradient), exactly as the model hands them to attention; dout contiguous in (B, N, H, D)."""
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(batch, seq_len, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in
+               qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    dout = torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=torch.bfloat16)
+    if heads_first:
+        q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
+    return qkv, (q, k, v), dout
+
+
+def sdpa_choice(attention, args, leaf, dout) -> str:
+    """Which backend SDPA ran, read off the kernel names of one forward + backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(attention(*args), leaf, dout)
+        torch.cuda.synchronize()
+    names = " ".join(e.key.lower() for e in prof.key_averages())
+    for needle, label in (("cudnn", "cuDNN"), ("flash_fwd", "FA2"), ("flash", "FA2"), ("fmha", "mem-efficient")):
+        if needle in names:
+            return label
+    return "math"
+
+
+class PowerLog:
+    """SM clock (MHz) and board power (W) sampled every 0.2 s in a thread, through NVML."""
+
+    def __init__(self, device):
+        import threading
+        self.samples, self._stop = [], threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            self._read = lambda: (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                                  pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
+        except Exception:  # noqa: BLE001 (no NVML: the figures go without clocks)
+            self._read = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.2):
+            self.samples.append(self._read())
+
+    def __enter__(self):
+        if self._read:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._read:
+            self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks, watts = zip(*self.samples)
+        return {"sm_clock_mhz_median": statistics.median(clocks), "sm_clock_mhz_min": min(clocks),
+                "power_w_median": statistics.median(watts), "power_w_max": max(watts)}
+
+
+def sustained_ms(fn, seconds: float, device) -> tuple[float, dict]:
+    """Mean milliseconds per call over `seconds` of back-to-back calls (the clock the power cap
+    allows under sustained load, not a 100 ms burst), with the clocks and power seen meanwhile."""
+    fn()
+    torch.cuda.synchronize()
+    calls, began = 0, time.perf_counter()
+    with PowerLog(device) as power:
+        while time.perf_counter() - began < seconds:
+            for _ in range(10):
+                fn()
+            calls += 10
+            torch.cuda.synchronize()
+    return (time.perf_counter() - began) * 1e3 / calls, power.summary()
+
+
+def measure_training_shape(name: str, shape, device, bench, sustained: bool) -> dict:
+    B, N, H, Hkv, D = shape
+    row = {"backend": name, "B": B, "N": N, "H": H, "Hkv": Hkv, "D": D, "causal": True, "status": "ok"}
+    try:
+        backend = BACKENDS[name]
+        attention = backend.make(True, N, device)
+        leaf, args, dout = fused_inputs(B, N, H, Hkv, D, backend.heads_first, device)
+        out = attention(*args)
+        times = {"fwd": bench(lambda: attention(*args)),
+                 "bwd": bench(lambda: torch.autograd.grad(out, leaf, dout, retain_graph=True))}
+        del out
+        step = lambda: torch.autograd.grad(attention(*args), leaf, dout)  # noqa: E731
+        times["fwd+bwd"] = bench(step)
+        if name == "sdpa-default":
+            row["picked"] = sdpa_choice(attention, args, leaf, dout)
+        if sustained:
+            row["sustained_fwd+bwd_ms"], row["sustained_power"] = sustained_ms(step, SUSTAINED_S, device)
+    except Exception as exc:  # noqa: BLE001 (one shape failing must not end the sweep)
+        row["status"] = failure(exc)
+    release_memory(device)
+    if row["status"] == "ok":
+        flops = attention_flops(B, H, N, D, causal=True)
+        for p in PASSES:
+            row[f"{p}_ms"] = times[p]
+            row[f"{p}_tflops"] = flops[p] / (times[p] * 1e-3) / 1e12
+    return row
+
+
+TRAINING_HEADERS = ["H/Hkv x D", "T", "B", "backend", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s",
+                    "ours/this fwd", "ours/this bwd", "ours/this fwd+bwd"]
+
+
+def training_rows(report: dict) -> list[list]:
+    def key(r):
+        return r["H"], r["Hkv"], r["D"], r["N"]
+    ours = {key(r): r for r in report["training"] if r["backend"] == "ours" and r["status"] == "ok"}
+    rows = []
+    for r in report["training"]:
+        heads = f"{r['H']}/{r['Hkv']} x {r['D']}"
+        label = r["backend"] + (f" ({r['picked']})" if "picked" in r else "")
+        if r["status"] != "ok":
+            rows.append([heads, r["N"], r["B"], label, r["status"], "", "", "", "", "", ""])
+            continue
+        mine = ours.get(key(r))
+        ratios = [f"{r[p + '_ms'] / mine[p + '_ms']:.2f}" if mine and r is not mine else "-" for p in PASSES]
+        rows.append([heads, r["N"], r["B"], label, *(f"{r[p + '_ms']:.3f}" for p in PASSES),
+                     f"{r['fwd+bwd_tflops']:.0f}", *ratios])
+    return rows
+
+
+def sustained_rows(report: dict) -> list[list]:
+    rows = []
+    for r in report["training"]:
+        if "sustained_fwd+bwd_ms" in r:
+            p = r.get("sustained_power", {})
+            rows.append([f"{r['H']}/{r['Hkv']} x {r['D']}", r["N"], r["backend"], f"{r['fwd+bwd_ms']:.3f}",
+                         f"{r['sustained_fwd+bwd_ms']:.3f}", p.get("sm_clock_mhz_median", "-"),
+                         p.get("sm_clock_mhz_min", "-"), p.get("power_w_median", "-")])
+    return rows
+
+
+def write_training_outputs(stem: Path, report: dict) -> None:
+    write_json(stem.with_suffix(".json"), report)
+    meta = report["metadata"]
+    lines = [f"# Attention at training shapes: {meta['device']}", "",
+             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit']}. "
+             "bf16, causal, 16K tokens per call (B = max(1, 16384 / T)); q, k, v are strided views of one "
+             "fused QKV projection as the model passes them, gradients taken w.r.t. that projection. "
+             "Times are milliseconds (triton.testing.do_bench median, burst clocks); 'ours/this' is the "
+             "other backend's time over ours: > 1 means ours is faster. sdpa-default is SDPA left to "
+             f"choose (the backend it ran is in brackets).{tuning_note(meta)}", "",
+             markdown_table(TRAINING_HEADERS, training_rows(report))]
+    sustained = sustained_rows(report)
+    if sustained:
+        lines += [f"## Sustained: {SUSTAINED_S:.0f} s of back-to-back forward+backward calls", "",
+                  markdown_table(["H/Hkv x D", "T", "backend", "burst ms", "sustained ms", "SM MHz (median)",
+                                  "SM MHz (min)", "power W (median)"], sustained)]
+    write_text(stem.with_suffix(".md"), "\n".join(lines))
+
+
+def long_call_timer(bench, threshold_ms: float = 20.0, repeats: int = 3):
+    """`bench` for short calls; a call slower than `threshold_ms` (T = 64K-128K) is timed as the
+    median of `repeats` calls after one warm-up instead (do_bench would first run it five times
+    just to size its loop, seconds per call at 128K)."""
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if (time.perf_counter() - began) * 1e3 < threshold_ms:
+            return bench(fn)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    return timed
+
+
+def run_training(out_dir: Path, names: list[str], device: torch.device, heads, lengths, sustained_at) -> dict:
+    out = console()
+    bench, timer_note = timer(device)
+    if device.type == "cuda":
+        bench, timer_note = long_call_timer(bench), timer_note + "; calls over 20 ms: median of 3 after a warm-up"
+    stem = out_dir / f"attention_{device_slug(device)}_training"
+    report = {"metadata": environment(device),
+              "settings": {"mode": "training", "tokens": TOKENS, "dtype": "bfloat16", "heads": heads,
+                           "lengths": lengths, "timer": timer_note, "sustained_s": SUSTAINED_S},
+              "backends": {n: {"label": BACKENDS[n].label} for n in names}, "training": []}
+    for H, Hkv, D in heads:
+        for N in lengths:
+            shape = (max(1, TOKENS // N), N, H, Hkv, D)
+            out.print(f"[bold]H={H} Hkv={Hkv} D={D} T={N} B={shape[0]}[/]")
+            for name in names:
+                sustained = (H, Hkv, D, N) in sustained_at and name in ("ours", "sdpa-default")
+                row = measure_training_shape(name, shape, device, bench, sustained)
+                report["training"].append(row)
+                out.print(f"    {name:>12}{' (' + row['picked'] + ')' if 'picked' in row else ''}: " + (
+                    "  ".join(f"{p} {row[p + '_ms']:.3f} ms" for p in PASSES) if row["status"] == "ok"
+                    else row["status"]))
+                write_training_outputs(stem, report)
+    print_table(f"Attention at training shapes, {report['metadata']['device']}", TRAINING_HEADERS,
+                training_rows(report))
+    return report
+
+
 # ----------------------------------------------------------------------------- main
 
 def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dict:
@@ -437,14 +661,24 @@ def main(argv: list[str] | None = None) -> dict:
                       help="N in {4K, 16K}, memory up to 32K (1-2 minutes on an H200)")
     size.add_argument("--long", action="store_const", dest="mode", const="long",
                       help="gpt2-small's attention, batch 1, N from 16K to 256K (a few minutes)")
+    size.add_argument("--training", action="store_const", dest="mode", const="training",
+                      help="causal, the heads of trained models, strided fused-QKV inputs, T from 1K to "
+                           "128K, against SDPA's own choice (about 10 minutes with flex)")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke",
                       help="CPU-sized shapes that only check the plumbing; not a benchmark")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
-    parser.add_argument("--backends", default=",".join(BACKENDS),
-                        help=f"comma-separated subset of {','.join(BACKENDS)}")
+    parser.add_argument("--backends", default=None,
+                        help=f"comma-separated subset of {','.join(BACKENDS)} (default: all; with --training "
+                             f"{','.join(TRAINING_BACKENDS)})")
+    parser.add_argument("--lengths", default=None, help="--training only: comma-separated T (default: "
+                        + ",".join(map(str, TRAINING_LENGTHS)) + ")")
+    parser.add_argument("--heads", default=None, help="--training only: comma-separated H/Hkv/D, e.g. 12/12/64")
+    parser.add_argument("--sustained", default="12/12/64/16384,16/16/128/16384",
+                        help="--training only: H/Hkv/D/T shapes also timed over 20 s back to back, with clocks")
     args = parser.parse_args(argv)
     mode = args.mode or "full"
-    names = [n for n in args.backends.split(",") if n]
+    names = [n for n in (args.backends or ",".join(TRAINING_BACKENDS if mode == "training" else BACKENDS)).split(",")
+             if n]
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         raise ValueError(f"--backends: unknown {', '.join(unknown)}; valid: {', '.join(BACKENDS)}")
@@ -455,6 +689,21 @@ def main(argv: list[str] | None = None) -> dict:
                              "plumbing check")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # our kernel runs on the CPU only interpreted
         torch.set_num_threads(1)  # tiny shapes: OpenMP threads only wait on each other
+    if mode == "training":
+        def ints(text: str, what: str) -> tuple[int, ...]:
+            try:
+                values = tuple(int(x) for x in text.split("/"))
+            except ValueError:
+                raise ValueError(f"{what}={text!r}: expected integers separated by '/'") from None
+            if any(v < 1 for v in values):
+                raise ValueError(f"{what}={text!r}: every value must be positive")
+            return values
+        heads = [ints(h, "--heads") for h in args.heads.split(",")] if args.heads else list(TRAINING_HEADS)
+        lengths = [ints(n, "--lengths")[0] for n in args.lengths.split(",")] if args.lengths else list(TRAINING_LENGTHS)
+        sustained = {ints(x, "--sustained") for x in args.sustained.split(",") if x}
+        if any(len(h) != 3 or h[0] % h[1] for h in heads):
+            raise ValueError(f"--heads={args.heads!r}: each entry is H/Hkv/D with H a multiple of Hkv")
+        return run_training(args.out, names, device, heads, lengths, sustained)
     return run(mode, args.out, names, device)
 
 

@@ -38,3 +38,28 @@ def test_length_bands():
     assert tuning.seq_bucket(1) == 128
     assert tuning.seq_bucket(1000) == 1024 and tuning.seq_bucket(1024) == 1024
     assert tuning.seq_bucket(1 << 20) == tuning.seq_bucket(1 << 22) == 2 * tuning.TUNE_MAX_TOKENS
+
+
+def test_causal_backward_pins_its_own_default(monkeypatch):
+    """Past the tuning limit the causal dK/dV kernel runs the shape the tuner picks for causal."""
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    names = ("BLOCK_N", "BLOCK_M")
+    unique = dict.fromkeys(e for entries in tuning._BWD_KV.values() for e in entries)
+    candidates = [tuning._cfg(a, b, names, w, s) for a, b, w, s in unique]
+    hook = tuning.bwd_kv_prune()["early_config_prune"]
+    for dim in (64, 128):
+        args = ({"seq_bucket": tuning.seq_bucket(1 << 20)},)
+        causal = [tuning._entry(c, names) for c in hook(candidates, *args, BLOCK_D=dim, CAUSAL=True)]
+        plain = [tuning._entry(c, names) for c in hook(candidates, *args, BLOCK_D=dim, CAUSAL=False)]
+        assert causal == [tuning._BWD_KV_CAUSAL[dim]] and tuning._BWD_KV_CAUSAL[dim] in tuning._BWD_KV[dim]
+        assert plain == tuning._BWD_KV[dim][:1]
+
+
+def test_tuning_results_persist_where_triton_can(monkeypatch):
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    import inspect
+    from triton.runtime.autotuner import Autotuner
+    supported = "cache_results" in inspect.signature(Autotuner.__init__).parameters
+    assert tuning.persistent() == ({"cache_results": True} if supported else {})
+    monkeypatch.setattr(tuning, "INTERPRET", True)
+    assert tuning.persistent() == {}
