@@ -5,8 +5,8 @@
         --num-samples 4 --seed 1 --stop $'\\n\\n' --jsonl out.jsonl
 
 The checkpoint's tokenizer (rebuilt from its config, as training built it) encodes the prompts.
-Prompts of the same token length run as one batch (the attention functions take no padding
-mask); each row stops at its stop string, at the end-of-document token, or after
+Prompts of the same token length run together, up to --batch-size at a time (the attention
+functions take no padding mask); each row stops at its stop string, at the end-of-document token, or after
 --max-new-tokens. A prompt longer than the model's context is refused (exit status 2).
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prompt-file", action="append", default=[], type=Path,
                         help="a file whose whole text is one prompt, '-' for stdin (repeatable)")
     parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
+    parser.add_argument("--batch-size", type=int, default=16, help="most sequences decoded together")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -41,8 +42,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--attention", default=None, help="naive | sdpa | flash (default: auto for the device)")
     parser.add_argument("--jsonl", type=Path, default=None, help="write one JSON object per completion here")
     args = parser.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 1:
-        raise ValueError("--num-samples and --max-new-tokens must be at least 1")
+    if min(args.num_samples, args.max_new_tokens, args.batch_size) < 1:
+        raise ValueError("--num-samples, --max-new-tokens and --batch-size must be at least 1")
     if any(s == "" for s in args.stop):
         raise ValueError("--stop must not be empty")
     return args
@@ -114,7 +115,8 @@ def main(argv: list[str]) -> list[dict]:
         groups[len(ids)].append(r)
     generator = torch.Generator(device).manual_seed(args.seed)
     results: list[dict | None] = [None] * len(rows)
-    for members in groups.values():
+    batches = [rows_[i:i + args.batch_size] for rows_ in groups.values() for i in range(0, len(rows_), args.batch_size)]
+    for members in batches:
         done = complete_batch(model, tokenizer, [rows[r][1] for r in members], args, sampling, generator,
                               device, cfg.trainer.precision)
         for r, result in zip(members, done):
@@ -125,6 +127,7 @@ def main(argv: list[str]) -> list[dict]:
         with open(args.jsonl, "w") as f:
             for result in results:
                 f.write(json.dumps({**result, "checkpoint": str(path), "seed": args.seed}) + "\n")
+        print(f"wrote {len(results)} completions to {args.jsonl}")
     else:
         for r, result in enumerate(results):
             print(f"=== prompt {result['prompt_index'] + 1}"

@@ -27,7 +27,7 @@ def test_greedy_batch_matches_the_model_and_jsonl(run_dir, tmp_path):
     args = [str(run_dir), "--device", "cpu", "--prompt", "def f(x):", "--prompt", "import os",
             "--prompt", "class A:", "--temperature", "0", "--max-new-tokens", "8", "--ignore-eot",
             "--jsonl", str(out)]
-    results = generate.main(args)
+    results = generate.main(args)   # the first two prompts have 9 tokens: one batch
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["def f(x):", "import os", "class A:"]
     assert all(r["new_tokens"] == 8 and r["stop_reason"] == "length" for r in rows)
@@ -44,7 +44,7 @@ def test_greedy_batch_matches_the_model_and_jsonl(run_dir, tmp_path):
 
 def test_sampling_is_seeded_and_stop_strings_cut(run_dir, capsys):
     base = [str(run_dir), "--device", "cpu", "--prompt", "x = ", "--num-samples", "3", "--max-new-tokens", "12",
-            "--temperature", "1.5", "--ignore-eot"]
+            "--temperature", "1.5", "--ignore-eot", "--batch-size", "2"]   # batches of 2 and 1
     a, b = generate.main(base + ["--seed", "3"]), generate.main(base + ["--seed", "3"])
     assert a == b and len(a) == 3
     text = a[0]["completion"]
