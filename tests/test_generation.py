@@ -8,15 +8,21 @@ from model.rope import apply_rope, rope_cos_sin
 
 TINY = dict(name="t", n_layer=2, n_head=4, n_kv_head=2, d_model=64, vocab_size=None, max_seq_len=48)
 VOCAB = 50
+FLASH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # on the CPU: Triton's interpreter
 
 
 def tiny(attention="sdpa", dtype=torch.float64, **changes):
     torch.manual_seed(0)
-    return build_model({**TINY, **changes}, vocab_size=VOCAB, attention=attention).to(dtype).eval()
+    model = build_model({**TINY, **changes}, vocab_size=VOCAB, attention=attention)
+    return model.to(FLASH_DEVICE if attention == "flash" else "cpu", dtype).eval()
+
+
+def tokens(model, *shape):
+    return torch.randint(0, VOCAB, shape).to(model.lm_head.weight.device)
 
 
 def run(model, prompt, steps, use_cache, sampling=Sampling(temperature=0), seed=None):
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    generator = None if seed is None else torch.Generator(prompt.device).manual_seed(seed)
     out = list(decode(model, prompt, steps, sampling, generator=generator, vocab_size=VOCAB, use_cache=use_cache))
     return torch.stack([l for l, _ in out], 1), torch.stack([t for _, t in out], 1)
 
@@ -30,7 +36,7 @@ def run(model, prompt, steps, use_cache, sampling=Sampling(temperature=0), seed=
 ])
 def test_cached_greedy_decoding_equals_recomputing(attention, dtype, tol, pos_emb):
     model = tiny(attention, dtype, pos_emb=pos_emb)
-    prompt = torch.randint(0, VOCAB, (2, 7))
+    prompt = tokens(model, 2, 7)
     steps = 4 if attention == "flash" else 12
     cached_logits, cached = run(model, prompt, steps, use_cache=True)
     full_logits, full = run(model, prompt, steps, use_cache=False)
@@ -57,7 +63,7 @@ def test_cached_sampling_with_a_seed_is_reproducible_and_equals_recomputing():
 def test_prefill_in_chunks_equals_one_prefill(attention, dtype, tol):
     """A chunk of several new queries against a filled cache (bottom-right causal alignment)."""
     model = tiny(attention, dtype)
-    idx = torch.randint(0, VOCAB, (2, 20))
+    idx = tokens(model, 2, 20)
     cache = KVCache(TINY["n_layer"], 2, 20)
     with torch.no_grad():
         parts = [model(idx[:, s:e], cache=cache) for s, e in ((0, 8), (8, 9), (9, 20))]
@@ -110,8 +116,8 @@ def test_padding_rows_of_the_head_are_never_chosen():
     assert model.config.vocab_size == 64
     with torch.no_grad():
         model.lm_head.weight[VOCAB:] = 10.0   # would win every argmax
-    _, tokens = run(model, torch.randint(0, VOCAB, (2, 4)), 5, True)
-    assert tokens.max() < VOCAB
+    _, chosen = run(model, torch.randint(0, VOCAB, (2, 4)), 5, True)
+    assert chosen.max() < VOCAB
 
 
 def test_prompt_longer_than_the_context_is_refused():
