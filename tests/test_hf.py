@@ -153,3 +153,11 @@ def test_export_script_on_a_trained_run(tmp_path, cache_dir):
         torch.testing.assert_close(logits, model(ids), rtol=0, atol=2e-5)
     with pytest.raises(ValueError, match="already holds an export"):
         export_script.main([str(run_dir), str(out)])
+    # and back: a run started from the export computes what the trained model does
+    import train
+    from training.config import compose
+
+    again = train.setup(compose(tiny_overrides(tmp_path / "again", cache_dir, **{"model.init_from": str(out)})))
+    assert again.data.tokenizer.encode(TEXT) == tokenizer.encode(TEXT)
+    with torch.no_grad():
+        torch.testing.assert_close(again.model.eval()(ids), model(ids), rtol=0, atol=1e-6)
