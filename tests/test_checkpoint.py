@@ -78,7 +78,7 @@ def finished_run(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"model.d_model": 128}, "does not match the model: "),
+    ({"model.d_model": 128}, "was trained with another model config: model.d_model=64 in checkpoint, 128 now"),
     ({"data.max_bytes": 1_000_000}, "was trained on data stdlib"),
 ], ids=["model-shape", "data"])
 def test_train_refuses_a_mismatched_checkpoint(tmp_path, cache_dir, finished_run, capsys, change, message):
