@@ -68,7 +68,11 @@ def load_or_build(root: Path, source, tokenizer, verify: bool = True, progress: 
     remove_stale_builds(path.parent)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    build(tmp, source, tokenizer, progress)
+    try:
+        build(tmp, source, tokenizer, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if path.exists():
         shutil.rmtree(path, ignore_errors=True)
     try:
@@ -119,7 +123,7 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
         bar.update(len(batch))
         bar.set_postfix(tokens=f"{offsets[-1]:,}")
 
-    with open(path / "tokens.bin", "wb") as out:
+    with bar, open(path / "tokens.bin", "wb") as out:  # the bar closes before an error is printed
         batch, chars = [], 0
         for name, text in source.documents():
             if not text:
@@ -131,7 +135,6 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
                 batch, chars = [], 0
         if batch:
             flush(batch, out)
-    bar.close()
     if len(keys) == 0:
         raise ValueError(f"data source {source.fingerprint} yielded no documents (empty dataset?)")
     np.save(path / "offsets.npy", np.asarray(offsets, dtype=np.int64))
