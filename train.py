@@ -6,6 +6,7 @@ or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun wit
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -21,8 +22,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from data import build_data
 from model import build_model
 from model.attention import resolve_attention
-from training.checkpoint import (CheckpointWriteError, checkpoint_dir, checkpoint_path, find_resume_checkpoint, last_checkpoint_note,
-                                 prune_checkpoints, restore_training_state, save_checkpoint)
+from training.checkpoint import (CheckpointWriteError, checkpoint_dir, checkpoint_path, find_resume_checkpoint,
+                                 last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint)
 from training.config import exit_on_config_error, validate_run
 from training.device import autocast, resolve_device, resolve_precision
 from training.evaluate import evaluate_loss
@@ -30,7 +31,7 @@ from training.loggers import Loggers, validate_logger
 from training.metrics import Throughput, peak_flops
 from training.optim import build_optimizer, lr_at, validate_optim
 from training.rng import rng_state, seed_everything
-from training.runlock import RunDirLock, ensure_writable
+from training.runlock import RunDirLock
 from training.signals import StopRequest
 
 log = logging.getLogger("train")
@@ -58,15 +59,14 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
 
 def _setup_locked(cfg: DictConfig, device: torch.device, run_dir: Path, lock: RunDirLock) -> SimpleNamespace:
     resume = find_resume_checkpoint(cfg.resume, run_dir)
-    ensure_writable(cfg.data.cache_dir, "data.cache_dir")
     seed_everything(cfg.seed)
     data = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed, rank=0, world_size=1)
     model = build_model(cfg.model, vocab_size=data.vocab_size, attention=cfg.attention.name)
     with open_dict(cfg):
         cfg.run.data_fingerprint = data.fingerprint
         cfg.run.num_params = model.num_params()
-    run = SimpleNamespace(cfg=cfg, device=device, run_dir=run_dir, lock=lock, data=data, model=model.to(device), step=0,
-                          tokens=0, wandb_id=None, resumed_from=None,
+    run = SimpleNamespace(cfg=cfg, device=device, run_dir=run_dir, lock=lock, data=data, model=model.to(device),
+                          step=0, tokens=0, wandb_id=None, resumed_from=None,
                           val_batches=data.val_batches(cfg.trainer.batch_size, cfg.trainer.eval_batches))
     run.optimizer = build_optimizer(run.model, cfg.optim, device)
     if resume:
@@ -159,7 +159,8 @@ def fit(run: SimpleNamespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk or a folder gone read-only: checkpoints up to the last good one remain
-        loggers.close(exit_code=2)
+        with contextlib.suppress(OSError):
+            loggers.close(exit_code=2)
         print(f"error: {e.strerror if isinstance(e, CheckpointWriteError) else e}; {last_checkpoint_note(run.run_dir)}",
               file=sys.stderr)
         return 2

@@ -55,7 +55,9 @@ def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
         raise ValueError(f"seq_len={seq_len} must be at least 1")
     validate_data(cfg.data)
     progress = rank == 0 if progress is None else progress
-    cache_dir = Path(str(cfg.data.cache_dir)).expanduser()
+    from training.runlock import ensure_writable
+
+    cache_dir = ensure_writable(Path(str(cfg.data.cache_dir)), "data.cache_dir")  # before anything is built
     source = build_source(cfg.data, cache_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, source, cache_dir, progress)
     source = source.for_tokenizer(tokenizer)

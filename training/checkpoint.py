@@ -139,7 +139,6 @@ def is_usable(path: Path) -> bool:
         load_checkpoint(path)
     except (OSError, CheckpointError):
         return False
-    _verified.add(_file_id(path))
     return True
 
 
@@ -190,6 +189,7 @@ def load_checkpoint(path: str | Path) -> dict:
         if state.get("checksum") != actual:
             raise CheckpointError(f"checkpoint {path} is corrupt: its contents do not match the stored "
                                   f"checksum {state.get('checksum')}")
+        _verified.add(_file_id(path))
     return state
 
 
@@ -296,8 +296,8 @@ def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, o
     sampler_state = state["sampler"]
     if saved_fp != data_fingerprint:
         if not allow_data_change:
-            raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads {data_fingerprint}: "
-                                  f"the corpus changed; pass data.allow_changed=true to continue on the new data")
+            raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads "
+                                  f"{data_fingerprint}: the corpus changed; pass data.allow_changed=true to continue on the new data")
         log.warning("data changed since %s: %s -> %s; continuing (data.allow_changed=true)", path, saved_fp,
                     data_fingerprint)
         sampler_state = _sampler_state_for_new_data(sampler_state, sampler)

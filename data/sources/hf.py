@@ -72,7 +72,8 @@ def local_files_signature(paths) -> str:
     names = sorted(str(p) for p in paths)
     local = [n for n in names if Path(n).expanduser().is_file()]
     listing = "\n".join(names)
-    return hashlib.sha256(f"{listing}|{files_content_sha256([Path(n).expanduser() for n in local], local)}".encode()).hexdigest()
+    content = files_content_sha256([Path(n).expanduser() for n in local], local)
+    return hashlib.sha256(f"{listing}|{content}".encode()).hexdigest()
 
 
 def as_list(value) -> list:
