@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
+from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
 from tests.trainrun import run_in_process, run_subprocess, tiny_overrides
 from training.checkpoint import checkpoint_path
 
@@ -83,27 +83,20 @@ def test_unwritable_folders_are_one_line_before_the_data_setup(tmp_path, cache_d
     assert not any("tokenizing" in line for line in err)
 
 
-@pytest.fixture(scope="module")
-def four_steps(tmp_path_factory, cache_dir):
-    run_dir = tmp_path_factory.mktemp("four")
-    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=4)) == 0
-    return run_dir
-
-
-def test_resume_pointing_at_a_folder_says_what_to_pass(tmp_path, cache_dir, four_steps, capsys):
-    assert run_in_process(tiny_overrides(tmp_path, cache_dir, resume=str(four_steps))) == 2
+def test_resume_pointing_at_a_folder_says_what_to_pass(tmp_path, cache_dir, finished_run, capsys):
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, resume=str(finished_run))) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"error: resume={four_steps} is a folder: pass a checkpoint file") and \
-        f"run.dir={four_steps} resume=auto" in err, err
+    assert err.startswith(f"error: resume={finished_run} is a folder: pass a checkpoint file") and \
+        f"run.dir={finished_run} resume=auto" in err, err
 
 
-def test_resumed_run_with_max_steps_reached_says_so(four_steps, cache_dir, capsys):
-    metrics = (four_steps / "metrics.jsonl").read_text()
-    assert run_in_process(tiny_overrides(four_steps, cache_dir, steps=4, resume="auto")) == 0
+def test_resumed_run_with_max_steps_reached_says_so(finished_run, cache_dir, capsys):
+    metrics = (finished_run / "metrics.jsonl").read_text()
+    assert run_in_process(tiny_overrides(finished_run, cache_dir, steps=4, resume="auto")) == 0
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"nothing to do: {checkpoint_path(four_steps, 4)} is at step 4, trainer.max_steps=4 is reached; "
+    assert err == (f"nothing to do: {checkpoint_path(finished_run, 4)} is at step 4, trainer.max_steps=4 is reached; "
                    f"raise trainer.max_steps to train further"), err
-    assert (four_steps / "metrics.jsonl").read_text() == metrics
+    assert (finished_run / "metrics.jsonl").read_text() == metrics
 
 
 def test_nan_before_any_checkpoint_does_not_name_a_missing_folder(tmp_path, cache_dir, capsys):

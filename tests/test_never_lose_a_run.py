@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import training.checkpoint as checkpoint
-from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
+from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
 from tests.trainrun import REPO, losses, run_in_process, subprocess_env, tiny_overrides, train_command
 from training.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
                                  load_checkpoint, prune_checkpoints, save_checkpoint)
@@ -160,31 +160,24 @@ def test_kill_9_leaves_no_stale_lock_and_a_live_run_is_not_disturbed(tmp_path, c
 
 # --------------------------------------------------------------------------- model config on resume (item 3)
 
-@pytest.fixture(scope="module")
-def four_steps(tmp_path_factory, cache_dir):
-    run_dir = tmp_path_factory.mktemp("four")
-    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=4)) == 0
-    return run_dir
-
-
 @pytest.mark.parametrize("change,diff", [
     ({"model.n_head": 8, "model.n_kv_head": 4}, "model.n_head=4 in checkpoint, 8 now; model.n_kv_head=2 in checkpoint, 4 now"),
     ({"model.norm": "layernorm"}, "model.norm='rmsnorm' in checkpoint, 'layernorm' now"),
     ({"model.rope_theta": 500000.0}, "model.rope_theta=10000.0 in checkpoint, 500000.0 now"),
     ({"model.tie_embeddings": False}, "model.tie_embeddings=True in checkpoint, False now"),
 ], ids=["heads", "norm", "rope_theta", "tie_embeddings"])
-def test_resume_refuses_a_shape_preserving_model_change(tmp_path, cache_dir, four_steps, capsys, change, diff):
-    ckpt = checkpoint_path(four_steps, 4)
-    config_before = (four_steps / "config.yaml").read_text()
-    assert run_in_process(tiny_overrides(four_steps, cache_dir, steps=8, resume="auto", **change)) == 2
+def test_resume_refuses_a_shape_preserving_model_change(tmp_path, cache_dir, finished_run, capsys, change, diff):
+    ckpt = checkpoint_path(finished_run, 4)
+    config_before = (finished_run / "config.yaml").read_text()
+    assert run_in_process(tiny_overrides(finished_run, cache_dir, steps=8, resume="auto", **change)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (f"error: checkpoint {ckpt} was trained with another model config: {diff} (pass the "
                    f"checkpoint's values, or start a new run.dir)"), err
-    assert (four_steps / "config.yaml").read_text() == config_before
+    assert (finished_run / "config.yaml").read_text() == config_before
 
 
-def test_memory_features_may_change_on_resume(tmp_path, cache_dir, four_steps):
-    ckpt = checkpoint_path(four_steps, 4)
+def test_memory_features_may_change_on_resume(tmp_path, cache_dir, finished_run):
+    ckpt = checkpoint_path(finished_run, 4)
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=5, resume=str(ckpt), **{
         "model.activation_checkpointing": "full", "model.loss_chunk_size": 16})) == 0
 
