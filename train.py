@@ -1,7 +1,8 @@
 """Train a GPT: `python train.py [group=option ...] [key=value ...]` (see README.md).
 
 Exit status: 0 finished; 1 the loss went NaN/inf (no checkpoint written after it); 2 bad input
-(config value, data path, checkpoint), reported in one line before any step runs; 130 (Ctrl-C)
+(config key or value, data path, folder, checkpoint, a run.dir in use), reported in one line before
+any step runs, or a write error such as a full disk during training (older checkpoints kept); 130 (Ctrl-C)
 or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun with resume=auto.
 """
 from __future__ import annotations

@@ -40,8 +40,8 @@ MAX_KEY_DIGITS = 18  # keys are drawn as int64
 
 def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> list[int]:
     """The lengths to test: each must hold a whole prompt (filler can shrink to nothing, the key
-    sentence and question cannot) and fit the model; the default is the powers of two from the
-    shortest prompt up to the run's seq_len, and the seq_len itself."""
+    sentence and question cannot) and fit the model; the default is the powers of two from 256
+    (or the shortest prompt) below the run's seq_len, and the seq_len itself."""
     from data.passkey import passkey_prompt
 
     prompt, answer = passkey_prompt(0, 0.0, "9" * key_digits, lambda text: len(tokenizer.encode(text)))
@@ -49,7 +49,7 @@ def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> 
     longest = int(cfg.model.max_seq_len)
     if asked is None:
         seq_len = int(cfg.trainer.seq_len)
-        lengths = sorted({n for n in (2**k for k in range(31)) if shortest <= n < seq_len} | {seq_len})
+        lengths = sorted({n for n in (2**k for k in range(31)) if max(256, shortest) <= n < seq_len} | {seq_len})
         if seq_len < shortest:
             raise ValueError(f"the run's trainer.seq_len={seq_len} is shorter than the shortest passkey prompt "
                              f"({shortest} tokens of this tokenizer); pass --lengths")
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
-                        help="prompt lengths in tokens (default: powers of two from 256 to the run's seq_len)")
+                        help="prompt lengths in tokens (default: powers of two from 256 below the run's seq_len, and the seq_len)")
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--key-digits", type=int, default=5)

@@ -314,5 +314,5 @@ def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, o
 
 def last_checkpoint_note(run_dir: str | Path) -> str:
     """Where the last good checkpoint is, for messages of a run that stopped."""
-    found = list_checkpoints(checkpoint_dir(run_dir))
-    return f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved yet"
+    good = next((p for p in reversed(list_checkpoints(checkpoint_dir(run_dir))) if is_usable(p)), None)
+    return f"the last good checkpoint is {good}" if good else "no checkpoint was saved yet"
