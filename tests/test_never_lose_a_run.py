@@ -252,3 +252,13 @@ def test_changed_data_refuses_with_a_way_forward_and_allow_changed_records_it(tm
     changes = [json.loads(line) for line in (run_dir / "data_changes.jsonl").read_text().splitlines()]
     assert len(changes) == 1 and changes[0]["step"] == 6 and changes[0]["from"] != changes[0]["to"]
     assert [r[0] for r in losses(run_dir)][-1] == 8
+
+
+def test_checkpoints_from_before_checksums_still_load(tmp_path):
+    path = checkpoint_path(tmp_path, 5)
+    path.parent.mkdir(parents=True)
+    torch.save({"format_version": 1, **state(5)}, path)  # what the previous release wrote
+    assert load_checkpoint(path)["step"] == 5
+    save_checkpoint(checkpoint_path(tmp_path, 6), state(6))
+    prune_checkpoints(tmp_path / "checkpoints", keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000005.pt", "step_00000006.pt"]
