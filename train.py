@@ -1,11 +1,13 @@
 """Train a GPT: `python train.py [group=option ...] [key=value ...]` (see README.md).
 
 Exit status: 0 finished; 1 the loss went NaN/inf (no checkpoint written after it); 2 bad input
-(config value, data path, checkpoint), reported in one line before any step runs; 130 (Ctrl-C)
+(config key or value, data path, folder, checkpoint, a run.dir in use), reported in one line before
+any step runs, or a write error such as a full disk during training (older checkpoints kept); 130 (Ctrl-C)
 or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun with resume=auto.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -21,9 +23,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from data import build_data
 from model import build_model
 from model.attention import resolve_attention
-from training.checkpoint import (checkpoint_dir, checkpoint_path, find_resume_checkpoint, prune_checkpoints,
-                                 restore_training_state, save_checkpoint)
-from training.config import validate_run
+from training.checkpoint import (CheckpointWriteError, checkpoint_dir, checkpoint_path, find_resume_checkpoint,
+                                 last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint)
+from training.config import exit_on_config_error, validate_run
 from training.device import autocast, resolve_device, resolve_precision
 from training.evaluate import evaluate_loss
 from training.hf import apply_init_from, load_hf_weights
@@ -31,6 +33,7 @@ from training.loggers import Loggers, validate_logger
 from training.metrics import Throughput, peak_flops
 from training.optim import build_optimizer, lr_at, validate_optim
 from training.rng import rng_state, seed_everything
+from training.runlock import RunDirLock
 from training.signals import StopRequest
 
 log = logging.getLogger("train")
@@ -50,6 +53,15 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
         cfg.attention.name = resolve_attention(cfg.attention.name, device)
         cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
     run_dir = Path(cfg.run.dir)
+    lock = RunDirLock(run_dir)  # released by train(), or by the OS however this process ends
+    try:
+        return _setup_locked(cfg, device, run_dir, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _setup_locked(cfg: DictConfig, device: torch.device, run_dir: Path, lock: RunDirLock) -> SimpleNamespace:
     resume = find_resume_checkpoint(cfg.resume, run_dir)
     seed_everything(cfg.seed)
     data = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed, rank=0, world_size=1)
@@ -59,14 +71,15 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
     with open_dict(cfg):
         cfg.run.data_fingerprint = data.fingerprint
         cfg.run.num_params = model.num_params()
-    run = SimpleNamespace(cfg=cfg, device=device, run_dir=run_dir, data=data, model=model.to(device), step=0,
-                          tokens=0, wandb_id=None, resumed_from=None,
+    run = SimpleNamespace(cfg=cfg, device=device, run_dir=run_dir, lock=lock, data=data, model=model.to(device),
+                          step=0, tokens=0, wandb_id=None, resumed_from=None,
                           val_batches=data.val_batches(cfg.trainer.batch_size, cfg.trainer.eval_batches))
     run.optimizer = build_optimizer(run.model, cfg.optim, device)
     if resume:
         path, state = resume
         restore_training_state(path, state, model=run.model, optimizer=run.optimizer, sampler=data.train,
-                               data_fingerprint=data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model))
+                               data_fingerprint=data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model),
+                               allow_data_change=bool(cfg.data.get("allow_changed", False)), run_dir=run_dir)
         run.step, run.tokens, run.wandb_id, run.resumed_from = state["step"], state["tokens"], state["wandb_id"], path
     return run
 
@@ -91,8 +104,7 @@ def fit(run: SimpleNamespace) -> int:
     def check_finite() -> None:
         if not healthy.item():
             raise FloatingPointError(f"loss or gradient became NaN/inf by step {step} (last loss {loss.item()}); "
-                                     f"stopped without saving: the last good checkpoint is in "
-                                     f"{checkpoint_dir(run.run_dir)}")
+                                     f"stopped without saving: {last_checkpoint_note(run.run_dir)}")
 
     def save() -> None:
         nonlocal saved_step
@@ -152,6 +164,12 @@ def fit(run: SimpleNamespace) -> int:
         loggers.close(exit_code=1)
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a full disk or a folder gone read-only: checkpoints up to the last good one remain
+        with contextlib.suppress(OSError):
+            loggers.close(exit_code=2)
+        print(f"error: {e.strerror if isinstance(e, CheckpointWriteError) else e}; {last_checkpoint_note(run.run_dir)}",
+              file=sys.stderr)
+        return 2
     loggers.close(exit_code=stop.exit_code)
     if stop.requested:
         log.warning("%s received: checkpoint saved at step %d; rerun with resume=auto to continue", stop.name, step)
@@ -165,7 +183,12 @@ def train(cfg: DictConfig) -> int:
     except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:  # CheckpointError is a ValueError
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    return fit(run)
+    with run.lock:
+        if run.step >= cfg.trainer.max_steps:
+            print(f"nothing to do: {run.resumed_from} is at step {run.step}, trainer.max_steps={cfg.trainer.max_steps} "
+                  f"is reached; raise trainer.max_steps to train further", file=sys.stderr)
+            return 0
+        return fit(run)
 
 
 @hydra.main(config_path="configs", config_name="train", version_base=None)
@@ -176,4 +199,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
+        main()

@@ -2,7 +2,7 @@
 # The H200 runs behind benchmarks/max_context_h200.*, loss_parity_h200.*, training_h200.md,
 # loss_by_position_run16k.* and the GPU test results of the closing notes, in device calls of
 # under 10 minutes each.
-# Usage on the GPU machine (after installing .whl/, see shared/gpu), output under $OUT:
+# Usage on the GPU machine (with hydra-core, omegaconf and datasets installed there), output under $OUT:
 #   bash benchmarks/h200_runs.sh million   # naive's searches, then the one-million-token step
 #   bash benchmarks/h200_runs.sh rest      # needs part one's max_context_h200.json in benchmarks/
 #   bash benchmarks/h200_runs.sh training  # gpt2-small throughput, then loss by position

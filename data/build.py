@@ -29,18 +29,41 @@ class DataBundle:
         return self.validation.batches(batch_size, n_batches, return_doc_ids)
 
 
+def validate_data(data) -> None:
+    """Types and ranges of the `data` keys every source shares, one line naming the key."""
+    from training.config import is_number
+
+    def require(ok: bool, key: str, reason: str) -> None:
+        if not ok:
+            raise ValueError(f"data.{key}={data.get(key)!r}: {reason}")
+
+    fraction = data.get("val_fraction", 0.05)
+    require(is_number(fraction) and 0 <= fraction < 1, "val_fraction", "must be a number in [0, 1)")
+    for key in ("verify_cache", "allow_changed", "include_tests", "streaming"):
+        require(isinstance(data.get(key, False), bool), key, "must be true or false")
+    bad = data.get("max_bad_fraction", 0.0)
+    require(is_number(bad) and 0 <= bad <= 1, "max_bad_fraction", "must be a number in [0, 1]")
+    for key in ("max_bytes", "max_docs"):
+        value = data.get(key)
+        require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0), key,
+                "must be null or a positive integer")
+
+
 def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1, progress: bool | None = None) -> DataBundle:
     """Everything the loop needs from `cfg.data` and `cfg.tokenizer`; tokenizes on first use."""
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be at least 1")
+    validate_data(cfg.data)
     progress = rank == 0 if progress is None else progress
-    cache_dir = Path(str(cfg.data.cache_dir)).expanduser()
+    from training.runlock import ensure_writable
+
+    cache_dir = ensure_writable(Path(str(cfg.data.cache_dir)), "data.cache_dir")  # before anything is built
     source = build_source(cfg.data, cache_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, source, cache_dir, progress)
     source = source.for_tokenizer(tokenizer)
     cache = load_or_build(cache_dir, source, tokenizer, verify=bool(cfg.data.get("verify_cache", True)), progress=progress)
 
-    val_fraction = float(cfg.data.get("val_fraction", 0.05))
+    val_fraction = cfg.data.get("val_fraction", 0.05)
     is_val = split_documents(cache.offsets, cache.keys, val_fraction)
     train = TokenStream(cache.tokens, cache.offsets, ~is_val)
     if train.n_tokens < seq_len + 1:

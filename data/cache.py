@@ -65,9 +65,14 @@ def load_or_build(root: Path, source, tokenizer, verify: bool = True, progress: 
             return load(path, verify)
         except InvalidCache as e:
             warnings.warn(f"token cache {path} is invalid ({e}); rebuilding it")
+    remove_stale_builds(path.parent)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    build(tmp, source, tokenizer, progress)
+    try:
+        build(tmp, source, tokenizer, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if path.exists():
         shutil.rmtree(path, ignore_errors=True)
     try:
@@ -76,6 +81,27 @@ def load_or_build(root: Path, source, tokenizer, verify: bool = True, progress: 
         # Another process (rank) renamed its identical build into place first.
         shutil.rmtree(tmp, ignore_errors=True)
     return load(path, verify)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_builds(tokens_dir: Path) -> None:
+    """Delete `<cache>.tmp-<pid>` folders whose builder is gone (killed mid-tokenization)."""
+    if not tokens_dir.is_dir():
+        return
+    for tmp in tokens_dir.glob("*.tmp-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            warnings.warn(f"removing {tmp}, left by a tokenization that was killed (pid {pid})")
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build(path: Path, source, tokenizer, progress: bool = True) -> None:
@@ -97,7 +123,7 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
         bar.update(len(batch))
         bar.set_postfix(tokens=f"{offsets[-1]:,}")
 
-    with open(path / "tokens.bin", "wb") as out:
+    with bar, open(path / "tokens.bin", "wb") as out:  # the bar closes before an error is printed
         batch, chars = [], 0
         for name, text in source.documents():
             if not text:
@@ -109,7 +135,6 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
                 batch, chars = [], 0
         if batch:
             flush(batch, out)
-    bar.close()
     if len(keys) == 0:
         raise ValueError(f"data source {source.fingerprint} yielded no documents (empty dataset?)")
     np.save(path / "offsets.npy", np.asarray(offsets, dtype=np.int64))

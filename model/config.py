@@ -62,6 +62,7 @@ class GPTConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown model config key(s): {', '.join(unknown)}")
+        _check_types(values)
         config = cls(**values)
         if vocab_size < 1:
             raise ValueError(f"tokenizer vocab_size must be positive, got {vocab_size}")
@@ -96,3 +97,21 @@ class GPTConfig:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.loss_chunk_size < 0:
             raise ValueError(f"model.loss_chunk_size={self.loss_chunk_size} must be >= 0 (0 disables chunking)")
+
+
+_TYPES = {  # annotation -> (check, what the error says)
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "Optional[int]": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer or null"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _check_types(values: dict) -> None:
+    """One line naming the first key whose value has the wrong type (`model.n_layer=2.5`)."""
+    for f in dataclasses.fields(GPTConfig):
+        if f.name in values:
+            check, what = _TYPES[str(f.type)]
+            if not check(values[f.name]):
+                raise ValueError(f"model.{f.name}={values[f.name]!r}: must be {what}")

@@ -113,8 +113,33 @@ def write_json(path: Path, obj: Any) -> None:
 def write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # never leave a stray .tmp beside the result
+        raise
+
+
+def require_positive(args, *names: str) -> None:
+    """Refuse (one-line ValueError) a count argument below 1, before any work or output."""
+    for name in names:
+        value = getattr(args, name)
+        values = value if isinstance(value, list) else [value]
+        bad = [v for v in values if v is not None and v < 1]
+        if bad:
+            raise ValueError(f"--{name.replace('_', '-')} {bad[0]}: must be a positive integer")
+
+
+def require_output_file(path: Path | None, flag: str) -> None:
+    """Refuse an output path that is a folder (or under a file) before anything is computed."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: pass a file path")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

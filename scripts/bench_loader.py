@@ -4,7 +4,7 @@
     python scripts/bench_loader.py data=pg19 tokenizer=bpe --seq-len 16384 --batch-size 8
 
 The GPU must never wait on data: the result is set beside what a gpt2-small training step
-consumes on the H200 (DESIGN.md: SDPA + compile, 419K tokens/s) and should be at least 10x it.
+consumes on the H200 (a bare nanoGPT-style step with SDPA + compile: 419K tokens/s) and should be at least 10x it.
 Writes benchmarks/loader_<device>.json (or --out). Runs on CPU; `--device cuda` adds the
 pinned host-to-device copy to what is timed.
 """
@@ -20,7 +20,7 @@ import torch
 
 from _common import REPO_ROOT, device_slug, environment, print_table, run_cli, write_json
 
-GPT2_SMALL_H200_TOKENS_PER_S = 419_000   # DESIGN.md reference: training consumption to stay ahead of
+GPT2_SMALL_H200_TOKENS_PER_S = 419_000   # bare nanoGPT-style step on an H200: training consumption to stay ahead of
 
 
 def bench(sampler, batch_size: int, n_batches: int, device: torch.device) -> dict:

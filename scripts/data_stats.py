@@ -15,7 +15,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 
-from _common import markdown_table, print_table, run_cli, write_json, write_text
+from _common import markdown_table, print_table, require_output_file, run_cli, write_json, write_text
 
 PERCENTILES = (0, 10, 25, 50, 75, 90, 100)
 
@@ -53,6 +53,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", type=Path, help="also write the statistics as JSON here")
     parser.add_argument("--markdown", type=Path, help="also write the tables as Markdown here")
     args = parser.parse_args(argv)
+    require_output_file(args.json, "--json")
+    require_output_file(args.markdown, "--markdown")
 
     from data import build_data
     from training.config import compose

@@ -16,7 +16,8 @@ import sys
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 
-from _common import environment, markdown_table, new_figure, print_table, run_cli, save_figure, write_json, write_text
+from _common import (environment, markdown_table, new_figure, print_table, require_positive, run_cli, save_figure,
+                     write_json, write_text)
 from _eval import add_checkpoint_args, load_for_eval, run_name, token_losses
 
 
@@ -35,11 +36,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--buckets", type=int, default=16)
     args = parser.parse_args(argv)
+    require_positive(args, "seq_len", "batch_size", "batches", "buckets")
 
     from data import build_data
 
     model, cfg, _, device, path = load_for_eval(args)
     seq_len = args.seq_len or int(cfg.trainer.seq_len)
+    if args.buckets > seq_len:
+        raise ValueError(f"--buckets {args.buckets}: more buckets than the {seq_len} positions of a window")
     bundle = build_data(cfg, seq_len=seq_len, seed=cfg.seed)
     total = np.zeros(seq_len)
     for x, y in bundle.val_batches(args.batch_size, args.batches):

@@ -16,7 +16,8 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
-from _common import environment, markdown_table, new_figure, print_table, run_cli, save_figure, write_json, write_text
+from _common import (environment, markdown_table, new_figure, print_table, require_positive, run_cli, save_figure,
+                     write_json, write_text)
 from _eval import add_checkpoint_args, load_for_eval, run_name
 
 
@@ -34,21 +35,54 @@ def passkey_correct(model, tokenizer, length: int, depth: float, key: str, devic
     return bool((predicted == ids[0, len(prompt_ids) :]).all())
 
 
+MAX_KEY_DIGITS = 18  # keys are drawn as int64
+
+
+def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> list[int]:
+    """The lengths to test: each must hold a whole prompt (filler can shrink to nothing, the key
+    sentence and question cannot) and fit the model; the default is the powers of two from 256
+    (or the shortest prompt) below the run's seq_len, and the seq_len itself."""
+    from data.passkey import passkey_prompt
+
+    prompt, answer = passkey_prompt(0, 0.0, "9" * key_digits, lambda text: len(tokenizer.encode(text)))
+    shortest = len(tokenizer.encode(prompt)) + len(tokenizer.encode(answer))
+    longest = int(cfg.model.max_seq_len)
+    if asked is None:
+        seq_len = int(cfg.trainer.seq_len)
+        lengths = sorted({n for n in (2**k for k in range(31)) if max(256, shortest) <= n < seq_len} | {seq_len})
+        if seq_len < shortest:
+            raise ValueError(f"the run's trainer.seq_len={seq_len} is shorter than the shortest passkey prompt "
+                             f"({shortest} tokens of this tokenizer); pass --lengths")
+        return lengths
+    for n in asked:
+        if n < shortest:
+            raise ValueError(f"--lengths {n}: a passkey prompt with a {key_digits}-digit key needs at least "
+                             f"{shortest} tokens of this tokenizer")
+        if n > longest:
+            raise ValueError(f"--lengths {n}: longer than the model's max_seq_len={longest}")
+    return asked
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
-                        help="prompt lengths in tokens (default: powers of two from 256 to the run's seq_len)")
+                        help="prompt lengths in tokens (default: powers of two from 256 below the run's seq_len, and the seq_len)")
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--key-digits", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    require_positive(args, "lengths", "trials", "key_digits")
+    if args.key_digits > MAX_KEY_DIGITS:
+        raise ValueError(f"--key-digits {args.key_digits}: at most {MAX_KEY_DIGITS}")
+    if any(not 0 <= d <= 1 for d in args.depths):
+        raise ValueError(f"--depths {args.depths}: each depth must be in [0, 1]")
 
     from data.passkey import random_key
 
     model, cfg, tokenizer, device, path = load_for_eval(args)
-    lengths = args.lengths or [n for n in (2**k for k in range(8, 31)) if n <= cfg.trainer.seq_len]
+    lengths = prompt_lengths(args.lengths, tokenizer, args.key_digits, cfg)
     rng = np.random.default_rng(args.seed)
     accuracy = np.zeros((len(args.depths), len(lengths)))
     for j, length in enumerate(lengths):

@@ -68,6 +68,18 @@ class Search:
     probes: list[Probe] = field(default_factory=list)
 
 
+def check_search_bounds(start, granularity, cap) -> None:
+    """Positive integers, multiples of `granularity`, start <= cap: else one ValueError line."""
+    for name, value in {"granularity": granularity, "start": start, "cap": cap}.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+    for name, value in {"start": start, "cap": cap}.items():
+        if value % granularity:
+            raise ValueError(f"{name}={value} is not a multiple of granularity={granularity}")
+    if start > cap:
+        raise ValueError(f"start={start} exceeds cap={cap}")
+
+
 def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int, cap: int) -> Search:
     """Largest multiple of `granularity` in [granularity, cap] for which `probe(n).fits`.
 
@@ -76,14 +88,7 @@ def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int,
     is still a verified boundary: the returned length fitted and the one `granularity` above it
     failed (both were probed), unless it is `cap`. Each length is probed at most once.
     """
-    for name, value in {"granularity": granularity, "start": start, "cap": cap}.items():
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}={value!r}: must be a positive integer")
-        if value % granularity:
-            raise ValueError(f"{name}={value} is not a multiple of granularity={granularity}")
-    if start > cap:
-        raise ValueError(f"start={start} exceeds cap={cap}")
-
+    check_search_bounds(start, granularity, cap)
     probes: list[Probe] = []
 
     def fits(n: int) -> bool:
@@ -211,6 +216,10 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
             raise ValueError(f"skip: {pair!r} is none of the runs ({', '.join(sorted(pairs))})")
     if not (isinstance(cfg.batch_size, int) and cfg.batch_size > 0):
         raise ValueError(f"batch_size={cfg.batch_size!r}: must be a positive integer")
+    check_search_bounds(cfg.start, cfg.granularity, cfg.cap)
+    budget = cfg.memory_budget_mb
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+        raise ValueError(f"memory_budget_mb={budget!r}: must be a positive number of MiB (or null on CUDA)")
     if cfg.model.vocab_size is None:
         raise ValueError("model.vocab_size is null: tokens here are random, so no tokenizer sets it; "
                          "pass model.vocab_size=<n>")

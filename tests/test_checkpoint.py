@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from tests.trainrun import cache_dir, run_in_process, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
+from tests.trainrun import cache_dir, finished_run, run_in_process, tiny_overrides  # noqa: F401 (fixtures)
 from training.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
                                  load_checkpoint, prune_checkpoints, restore_model, save_checkpoint)
 
@@ -70,15 +70,8 @@ def test_restore_model_names_the_mismatch(tmp_path):
                       tmp_path / "ckpt.pt", {"d_model": 4})
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, cache_dir):
-    run_dir = tmp_path_factory.mktemp("run")
-    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=4)) == 0
-    return run_dir
-
-
 @pytest.mark.parametrize("change,message", [
-    ({"model.d_model": 128}, "does not match the model: "),
+    ({"model.d_model": 128}, "was trained with another model config: model.d_model=64 in checkpoint, 128 now"),
     ({"data.max_bytes": 1_000_000}, "was trained on data stdlib"),
 ], ids=["model-shape", "data"])
 def test_train_refuses_a_mismatched_checkpoint(tmp_path, cache_dir, finished_run, capsys, change, message):

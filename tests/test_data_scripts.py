@@ -51,7 +51,7 @@ def test_loss_by_position_table_and_plot(trained, tmp_path):
 
 def test_passkey_grid_and_heatmap(trained, tmp_path):
     run_dir, _ = trained
-    eval_passkey.main([str(run_dir / "checkpoints"/ "step_00000002.pt"), "--device", "cpu", "--lengths", "64", "128",
+    eval_passkey.main([str(run_dir / "checkpoints"/ "step_00000002.pt"), "--device", "cpu", "--lengths", "128", "256",
                        "--depths", "0", "1", "--trials", "2", "--out-dir", str(tmp_path), "--name", "t"])
     result = json.loads((tmp_path / "passkey_t.json").read_text())
     assert len(result["accuracy"]) == 2 and all(len(r) == 2 and all(0 <= a <= 1 for a in r) for r in result["accuracy"])

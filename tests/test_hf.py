@@ -114,6 +114,7 @@ def test_init_from_starts_a_run_from_hf_weights_and_tokenizer(tmp_path, cache_di
     hf_model = save_hf_folder(folder, kind)
     overrides = tiny_overrides(tmp_path / "run", cache_dir, steps=2, **{"model.init_from": str(folder)})
     run = train.setup(compose(overrides))
+    run.lock.release()   # train.setup holds the run dir; train() below takes it again
     assert run.cfg.tokenizer.name == "pretrained" and run.cfg.tokenizer.eot_token == "<|endoftext|>"
     assert hf_architecture(run.model.config) == kind and run.model.config.vocab_size == 320
     idx = torch.randint(0, 257, (2, 40))
@@ -158,6 +159,7 @@ def test_export_script_on_a_trained_run(tmp_path, cache_dir):
     from training.config import compose
 
     again = train.setup(compose(tiny_overrides(tmp_path / "again", cache_dir, **{"model.init_from": str(out)})))
+    again.lock.release()
     assert again.data.tokenizer.encode(TEXT) == tokenizer.encode(TEXT)
     with torch.no_grad():
         torch.testing.assert_close(again.model.eval()(ids), model(ids), rtol=0, atol=1e-6)

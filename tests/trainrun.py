@@ -21,6 +21,14 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("token-cache")
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir):
+    """A finished 4-step tiny run (checkpoint at step 4) for tests that resume from it without changing it."""
+    run_dir = tmp_path_factory.mktemp("run")
+    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=4)) == 0
+    return run_dir
+
+
 def tiny_overrides(run_dir, cache_dir, steps: int = 12, **extra) -> list[str]:
     """A CPU run of a fraction of a second per step: 2 layers x 64, seq_len 64, 2 MB of corpus."""
     values = {

@@ -6,6 +6,10 @@ Each component validates its own config with a reason; this module owns `trainer
 """
 from __future__ import annotations
 
+import os
+import re
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -29,6 +33,51 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
     GlobalHydra.instance().clear()  # tests and scripts may compose repeatedly
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def config_error_line(exc: BaseException) -> str:
+    """One line for a Hydra composition error; a group typo keeps Hydra's list of valid options."""
+    unknown = re.match(r"Could not override '([^']+)'\.\s+To append to your config use", str(exc))
+    if unknown:  # Hydra's hint to append with `+` would make a key no code reads
+        return f"unknown config key '{unknown.group(1)}' (`python train.py --cfg job` prints every valid key)"
+    text = str(exc).split("Config search path:")[0]
+    line = ""
+    for raw in text.splitlines():
+        item = raw.strip()
+        if not item:
+            continue
+        if raw.startswith("\t"):  # Hydra lists the options of a group one per tab-indented line
+            line += (" " if line.endswith(":") else ", ") + item
+        else:
+            line += ("; " if line else "") + item
+    return line or type(exc).__name__
+
+
+@contextmanager
+def exit_on_config_error():
+    """Around `@hydra.main`: composition errors (unknown key, group typo, bad override syntax)
+    happen before the task function runs; report them in one line and exit 2 like any bad input.
+
+    Hydra prints those itself (several lines, exit 1) unless HYDRA_FULL_ERROR=1 makes it raise;
+    a user who set HYDRA_FULL_ERROR=1 gets Hydra's full traceback as usual.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (HydraException, OmegaConfBaseException) as exc:
+        if user_wants_traceback:
+            raise
+        print(f"error: {config_error_line(exc)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def is_number(value) -> bool:
+    """int or float, not bool (YAML `true` is an int to isinstance)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, key: str, value, reason: str) -> None:
@@ -60,7 +109,7 @@ def validate_trainer(trainer: DictConfig) -> None:
     for key in ("compile", "progress"):
         _require(isinstance(trainer[key], bool), f"trainer.{key}", trainer[key], "must be true or false")
     peak = trainer.peak_flops
-    _require(peak is None or (isinstance(peak, (int, float)) and peak > 0), "trainer.peak_flops", peak,
+    _require(peak is None or (is_number(peak) and peak > 0), "trainer.peak_flops", peak,
              "must be null (look the GPU up) or a positive FLOP/s figure")
 
 
@@ -72,6 +121,21 @@ def validate_run(cfg: DictConfig) -> None:
     _require(cfg.resume is None or (isinstance(cfg.resume, str) and cfg.resume != ""), "resume",
              cfg.resume, "expected null, auto or a checkpoint path")
     validate_trainer(cfg.trainer)
-    max_len = cfg.model.get("max_seq_len")
-    _require(max_len is None or cfg.trainer.seq_len <= max_len, "trainer.seq_len", cfg.trainer.seq_len,
-             f"exceeds model.max_seq_len={max_len} of model '{cfg.model.get('name')}'")
+    validate_model(cfg.model, cfg.trainer.seq_len)
+
+
+def validate_model(model: DictConfig, seq_len: int) -> None:
+    """The model group's types and values (before the data is built), and its fit to seq_len.
+
+    A learned position table larger than the training length is refused: its extra rows are
+    never trained, and the tiny preset's RoPE-sized max_seq_len would make it 134M parameters.
+    """
+    from model.config import GPTConfig
+
+    GPTConfig.from_cfg(model, vocab_size=1)  # the tokenizer's size is checked again once it is known
+    max_len = model.get("max_seq_len")
+    _require(max_len is None or seq_len <= max_len, "trainer.seq_len", seq_len,
+             f"exceeds model.max_seq_len={max_len} of model '{model.get('name')}'")
+    _require(model.get("pos_emb") != "learned" or max_len <= seq_len, "model.max_seq_len", max_len,
+             f"with model.pos_emb=learned this is the size of the position table, larger than "
+             f"trainer.seq_len={seq_len} needs (rows past it are never trained): pass model.max_seq_len={seq_len}")

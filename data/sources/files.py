@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import Iterator
 
+from data.sources.audit import BadDocuments
 from data.sources.hf import as_list, check_text_field, load_records, local_files_signature, record_texts
 
 RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -48,17 +49,30 @@ class FilesSource:
         all_files = [p for _, p in self.text_files] + [f for files in records.values() for f in files]
         key = hashlib.sha256(f"{local_files_signature(all_files)}|{self.text_field}".encode()).hexdigest()
         self.fingerprint = f"files-{key[:10]}"
+        self.max_bad_fraction = cfg.get("max_bad_fraction", 0.01)
 
     def for_tokenizer(self, tokenizer) -> "FilesSource":
         return self
 
     def documents(self) -> Iterator[tuple[str, str]]:
+        undecodable = BadDocuments("text files with bytes that are not UTF-8 (decoded with replacements)",
+                                   self.max_bad_fraction)
         for name, path in self.text_files:
-            yield name, path.read_bytes().decode("utf-8", errors="replace")
+            data = path.read_bytes()
+            try:
+                text, bad = data.decode("utf-8"), False
+            except UnicodeDecodeError:
+                text, bad = data.decode("utf-8", errors="replace"), True
+            undecodable.add(bad, name)
+            yield name, text
+        undecodable.check()
         for fmt, ds in self._records.items():
-            for i, text in record_texts(ds, self.text_field, f"the {fmt} files of data.paths"):
+            missing = BadDocuments(f"{fmt} records without a {self.text_field!r} field", self.max_bad_fraction)
+            for i, text in record_texts(ds, self.text_field, f"the {fmt} files of data.paths", audit=missing):
                 yield f"{fmt}:{i}", text
+            missing.check()
 
 
 def _hidden(rel: Path) -> bool:
     return any(part.startswith(".") for part in rel.parts)
+

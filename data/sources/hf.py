@@ -9,12 +9,20 @@ import hashlib
 from pathlib import Path
 from typing import Iterator
 
+from data.digest import files_content_sha256
+from data.sources.audit import BadDocuments
+
 
 def load_records(path: str, *, config: str | None = None, split: str = "train", data_files=None,
                  streaming: bool = False, revision: str | None = None, cache_dir: Path | None = None):
     """`datasets.load_dataset(...)` for one split, with its failure as one ValueError line."""
     import datasets
 
+    local = [f for f in as_list(data_files) if Path(str(f)).expanduser().is_file()]
+    if local and cache_dir is not None:
+        # datasets keys its prepared copy of local files by path and mtime: an edit that keeps the
+        # mtime (`cp -p`, `rsync -a`) would reuse stale records, so key the copy by content as well.
+        cache_dir = Path(cache_dir) / f"content-{local_files_signature(local)[:16]}"
     try:
         return datasets.load_dataset(
             path, config, split=split, data_files=data_files, streaming=streaming, revision=revision,
@@ -43,27 +51,29 @@ def check_text_field(ds, text_field: str, what: str) -> None:
         raise ValueError(f"text field {text_field!r} not in {what}; its columns are {columns} (set data.text_field)")
 
 
-def record_texts(ds, text_field: str, what: str, max_docs: int | None = None) -> Iterator[tuple[int, str]]:
-    """(index, text) for each record (None counts as an empty text, which the cache skips)."""
+def record_texts(ds, text_field: str, what: str, max_docs: int | None = None,
+                 audit: BadDocuments | None = None) -> Iterator[tuple[int, str]]:
+    """(index, text) for each record. A record without the field (or null) is an empty text,
+    which the cache skips; `audit` counts those and fails past its threshold at the end."""
     for i, record in enumerate(ds.select_columns([text_field])):
         if max_docs is not None and i >= max_docs:
-            return
+            break
         text = record[text_field]
         if text is not None and not isinstance(text, str):
             raise ValueError(f"{what}: field {text_field!r} of record {i} is {type(text).__name__}, not text")
+        if audit is not None:
+            audit.add(text is None, f"record {i}")
         yield i, text or ""
 
 
 def local_files_signature(paths) -> str:
-    """Hash of (path, size, mtime) of the local files among `paths`; remote names hash as given."""
-    h = hashlib.sha256()
-    for p in sorted(str(p) for p in paths):
-        path = Path(p).expanduser()
-        h.update(p.encode())
-        if path.is_file():
-            st = path.stat()
-            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
+    """Hash of the names and contents of the local files among `paths` (not their mtimes: a
+    `touch` changes nothing, a same-size edit does); remote names hash as given."""
+    names = sorted(str(p) for p in paths)
+    local = [n for n in names if Path(n).expanduser().is_file()]
+    listing = "\n".join(names)
+    content = files_content_sha256([Path(n).expanduser() for n in local], local)
+    return hashlib.sha256(f"{listing}|{content}".encode()).hexdigest()
 
 
 def as_list(value) -> list:
@@ -101,10 +111,13 @@ class HFSource:
         slug = self.dataset_name.replace("/", "_")[-40:]
         self.fingerprint = f"hf-{slug}-{key[:10]}"
         check_text_field(self._ds, self.text_field, self.what)
+        self.max_bad_fraction = cfg.get("max_bad_fraction", 0.01)
 
     def for_tokenizer(self, tokenizer) -> "HFSource":
         return self
 
     def documents(self) -> Iterator[tuple[str, str]]:
-        for i, text in record_texts(self._ds, self.text_field, self.what, self.max_docs):
+        audit = BadDocuments(f"records of {self.what} without a {self.text_field!r} text", self.max_bad_fraction)
+        for i, text in record_texts(self._ds, self.text_field, self.what, self.max_docs, audit):
             yield str(i), text
+        audit.check()

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from data.digest import files_content_sha256
+
 MIN_DOC_BYTES = 10_000
 MAX_DOC_BYTES = 1_000_000
 # Installed third-party code and build artefacts are not the standard library.
@@ -42,10 +44,8 @@ class StdlibSource:
         if not self._docs:
             raise ValueError(f"no Python source files found under {self.root}")
         self.num_documents = len(self._docs)
-        listing = hashlib.sha256()
-        for doc in self._docs:
-            for f in doc.files:
-                listing.update(f"{f.relative_to(self.root)}\t{f.stat().st_size}\n".encode())
+        files = [f for doc in self._docs for f in doc.files]
+        listing = hashlib.sha256(files_content_sha256(files, [str(f.relative_to(self.root)) for f in files]).encode())
         settings = f"tests={int(include_tests)},cap={self.max_bytes}"
         listing.update(settings.encode())
         self.fingerprint = f"stdlib-py{platform.python_version()}-{listing.hexdigest()[:10]}"
