@@ -105,6 +105,7 @@ _TYPES = {  # annotation -> (check, what the error says)
     "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "str": (lambda v: isinstance(v, str), "a string"),
+    "Optional[str]": (lambda v: v is None or isinstance(v, str), "a string or null"),
 }
 
 

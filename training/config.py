@@ -129,6 +129,7 @@ def validate_model(model: DictConfig, seq_len: int) -> None:
 
     A learned position table larger than the training length is refused: its extra rows are
     never trained, and the tiny preset's RoPE-sized max_seq_len would make it 134M parameters.
+    A table imported with model.init_from (GPT-2's) was trained whole and is kept at its size.
     """
     from model.config import GPTConfig
 
@@ -136,6 +137,7 @@ def validate_model(model: DictConfig, seq_len: int) -> None:
     max_len = model.get("max_seq_len")
     _require(max_len is None or seq_len <= max_len, "trainer.seq_len", seq_len,
              f"exceeds model.max_seq_len={max_len} of model '{model.get('name')}'")
-    _require(model.get("pos_emb") != "learned" or max_len <= seq_len, "model.max_seq_len", max_len,
+    _require(model.get("pos_emb") != "learned" or model.get("init_from") or max_len <= seq_len, "model.max_seq_len",
+             max_len,
              f"with model.pos_emb=learned this is the size of the position table, larger than "
              f"trainer.seq_len={seq_len} needs (rows past it are never trained): pass model.max_seq_len={seq_len}")
