@@ -244,3 +244,21 @@ def test_two_processes_building_one_cache_both_get_a_valid_one(tmp_path):
     assert len({out for out, _ in outputs}) == 1
     folders = [p.name for p in (tmp_path / "tokens").iterdir()]
     assert len(folders) == 1 and ".tmp" not in folders[0]
+
+
+@pytest.mark.slow
+def test_weights_export_loads_for_eval_on_one_process(ddp_run, tmp_path):
+    from data import build_data
+    from training.evaluate import evaluate_loss, load_model_for_eval
+
+    model, cfg, _ = load_model_for_eval(ddp_run / "model.safetensors", device="cpu")
+    batches = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed).val_batches(cfg.trainer.batch_size,
+                                                                                     cfg.trainer.eval_batches)
+    assert evaluate_loss(model, batches, torch.device("cpu"), "fp32") == pytest.approx(losses(ddp_run)[-1][2], rel=1e-6)
+    exported = tmp_path / "w.safetensors"  # the script's export of the last checkpoint holds the same weights
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "export_weights.py"),
+                             str(ddp_run / "checkpoints" / "step_00000008.pt"), str(exported)],
+                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    again, _, _ = load_model_for_eval(exported, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
