@@ -262,3 +262,13 @@ def test_weights_export_loads_for_eval_on_one_process(ddp_run, tmp_path):
     assert result.returncode == 0, result.stderr
     again, _, _ = load_model_for_eval(exported, device="cpu")
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_global_batch_that_the_ranks_cannot_split_is_one_line_before_any_work(tmp_path, cache_dir, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, **{"trainer.grad_accum": 3})) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("error: trainer.grad_accum=3 is not divisible by the 2 processes: the global batch is "
+                   "trainer.batch_size x trainer.grad_accum sequences; set trainer.grad_accum to a multiple of 2")

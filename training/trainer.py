@@ -24,7 +24,7 @@ from training.checkpoint import (checkpoint_dir, checkpoint_path, find_resume_ch
                                  restore_training_state, save_checkpoint)
 from training.config import validate_run
 from training.device import autocast, resolve_device, resolve_precision
-from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, init_distributed, is_sharded,
+from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, env_world, init_distributed, is_sharded,
                                   local_grad_accum, set_gradient_sync, wrap_model)
 from training.evaluate import evaluate_loss
 from training.export import WEIGHTS_NAME, save_weights
@@ -181,8 +181,10 @@ class Trainer:
 
         device = resolve_config(cfg)
         t = cfg.trainer
+        micro_steps = local_grad_accum(t.grad_accum, env.world_size if env else env_world()[1])  # before any work
         self.env = env or init_distributed(device.type, t.dist_timeout_s)
-        micro_steps = local_grad_accum(t.grad_accum, self.env.world_size)  # fails before any work
+        if not self.env.enabled and t.parallel == "fsdp":
+            log.warning("trainer.parallel=fsdp has no effect in a single process (start several with torchrun)")
         if device.type == "cuda" and self.env.enabled:
             device = torch.device("cuda", self.env.local_rank)
         self.cfg, self.device, self.run_dir = cfg, device, Path(cfg.run.dir)
