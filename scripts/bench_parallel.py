@@ -1,7 +1,7 @@
 """One GPU against two: tokens/s of DDP and FSDP2, loss curves from one seed, gpt-1b memory per GPU.
 
-    python scripts/bench_parallel.py --out benchmarks            # about 7 minutes on 2 H200s
-    python scripts/bench_parallel.py --out /tmp/x --steps 40 --skip-memory trainer.seq_len=1024
+    python scripts/bench_parallel.py --out benchmarks            # about 7 minutes on 2 H200s (estimated)
+    python scripts/bench_parallel.py --out /tmp/x --steps 40 --only throughput trainer.seq_len=1024
 
 1. Throughput and loss: train.py three times from the same seed on the same global batch
    (default: experiment=gpt2-small-4k at T=4096, compiled, batch 4 x grad_accum 2 = 32K tokens per
@@ -10,6 +10,9 @@
 2. Memory: `gpt-1b` at T=4096 (batch 1 per rank, not compiled) under DDP and FSDP2 on 2 GPUs, a
    few steps each through this script's worker mode (the Trainer itself, under torchrun); the peak
    allocated memory of every rank.
+
+Where one call may take at most ~10 minutes, run the parts apart: `--only throughput`, then
+`--only memory` (results parallel_<gpu>_throughput.* and parallel_<gpu>_memory.*).
 
 Extra arguments are Hydra overrides for the throughput runs. Writes <out>/<name>.json (all rows,
 settings, environment), .md (the tables) and .png (the loss curves and their differences), rewritten
@@ -36,7 +39,7 @@ from _common import (REPO_ROOT, device_slug, environment, markdown_table, new_fi
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 THROUGHPUT = ["experiment=gpt2-small-4k", "tokenizer=bytes", "trainer.batch_size=4", "trainer.grad_accum=2",
-              "trainer.log_every=5", "trainer.eval_every=50", "trainer.eval_batches=8", "trainer.ckpt_every=0",
+              "trainer.log_every=5", "trainer.eval_every=40", "trainer.eval_batches=8", "trainer.ckpt_every=0",
               "trainer.keep_ckpts=1", "trainer.progress=false", "logger=none"]
 MEMORY = ["model=gpt-1b", "attention=sdpa", "trainer.seq_len=4096", "trainer.batch_size=1", "trainer.grad_accum=2",
           "trainer.compile=false", "trainer.progress=false", "logger=none"]
@@ -197,11 +200,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, help="folder for the results (required)")
     parser.add_argument("--name", help="file stem (default parallel_<gpu>)")
     parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warm", type=int, default=10, help="steps left out of tokens/s (compilation)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--memory-steps", type=int, default=3)
-    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--only", choices=["throughput", "memory"], help="run one part (default: both)")
     parser.add_argument("--budget-s", type=float, default=470, help="stop starting runs after this long")
     parser.add_argument("--work", type=Path, help="folder for the run dirs (default: a new temp folder)")
     parser.add_argument("--memory-worker", type=Path, help=argparse.SUPPRESS)
@@ -221,7 +224,7 @@ def main(argv: list[str]) -> None:
     args.deadline = time.monotonic() + args.budget_s
     args.work = args.work or Path(tempfile.mkdtemp(prefix="bench_parallel-"))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (args.name or f"parallel_{device_slug(torch.device('cuda'))}")
+    stem = args.out / (args.name or f"parallel_{device_slug(torch.device('cuda'))}" + (f"_{args.only}" if args.only else ""))
     args.log = stem.with_suffix(".log")
     report = {"environment": {**environment(torch.device("cuda")), "gpus": args.gpus, **NO_MULTICAST},
               "settings": {"gpus": args.gpus, "steps": args.steps, "warm": args.warm, "seed": args.seed,
@@ -233,8 +236,9 @@ def main(argv: list[str]) -> None:
         write_text(stem.with_suffix(".md"), markdown(report))
         draw(report, stem.with_suffix(".png"))
 
-    throughput(args, report, save)
-    if not args.skip_memory:
+    if args.only != "memory":
+        throughput(args, report, save)
+    if args.only != "throughput":
         memory(args, report, save)
     save()
     print(markdown(report))
