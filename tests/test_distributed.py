@@ -39,14 +39,17 @@ def micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(torch.randint(64, (2, 16), generator=g) for _ in range(2)) for _ in range(WORLD)]
 
 
-def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None) -> tuple[dict, dict]:
-    """Two optimizer steps of the tiny GPT in float64 on the same global batches; the full state."""
+def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None, precision: str = "fp32"
+              ) -> tuple[dict, dict]:
+    """Two optimizer steps of the tiny GPT (float64, or float32 under bf16 autocast / FSDP's bf16
+    parameters) on the same global batches; the full state."""
     from training.config import compose
     from training.trainer import TrainStep, model_from_config
 
-    cfg = compose(STEP_OVERRIDES + ([f"trainer.parallel={parallel}"] if parallel else []))
+    cfg = compose(STEP_OVERRIDES + [f"trainer.precision={precision}"]
+                  + ([f"trainer.parallel={parallel}"] if parallel else []))
     torch.manual_seed(0)
-    model = model_from_config(cfg, 64, attention="sdpa").double()
+    model = model_from_config(cfg, 64, attention="sdpa").to(torch.float64 if precision == "fp32" else torch.float32)
     step = TrainStep(model, cfg, torch.device("cpu"), env)
     for s in range(2):
         mine = micro_batches(s)[rank::world]  # rank r: micro-batch r of the global batch
@@ -63,10 +66,10 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     env = init_distributed("cpu", timeout_s=60)
     try:
-        for parallel in ("ddp", "fsdp"):
-            state = run_steps(parallel, rank, WORLD, env)
+        for parallel, precision in (("ddp", "fp32"), ("fsdp", "fp32"), ("ddp", "bf16"), ("fsdp", "bf16")):
+            state = run_steps(parallel, rank, WORLD, env, precision)
             if rank == 0:
-                torch.save(state, f"{out}/{parallel}.pt")
+                torch.save(state, f"{out}/{parallel}-{precision}.pt")
     finally:
         close_distributed()
 
@@ -75,7 +78,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 def parallel_states(tmp_path_factory):
     out = tmp_path_factory.mktemp("steps")
     mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return {p: torch.load(out / f"{p}.pt", weights_only=True) for p in ("ddp", "fsdp")}
+    return {f"{p}-{d}": torch.load(out / f"{p}-{d}.pt", weights_only=True) for p in ("ddp", "fsdp")
+            for d in ("fp32", "bf16")}
 
 
 def assert_states_close(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
@@ -93,11 +97,24 @@ def test_ddp_step_equals_the_single_process_step(parallel_states):
     single = run_steps(None)
     start = model_from_default()
     assert any(not torch.equal(single[0][k], v) for k, v in start.items())  # the steps did change the weights
-    assert_states_close(parallel_states["ddp"], single)
+    assert_states_close(parallel_states["ddp-fp32"], single)
 
 
 def test_fsdp_step_equals_the_ddp_step(parallel_states):
-    assert_states_close(parallel_states["fsdp"], parallel_states["ddp"])
+    assert_states_close(parallel_states["fsdp-fp32"], parallel_states["ddp-fp32"])
+
+
+def test_fsdp_bf16_parameters_train_like_ddp_under_bf16_autocast(parallel_states):
+    """FSDP's bf16 gathered parameters with float32 gradient reduction against DDP's bf16
+    autocast: not bit-equal (other roundings), but as close as bf16 is to float32, and far closer
+    than the two steps' update itself."""
+    start = {k: v.float() for k, v in model_from_default().items()}
+    fsdp, ddp, fp32 = (parallel_states[k][0] for k in ("fsdp-bf16", "ddp-bf16", "ddp-fp32"))
+    total = lambda a, b: sum(float((a[k].float() - b[k].float()).norm()) ** 2 for k in start) ** 0.5  # noqa: E731
+    diff, noise, update = total(fsdp, ddp), total(ddp, fp32), total(ddp, start)
+    assert diff < 2 * noise and diff < 0.1 * update, (diff, noise, update)
+    for k in start:
+        assert (fsdp[k] - ddp[k]).norm() < 0.2 * (ddp[k] - start[k]).norm(), k
 
 
 def model_from_default() -> dict:
