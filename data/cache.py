@@ -73,12 +73,20 @@ def load_or_build(root: Path, source, tokenizer, verify: bool = True, progress: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if path.exists():
-        shutil.rmtree(path, ignore_errors=True)
+    if path.exists():  # a concurrent builder (another rank) may have put a valid one there meanwhile
+        try:
+            load(path, verify)
+        except InvalidCache:  # the invalid one seen above: moved aside in one rename, then deleted
+            stale = path.with_name(f"{path.name}.stale-{os.getpid()}")
+            try:
+                os.replace(path, stale)
+            except FileNotFoundError:  # another builder moved it first
+                pass
+            shutil.rmtree(stale, ignore_errors=True)
     try:
         os.replace(tmp, path)
     except OSError:
-        # Another process (rank) renamed its identical build into place first.
+        # Another process (rank) renamed its identical build into place first: never delete it.
         shutil.rmtree(tmp, ignore_errors=True)
     return load(path, verify)
 

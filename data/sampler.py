@@ -2,10 +2,15 @@
 
 The stream is cut into non-overlapping windows of seq_len + 1 tokens sharing one token
 with the next window (x = w[:-1], y = w[1:]), so an epoch sees every token once as a target.
-Epoch e visits the windows in the order of a permutation seeded by (seed, e); rank r takes
-every world_size-th entry of it, so ranks are disjoint and together cover the epoch.
-The position is two integers (epoch, cursor): resuming from them replays exactly the
-batches an uninterrupted run would have drawn.
+Epoch e visits the windows in the order of a permutation seeded by (seed, e). The position is
+global, two integers (epoch, cursor): the first `cursor` entries of epoch e's permutation have
+been consumed, by all ranks together. Each window slot of a batch takes the next world_size
+entries, rank r the r-th of them, so ranks are disjoint, move in lockstep, and together consume
+the permutation in order. Resuming from the position replays exactly the batches an uninterrupted
+run would have drawn, and on a different number of ranks it continues from the same entry: no
+window of the epoch is repeated or skipped. An epoch ends when fewer than world_size entries are
+left (they are dropped, fewer than world_size windows, different ones each epoch; none with one
+process).
 """
 from __future__ import annotations
 
@@ -41,12 +46,21 @@ class WindowSampler:
         self.epoch, self.cursor = 0, 0
         self._order_epoch, self._order = -1, None
 
-    def shard(self, epoch: int) -> np.ndarray:
-        """Window indices this rank visits in `epoch`, in order."""
+    def order(self, epoch: int) -> np.ndarray:
+        """All window indices of `epoch`, in the order the ranks together consume them."""
         if self._order_epoch != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._order, self._order_epoch = perm[self.rank :: self.world_size], epoch
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            self._order_epoch = epoch
         return self._order
+
+    def shard(self, epoch: int) -> np.ndarray:
+        """Window indices this rank visits in `epoch` from its start, in order."""
+        usable = self.n_windows - self.n_windows % self.world_size
+        return self.order(epoch)[self.rank : usable : self.world_size]
+
+    def _wrap(self) -> None:
+        if self.cursor + self.world_size > self.n_windows:
+            self.epoch, self.cursor = self.epoch + 1, 0
 
     def window(self, index: int) -> np.ndarray:
         return self.stream.read(index * self.seq_len, self.seq_len + 1)
@@ -58,32 +72,32 @@ class WindowSampler:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         windows = []
         for _ in range(batch_size):
-            order = self.shard(self.epoch)
-            windows.append(self.window(int(order[self.cursor])))
-            self.cursor += 1
-            if self.cursor == len(order):
-                self.epoch, self.cursor = self.epoch + 1, 0
+            windows.append(self.window(int(self.order(self.epoch)[self.cursor + self.rank])))
+            self.cursor += self.world_size
+            self._wrap()
         return windows_to_batch(windows, self.eot_id, return_doc_ids)
 
     def state_dict(self) -> dict:
+        """The global position (the same on every rank); world_size is recorded for information."""
         return {
             "epoch": self.epoch,
             "cursor": self.cursor,
             "seed": self.seed,
             "seq_len": self.seq_len,
-            "rank": self.rank,
             "world_size": self.world_size,
             "n_windows": self.n_windows,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "seq_len", "rank", "world_size", "n_windows"):
+        """Continue from a global position saved by any number of ranks."""
+        for key in ("seed", "seq_len", "n_windows"):
             if int(state[key]) != getattr(self, key):
                 raise ValueError(
                     f"sampler state has {key}={state[key]} but this run has {key}={getattr(self, key)}: "
-                    f"the data, seq_len, seed or number of ranks changed since the checkpoint"
+                    f"the data, seq_len or seed changed since the checkpoint"
                 )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._wrap()
 
 
 class ValidationWindows:

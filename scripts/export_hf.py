@@ -20,7 +20,8 @@ from _common import run_cli
 
 def main(argv: list[str]) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run dir (its newest checkpoint)")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, a weights-only model.safetensors, "
+                        "or a run dir (its newest checkpoint)")
     parser.add_argument("out_dir", type=Path, help="the folder to write (must not hold a config.json yet)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)

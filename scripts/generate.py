@@ -25,7 +25,8 @@ from _common import run_cli
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run dir (its newest checkpoint)")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, a weights-only model.safetensors, "
+                        "or a run dir (its newest checkpoint)")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     parser.add_argument("--prompt-file", action="append", default=[], type=Path,
                         help="a file whose whole text is one prompt, '-' for stdin (repeatable)")

@@ -5,8 +5,8 @@
 Takes the training config (configs/max_context.yaml adds the search's keys to train.yaml, so
 every model preset and override of train.py applies). For each memory-feature set and attention
 implementation it builds the model once, then probes lengths: one full training step per probe
-(forward and loss inside the model, backward, optimizer step; bf16 autocast and fused AdamW on
-CUDA, as train.py runs them), doubling from `start` until a step fails, then bisecting to
+(forward and loss inside the model, backward, clipping, optimizer step; bf16 autocast and fused
+AdamW on CUDA: train.py's own TrainStep), doubling from `start` until a step fails, then bisecting to
 `granularity`. The optimizer's state is allocated before the first probe, so every probe sees the
 steady-state footprint of step 2 onwards, not the lighter first step.
 
@@ -116,19 +116,17 @@ def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int,
 # ----------------------------------------------------------------------------- one training step
 
 class StepProbe:
-    """A model and optimizer built once; calling it with a length runs one training step."""
+    """A model and optimizer built once; calling it with a length runs one training step, the
+    step train.py runs (training.trainer.TrainStep: autocast, compile, clipping, optimizer)."""
 
     def __init__(self, cfg: DictConfig, impl: str, device: torch.device, budget_bytes: int | None):
-        from model import build_model
-        from training.device import autocast, resolve_precision
-        from training.optim import build_optimizer
+        from training.trainer import TrainStep, model_from_config
 
         self.device, self.batch_size, self.budget = device, cfg.batch_size, budget_bytes
         self.vocab_size = cfg.model.vocab_size
-        self.autocast = lambda: autocast(device, resolve_precision(cfg.trainer.precision, device))
-        model = build_model(cfg.model, vocab_size=self.vocab_size, attention=impl).to(device)
-        self.optimizer = build_optimizer(model, cfg.optim, device)
-        self.model = torch.compile(model) if cfg.trainer.compile else model
+        self.model = model_from_config(cfg, self.vocab_size, attention=impl).to(device)
+        self.train_step = TrainStep(self.model, cfg, device, micro_steps=1)
+        self.optimizer = self.train_step.optimizer
         for p in self.model.parameters():  # allocate Adam's moments now: steady-state footprint
             p.grad = torch.zeros_like(p)
         self.optimizer.step()
@@ -140,11 +138,7 @@ class StepProbe:
         return allocated_bytes(self.device, [*self.model.parameters(), *self.model.buffers(), *state])
 
     def _step(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
-        with self.autocast():
-            loss = self.model(idx, targets)  # the loss comes out of the model: no logits here
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.train_step(lambda: (idx, targets))  # the loss comes out of the model: no logits here
 
     def timed_step(self, length: int) -> float:
         shape = (self.batch_size, length)
@@ -179,7 +173,7 @@ class StepProbe:
                      tokens_per_s=self.batch_size * length / step_s)
 
     def close(self) -> None:
-        del self.model, self.optimizer
+        del self.model, self.optimizer, self.train_step
         release_memory(self.device)
 
 

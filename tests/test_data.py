@@ -74,10 +74,46 @@ def test_rank_shards_are_disjoint_and_cover_the_epoch(tmp_path):
     samplers = [build_data(cfg, seq_len=64, seed=1, rank=r, world_size=3, progress=False).train for r in range(3)]
     shards = [s.shard(0) for s in samplers]
     everything = np.concatenate(shards)
-    assert len(everything) == len(set(everything.tolist())) == samplers[0].n_windows
-    # Every window of the stream is read exactly once per epoch: targets cover the train tokens.
+    n = samplers[0].n_windows
+    # Ranks move in lockstep: an epoch drops its last n % 3 windows (fewer than the ranks).
+    assert len(everything) == len(set(everything.tolist())) == n - n % 3
+    assert set(everything.tolist()) == set(samplers[0].order(0)[: n - n % 3].tolist())
+    # Every other window of the stream is read exactly once per epoch.
     seen = sum(s.window(int(i))[1:].size for s, shard in zip(samplers, shards) for i in shard)
-    assert seen == samplers[0].n_windows * 64
+    assert seen == (n - n % 3) * 64
+
+
+def drawn(samplers, steps: int, batch: int) -> list[list[int]]:
+    """Window indices each rank draws in `steps` batches, found by their tokens."""
+    s0 = samplers[0]
+    index = {tuple(s0.window(i)[:-1].tolist()): i for i in range(s0.n_windows)}
+    assert len(index) == s0.n_windows  # no two windows alike: tokens identify a window
+    out = [[] for _ in samplers]
+    for _ in range(steps):
+        for r, s in enumerate(samplers):
+            x, _ = s.next_batch(batch)
+            out[r] += [index[tuple(row.tolist())] for row in x]
+    return out
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (3, 1), (1, 2)])
+def test_resume_on_another_number_of_ranks_neither_repeats_nor_skips(tmp_path, before, after):
+    cfg = make_cfg(tmp_path)
+    bundle = lambda r, w: build_data(cfg, seq_len=512, seed=5, rank=r, world_size=w, progress=False).train  # noqa: E731
+    first = [bundle(r, before) for r in range(before)]
+    seen = drawn(first, steps=7, batch=3)
+    state = first[0].state_dict()
+    assert all(s.state_dict() == state for s in first)  # one global position, whichever rank saves it
+    second = [bundle(r, after) for r in range(after)]
+    for s in second:
+        s.load_state_dict(state)
+    later = drawn(second, steps=5, batch=2)
+    consumed = [w for rank in seen for w in rank]
+    resumed = [w for rank in later for w in rank]
+    assert len(set(resumed)) == len(resumed) and not set(resumed) & set(consumed)  # disjoint ranks, no repeat
+    # together: exactly the next entries of the epoch's order, nothing skipped
+    order = first[0].order(0)
+    assert sorted(consumed + resumed) == sorted(order[: len(consumed) + len(resumed)].tolist())
 
 
 def test_doc_ids_mark_document_boundaries(tmp_path):

@@ -107,14 +107,14 @@ def save_hf_folder(folder, kind):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_init_from_starts_a_run_from_hf_weights_and_tokenizer(tmp_path, cache_dir, kind):
-    import train
     from training.config import compose
+    from training.trainer import Trainer
 
     folder = tmp_path / kind
     hf_model = save_hf_folder(folder, kind)
     overrides = tiny_overrides(tmp_path / "run", cache_dir, steps=2, **{"model.init_from": str(folder)})
-    run = train.setup(compose(overrides))
-    run.lock.release()   # train.setup holds the run dir; train() below takes it again
+    run = Trainer(compose(overrides))
+    run.lock.release()   # the Trainer holds the run dir; train() below takes it again
     assert run.cfg.tokenizer.name == "pretrained" and run.cfg.tokenizer.eot_token == "<|endoftext|>"
     assert hf_architecture(run.model.config) == kind and run.model.config.vocab_size == 320
     idx = torch.randint(0, 257, (2, 40))
@@ -155,10 +155,10 @@ def test_export_script_on_a_trained_run(tmp_path, cache_dir):
     with pytest.raises(ValueError, match="already holds an export"):
         export_script.main([str(run_dir), str(out)])
     # and back: a run started from the export computes what the trained model does
-    import train
     from training.config import compose
+    from training.trainer import Trainer
 
-    again = train.setup(compose(tiny_overrides(tmp_path / "again", cache_dir, **{"model.init_from": str(out)})))
+    again = Trainer(compose(tiny_overrides(tmp_path / "again", cache_dir, **{"model.init_from": str(out)})))
     again.lock.release()
     assert again.data.tokenizer.encode(TEXT) == tokenizer.encode(TEXT)
     with torch.no_grad():

@@ -18,6 +18,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 PRECISIONS = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
+PARALLEL = ("ddp", "fsdp")   # training.distributed implements them
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
@@ -108,6 +109,10 @@ def validate_trainer(trainer: DictConfig) -> None:
              f"expected one of {', '.join(PRECISIONS)}")
     for key in ("compile", "progress"):
         _require(isinstance(trainer[key], bool), f"trainer.{key}", trainer[key], "must be true or false")
+    _require(trainer.parallel in PARALLEL, "trainer.parallel", trainer.parallel, f"expected one of {', '.join(PARALLEL)}")
+    _require(isinstance(trainer.dist_timeout_s, (int, float)) and not isinstance(trainer.dist_timeout_s, bool)
+             and trainer.dist_timeout_s > 0, "trainer.dist_timeout_s", trainer.dist_timeout_s,
+             "must be a positive number of seconds")
     peak = trainer.peak_flops
     _require(peak is None or (is_number(peak) and peak > 0), "trainer.peak_flops", peak,
              "must be null (look the GPU up) or a positive FLOP/s figure")

@@ -12,35 +12,58 @@ from training.device import autocast, resolve_device, resolve_precision
 
 
 @torch.no_grad()
-def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precision: str) -> float:
-    """Mean loss over fixed validation batches (the same batches every call, so values compare)."""
+def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precision: str, env=None) -> float:
+    """Mean loss over fixed validation batches (the same batches every call, so values compare).
+
+    Under several processes (`env`, a training.distributed.DistEnv) rank r evaluates batches
+    r, r + N, ... and the sums are added over ranks. An FSDP-sharded model gathers its weights in
+    every forward, so there each rank runs the same number of forwards (a short rank repeats a
+    batch and discards the result).
+    """
+    from training.distributed import all_reduce, is_sharded
+
+    world, rank = (env.world_size, env.rank) if env is not None and env.enabled else (1, 0)
+    own = batches[rank::world]
+    rounds = -(-len(batches) // world) if world > 1 and is_sharded(model) else len(own)
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for x, y in batches:
+    for i in range(rounds):
+        x, y = own[i] if i < len(own) else batches[0]
         with autocast(device, precision):
-            total += model(x.to(device), y.to(device)).float()
+            loss = model(x.to(device), y.to(device)).float()
+        if i < len(own):
+            total += loss
     model.train(was_training)
+    if world > 1:
+        all_reduce(total, env)
     return (total / len(batches)).item()
 
 
 def load_model_for_eval(ckpt_path: str | Path, device: str = "auto", attention: str | None = None):
-    """(model in eval mode, the run's resolved config, its tokenizer) from one checkpoint file.
+    """(model in eval mode, the run's resolved config, its tokenizer) from one checkpoint file or
+    a weights-only export (`model.safetensors`, see training/export.py), whatever the number of
+    processes that trained it.
 
     The tokenizer is rebuilt from the saved config through the data package, the same builder
     training used, so ids match; `attention` swaps the backend (e.g. naive vs flash) for evals.
     """
     from data import build_data
-    from model import build_model
     from model.attention import resolve_attention
+    from training.export import load_weights, read_config
+    from training.trainer import model_from_config
 
-    state = load_checkpoint(ckpt_path)
-    cfg = OmegaConf.create(state["config"])
+    weights_only = Path(ckpt_path).suffix == ".safetensors"
+    state = None if weights_only else load_checkpoint(ckpt_path)
+    cfg = OmegaConf.create(read_config(ckpt_path) if weights_only else state["config"])
     dev = resolve_device(device)
     attn = resolve_attention(attention or "auto", dev)
     bundle = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed, rank=0, world_size=1)
-    model = build_model(cfg.model, vocab_size=bundle.vocab_size, attention=attn)
-    restore_model(model, state, ckpt_path, OmegaConf.to_container(cfg.model))
+    model = model_from_config(cfg, bundle.vocab_size, attention=attn)
+    if weights_only:
+        load_weights(model, ckpt_path)
+    else:
+        restore_model(model, state, ckpt_path, OmegaConf.to_container(cfg.model))
     cfg.attention.name = attn
     cfg.trainer.precision = resolve_precision(cfg.trainer.precision, dev)
     return model.to(dev).eval(), cfg, bundle.tokenizer

@@ -1,0 +1,291 @@
+"""Several processes on the CPU (gloo): DDP and FSDP2 steps against the single-process step,
+checkpoints moved between 1 and 2 processes, a killed rank and a stop signal under torchrun, and
+two processes building one token cache at once."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401 (fixture)
+from training.checkpoint import list_checkpoints, load_checkpoint
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- one step, three ways
+
+STEP_OVERRIDES = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", "model.vocab_size=64",
+                  "trainer.batch_size=2", f"trainer.grad_accum={WORLD}", "trainer.precision=fp32",
+                  "optim.warmup_steps=0", "optim.grad_clip=0.05", "device=cpu"]  # a clip that bites
+
+
+def micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [tuple(torch.randint(64, (2, 16), generator=g) for _ in range(2)) for _ in range(WORLD)]
+
+
+def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None, precision: str = "fp32"
+              ) -> tuple[dict, dict]:
+    """Two optimizer steps of the tiny GPT (float64, or float32 under bf16 autocast / FSDP's bf16
+    parameters) on the same global batches; the full state."""
+    from training.config import compose
+    from training.trainer import TrainStep, model_from_config
+
+    cfg = compose(STEP_OVERRIDES + [f"trainer.precision={precision}"]
+                  + ([f"trainer.parallel={parallel}"] if parallel else []))
+    torch.manual_seed(0)
+    model = model_from_config(cfg, 64, attention="sdpa").to(torch.float64 if precision == "fp32" else torch.float32)
+    step = TrainStep(model, cfg, torch.device("cpu"), env)
+    for s in range(2):
+        mine = micro_batches(s)[rank::world]  # rank r: micro-batch r of the global batch
+        it = iter(mine)
+        step(lambda: next(it))
+    return step.full_state()
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from training.distributed import close_distributed, init_distributed
+
+    env = init_distributed("cpu", timeout_s=60)
+    try:
+        for parallel, precision in (("ddp", "fp32"), ("fsdp", "fp32"), ("ddp", "bf16"), ("fsdp", "bf16")):
+            state = run_steps(parallel, rank, WORLD, env, precision)
+            if rank == 0:
+                torch.save(state, f"{out}/{parallel}-{precision}.pt")
+    finally:
+        close_distributed()
+
+
+@pytest.fixture(scope="module")
+def parallel_states(tmp_path_factory):
+    out = tmp_path_factory.mktemp("steps")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    return {f"{p}-{d}": torch.load(out / f"{p}-{d}.pt", weights_only=True) for p in ("ddp", "fsdp")
+            for d in ("fp32", "bf16")}
+
+
+def assert_states_close(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (model_a, optim_a), (model_b, optim_b) = a, b
+    assert model_a.keys() == model_b.keys()
+    for k in model_a:
+        torch.testing.assert_close(model_a[k], model_b[k], rtol=1e-12, atol=1e-12, msg=k)
+    assert optim_a["state"].keys() == optim_b["state"].keys() and optim_a["param_groups"] == optim_b["param_groups"]
+    for i, moments in optim_a["state"].items():
+        for name, value in moments.items():
+            torch.testing.assert_close(value, optim_b["state"][i][name], rtol=1e-12, atol=1e-14, msg=f"{i}.{name}")
+
+
+def test_ddp_step_equals_the_single_process_step(parallel_states):
+    single = run_steps(None)
+    start = model_from_default()
+    assert any(not torch.equal(single[0][k], v) for k, v in start.items())  # the steps did change the weights
+    assert_states_close(parallel_states["ddp-fp32"], single)
+
+
+def test_fsdp_step_equals_the_ddp_step(parallel_states):
+    assert_states_close(parallel_states["fsdp-fp32"], parallel_states["ddp-fp32"])
+
+
+def test_fsdp_bf16_parameters_train_like_ddp_under_bf16_autocast(parallel_states):
+    """FSDP's bf16 gathered parameters with float32 gradient reduction against DDP's bf16
+    autocast: not bit-equal (other roundings), but as close as bf16 is to float32, and far closer
+    than the two steps' update itself."""
+    start = {k: v.float() for k, v in model_from_default().items()}
+    fsdp, ddp, fp32 = (parallel_states[k][0] for k in ("fsdp-bf16", "ddp-bf16", "ddp-fp32"))
+    total = lambda a, b: sum(float((a[k].float() - b[k].float()).norm()) ** 2 for k in start) ** 0.5  # noqa: E731
+    diff, noise, update = total(fsdp, ddp), total(ddp, fp32), total(ddp, start)
+    assert diff < 2 * noise and diff < 0.1 * update, (diff, noise, update)
+    for k in start:
+        assert (fsdp[k] - ddp[k]).norm() < 0.2 * (ddp[k] - start[k]).norm(), k
+
+
+def model_from_default() -> dict:
+    from training.config import compose
+    from training.trainer import model_from_config
+
+    torch.manual_seed(0)
+    return model_from_config(compose(STEP_OVERRIDES), 64, attention="sdpa").double().state_dict()
+
+
+# ----------------------------------------------------------------------------- train.py under torchrun
+
+def torchrun_command(overrides: list[str], nproc: int = WORLD) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(REPO / "train.py"), *overrides]
+
+
+def torchrun(overrides: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    result = subprocess.run(torchrun_command(overrides), cwd=REPO, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=timeout)
+    return result
+
+
+STEPS = 24  # long enough that a rank can be killed mid-run
+
+
+def dist_overrides(run_dir, cache, steps: int = STEPS, **extra) -> list[str]:
+    return tiny_overrides(run_dir, cache, steps, **{"trainer.grad_accum": WORLD, "trainer.eval_every": 12,
+                                                    "trainer.keep_ckpts": 10, **extra})
+
+
+def assert_losses_close(a: list[tuple], b: list[tuple]) -> None:
+    """Same steps, lr and tokens; losses to float32 rounding (ranks add gradients in another order)."""
+    assert [r[0] for r in a] == [r[0] for r in b] and [r[3:5] for r in a] == [r[3:5] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra[1] == pytest.approx(rb[1], rel=1e-5, abs=1e-6), (ra, rb)
+        assert (ra[2] is None) == (rb[2] is None) and (ra[2] is None or ra[2] == pytest.approx(rb[2], rel=1e-5))
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("single")
+    assert run_in_process(dist_overrides(run_dir, cache_dir)) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, cache_dir):
+    """Two ranks, DDP, one fresh token cache built by rank 0 while rank 1 waits."""
+    run_dir = tmp_path_factory.mktemp("ddp")
+    result = torchrun(dist_overrides(run_dir, tmp_path_factory.mktemp("fresh-cache")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_one_and_only_rank0_writes(ddp_run, single_run):
+    rows = losses(ddp_run)
+    assert [r[0] for r in rows] == list(range(1, STEPS + 1))  # one row per step: rank 0 alone writes
+    assert_losses_close(rows, losses(single_run))
+    state = load_checkpoint(ddp_run / "checkpoints" / f"step_{STEPS:08d}.pt")
+    assert state["config"]["run"]["world_size"] == WORLD and state["tokens"] == STEPS * 4 * 64 * WORLD
+    assert (ddp_run / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_checkpoint_of_two_ranks_resumes_on_one(ddp_run, tmp_path, cache_dir):
+    ckpt = ddp_run / "checkpoints" / "step_00000004.pt"
+    assert run_in_process(dist_overrides(tmp_path, cache_dir, resume=str(ckpt))) == 0
+    assert_losses_close(losses(tmp_path), losses(ddp_run)[4:])  # steps 5..24
+
+
+@pytest.mark.slow
+def test_checkpoint_of_one_resumes_on_two_ranks_with_fsdp(single_run, tmp_path, cache_dir):
+    ckpt = single_run / "checkpoints" / "step_00000004.pt"
+    result = torchrun(dist_overrides(tmp_path, cache_dir, resume=str(ckpt), **{"trainer.parallel": "fsdp"}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_losses_close(losses(tmp_path), losses(single_run)[4:])
+
+
+def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """rank -> pid of torchrun's worker processes (its children), from /proc."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    ranks = {}
+    for pid in map(int, children):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env:
+            ranks[int(env["RANK"])] = pid
+    return ranks
+
+
+def start_and_interrupt(overrides: list[str], run_dir: Path, after_steps: int, act) -> int:
+    launcher = subprocess.Popen(torchrun_command(overrides), cwd=REPO, env=subprocess_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < after_steps) and \
+            launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert launcher.poll() is None, f"torchrun ended before it could be interrupted: {launcher.stderr.read()[-3000:]}"
+    act(launcher)
+    launcher.wait(timeout=90)  # bounded: the survivors must not hang
+    return launcher.returncode
+
+
+@pytest.mark.slow
+def test_killed_rank_then_resume_auto_is_bit_identical(tmp_path, cache_dir, ddp_run):
+    run_dir = tmp_path / "run"
+    overrides = dist_overrides(run_dir, cache_dir, resume="auto")  # ddp_run's run, resumable
+    status = start_and_interrupt(overrides, run_dir, after_steps=10,
+                                 act=lambda p: os.kill(worker_pids(p)[1], signal.SIGKILL))
+    assert status != 0 and len(losses(run_dir)) < STEPS
+    assert list_checkpoints(run_dir / "checkpoints")  # resume=auto will start from one of them
+    result = torchrun(overrides)  # the same command again
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(run_dir) == losses(ddp_run)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_every_rank_at_one_step(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    overrides = dist_overrides(run_dir, cache_dir, 200, resume="auto", **{"trainer.ckpt_every": 0,
+                                                                         "trainer.eval_every": 0})
+    start_and_interrupt(overrides, run_dir, after_steps=5, act=lambda p: p.send_signal(signal.SIGTERM))
+    saved = list_checkpoints(run_dir / "checkpoints")
+    assert len(saved) == 1  # one consistent checkpoint, written once
+    stopped_at = load_checkpoint(saved[0])["step"]
+    assert 5 <= stopped_at < 200 and len(losses(run_dir)) == stopped_at
+
+
+# ----------------------------------------------------------------------------- the token cache
+
+def test_two_processes_building_one_cache_both_get_a_valid_one(tmp_path):
+    code = ("import sys; from omegaconf import OmegaConf; from data import build_data; "
+            "cfg = OmegaConf.create({'data': {'name': 'stdlib', 'max_bytes': 300000, 'include_tests': False, "
+            "'val_fraction': 0.1, 'cache_dir': sys.argv[1]}, 'tokenizer': {'name': 'bytes'}}); "
+            "b = build_data(cfg, seq_len=64, seed=0, progress=False); print(b.cache.path, b.cache.n_tokens)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=subprocess_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    assert len({out for out, _ in outputs}) == 1
+    folders = [p.name for p in (tmp_path / "tokens").iterdir()]
+    assert len(folders) == 1 and ".tmp" not in folders[0]
+
+
+@pytest.mark.slow
+def test_weights_export_loads_for_eval_on_one_process(ddp_run, tmp_path):
+    from data import build_data
+    from training.evaluate import evaluate_loss, load_model_for_eval
+
+    model, cfg, _ = load_model_for_eval(ddp_run / "model.safetensors", device="cpu")
+    batches = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed).val_batches(cfg.trainer.batch_size,
+                                                                                     cfg.trainer.eval_batches)
+    assert evaluate_loss(model, batches, torch.device("cpu"), "fp32") == pytest.approx(losses(ddp_run)[-1][2], rel=1e-6)
+    exported = tmp_path / "w.safetensors"  # the script's export of the last checkpoint holds the same weights
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "export_weights.py"),
+                             str(ddp_run / "checkpoints" / f"step_{STEPS:08d}.pt"), str(exported)],
+                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    again, _, _ = load_model_for_eval(exported, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_global_batch_that_the_ranks_cannot_split_is_one_line_before_any_work(tmp_path, cache_dir, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, **{"trainer.grad_accum": 3})) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("error: trainer.grad_accum=3 is not divisible by the 2 processes: the global batch is "
+                   "trainer.batch_size x trainer.grad_accum sequences; set trainer.grad_accum to a multiple of 2")

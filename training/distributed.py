@@ -1,0 +1,176 @@
+"""Several processes through `torchrun`: the process group, DDP or FSDP2 wrapping, collectives.
+
+`torchrun --nproc_per_node=N train.py ...` sets RANK, WORLD_SIZE and LOCAL_RANK; `init_distributed`
+reads them and joins the process group (NCCL on CUDA, gloo on the CPU) with a bounded timeout, so
+a rank that dies makes the others fail within `trainer.dist_timeout_s` instead of hanging. Without
+those variables (or with WORLD_SIZE=1) the run is a single process and nothing here does any work.
+
+`trainer.parallel` picks how the model is replicated:
+- `ddp`: every rank holds the whole model and optimizer; gradients are averaged by
+  DistributedDataParallel while the backward runs.
+- `fsdp`: FSDP2 `fully_shard` on every block and at the root: parameters, gradients and optimizer
+  moments are split across ranks and gathered block by block; with bf16 precision the gathered
+  parameters are bf16 and gradients are reduced in float32.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.config import PARALLEL
+
+
+@dataclass
+class DistEnv:
+    """Where this process sits among the run's processes (rank 0 of 1 without torchrun)."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    control: object = None  # a gloo group for host-side agreement (stop requests); None when alone
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) without it."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError as e:
+        raise ValueError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers (as torchrun sets them): {e}") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} must lie in [0, WORLD_SIZE={world})")
+    return rank, world, local
+
+
+def local_grad_accum(grad_accum: int, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step: the global batch (batch_size x grad_accum
+    sequences) stays what the config says, whatever the number of processes."""
+    if grad_accum % world_size:
+        raise ValueError(f"trainer.grad_accum={grad_accum} is not divisible by the {world_size} processes: "
+                         f"the global batch is trainer.batch_size x trainer.grad_accum sequences; set "
+                         f"trainer.grad_accum to a multiple of {world_size}")
+    return grad_accum // world_size
+
+
+def init_distributed(device_type: str, timeout_s: float) -> DistEnv:
+    """Join torchrun's process group (a no-op for a single process); CUDA ranks get their own GPU."""
+    rank, world, local = env_world()
+    if world == 1:
+        return DistEnv()
+    if device_type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(local)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timeout,
+                                device_id=torch.device("cuda", local) if device_type == "cuda" else None)
+    control = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else dist.group.WORLD
+    return DistEnv(rank, world, local, control)
+
+
+def close_distributed() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: nn.Module, parallel: str, env: DistEnv, device: torch.device, precision: str) -> nn.Module:
+    """The module the training step calls: `model` itself, DDP around it, or `model` sharded in
+    place by FSDP2 (its parameters become DTensors; build the optimizer after this)."""
+    if not env.enabled:
+        return model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (env.world_size,))
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if precision == "bf16" else MixedPrecisionPolicy())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+    raise ValueError(f"trainer.parallel={parallel!r}: expected one of {', '.join(PARALLEL)}")
+
+
+def set_gradient_sync(wrapped: nn.Module, sync: bool) -> None:
+    """Skip the gradient reduction on all but the last micro-batch of an optimizer step."""
+    if hasattr(wrapped, "require_backward_grad_sync"):  # DDP
+        wrapped.require_backward_grad_sync = sync
+    elif hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        wrapped.set_requires_gradient_sync(sync)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def all_reduce(tensor: torch.Tensor, env: DistEnv, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place over all ranks (nothing when alone)."""
+    if env.enabled:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def barrier(env: DistEnv) -> None:
+    if env.enabled:
+        dist.barrier(group=env.control)
+
+
+class AgreedStop:
+    """A stop request seen by any rank, agreed by all at the same step boundary.
+
+    Each boundary starts a non-blocking all-reduce (MAX) of this rank's signal number on the gloo
+    control group and reads the one started at the previous boundary: a request is acted on one
+    step after it arrives, on every rank at once, without a host-device sync per step. Alone, the
+    local request is the answer at once. Cost: host time only, 0.2-1 ms per step measured with 2
+    gloo ranks on a busy 2-core CPU (mostly enqueuing the all-reduce; the wait finds it done).
+    """
+
+    def __init__(self, env: DistEnv, stop) -> None:
+        self.env, self.stop = env, stop
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._work = None
+        self.signum: int | None = None  # the agreed signal (the local one when alone)
+
+    def poll(self) -> bool:
+        if not self.env.enabled:
+            self.signum = self.stop.signum
+            return self.signum is not None
+        if self._work is not None:
+            self._work.wait()
+            if int(self._flag[0]):
+                self.signum = int(self._flag[0])
+                self._work = None
+                return True
+        self._flag[0] = self.stop.signum or 0
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.env.control, async_op=True)
+        return False
+
+    def finish(self) -> None:
+        """Complete the all-reduce in flight, so every rank issued the same collectives."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum else 0

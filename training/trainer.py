@@ -1,0 +1,379 @@
+"""One `Trainer`: everything a run needs built from the config, the training step, evaluation,
+checkpoints and the loop, written once for `train.py`, the scripts and one or many processes.
+
+    trainer = Trainer(cfg)      # bad input raises (ValueError, FileNotFoundError) before any step
+    status = trainer.fit()      # the exit status train.py returns
+
+`TrainStep` is the step alone (gradient accumulation, bf16 autocast, torch.compile, DDP/FSDP2,
+clipping, optimizer): scripts that run a training step on a model of their own (max context,
+step profile) call the same code as training does.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from training.checkpoint import (CheckpointWriteError, checkpoint_dir, checkpoint_path, find_resume_checkpoint,
+                                 last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint)
+from training.config import validate_run
+from training.device import autocast, resolve_device, resolve_precision
+from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, env_world, init_distributed, is_sharded,
+                                  local_grad_accum, set_gradient_sync, wrap_model)
+from training.evaluate import evaluate_loss
+from training.export import WEIGHTS_NAME, save_weights
+from training.hf import apply_init_from, load_hf_weights
+from training.loggers import Loggers, validate_logger
+from training.metrics import Throughput, peak_flops
+from training.optim import build_optimizer, lr_at, validate_optim
+from training.rng import rng_state, seed_everything
+from training.runlock import RunDirLock
+from training.signals import StopRequest
+
+log = logging.getLogger("train")
+
+
+# ----------------------------------------------------------------------------- builders
+
+def resolve_config(cfg: DictConfig) -> torch.device:
+    """Validate every group and record in `cfg` what `auto` became (device, attention, precision)."""
+    from model.attention import resolve_attention
+
+    OmegaConf.resolve(cfg)
+    if cfg.model.get("init_from"):
+        apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones
+    validate_run(cfg)
+    validate_optim(cfg.optim)
+    validate_logger(cfg.logger)
+    device = resolve_device(cfg.device)
+    with open_dict(cfg):
+        cfg.device = device.type
+        cfg.attention.name = resolve_attention(cfg.attention.name, device)
+        cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
+    return device
+
+
+def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = None):
+    """The GPT of `cfg.model` (attention: the resolved `cfg.attention.name` unless given)."""
+    from model import build_model
+    return build_model(cfg.model, vocab_size=vocab_size, attention=attention or cfg.attention.name)
+
+
+def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
+    """Total gradient norm (over all ranks' shards under FSDP), gradients scaled down to `max_norm`."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):  # a DTensor: the norm of this rank's shard, made global
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+class TrainStep:
+    """One optimizer step of `micro_steps` micro-batches: forward under autocast (compiled when
+    `trainer.compile`), backward, gradient reduction across ranks, clipping, optimizer.
+
+    `model` is the plain module (its state_dict is what checkpoints hold); the step calls
+    `wrapped` (DDP, FSDP2-sharded, or the model itself), compiled or not. No host sync: the loss
+    and gradient norm come back as device tensors.
+    """
+
+    def __init__(self, model, cfg: DictConfig, device: torch.device, env: DistEnv | None = None,
+                 micro_steps: int | None = None):
+        t, self.env = cfg.trainer, env or DistEnv()
+        self.model, self.device, self.precision = model, device, resolve_precision(t.precision, device)
+        self.wrapped = wrap_model(model, t.get("parallel", "ddp"), self.env, device, self.precision)
+        self.optimizer = build_optimizer(model, cfg.optim, device)  # after sharding: over the shards
+        self.params = list(model.parameters())
+        self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
+        self.micro_steps = micro_steps or local_grad_accum(t.grad_accum, self.env.world_size)
+        self.grad_clip = cfg.optim.grad_clip or float("inf")
+
+    def _compile(self, wrapped):
+        if is_sharded(wrapped):  # FSDP2: compile each block, FSDP's hooks stay outside the graphs
+            for block in self.model.blocks:
+                block.forward = torch.compile(block.forward)
+            return wrapped
+        return torch.compile(wrapped)  # DDP: compiled around the wrapper, so DDP's buckets split the graph
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def __call__(self, next_batch: Callable[[], tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss over this rank's micro-batches, total gradient norm), both device tensors."""
+        n, device = self.micro_steps, self.device
+        loss = torch.zeros((), device=device)
+        for i in range(n):
+            x, y = next_batch()
+            if self.env.enabled:
+                set_gradient_sync(self.wrapped, i == n - 1)
+            with autocast(device, self.precision):
+                micro_loss = self.forward(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            (micro_loss / n).backward()
+            loss += micro_loss.detach() / n
+        grad_norm = clip_gradients(self.params, self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+
+    # ------------------------------------------------------------------------- full state
+
+    def full_state(self) -> tuple[dict | None, dict | None]:
+        """(model, optimizer) state dicts of the whole model on rank 0 (None elsewhere), in the
+        single-process format whatever the parallelism, so any checkpoint resumes on any number
+        of processes. Under FSDP every rank must call this (it gathers the shards)."""
+        if not is_sharded(self.model):
+            if not self.env.is_main:
+                return None, None
+            return self.model.state_dict(), self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.env.is_main:
+            return None, None
+        return model_sd, self._optim_by_index(optim_sd)
+
+    def _param_names(self) -> list[str]:
+        """The optimizer's parameters in its own order, by name (a tied tensor under its first name)."""
+        names = {}
+        for name, p in self.model.named_parameters():
+            names.setdefault(p, name)
+        return [names[p] for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _optim_by_index(self, by_name: dict) -> dict:
+        index = {name: i for i, name in enumerate(self._param_names())}
+        return {"state": {index[k]: v for k, v in by_name["state"].items()},
+                "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in by_name["param_groups"]]}
+
+    def load_optimizer(self, state: dict) -> None:
+        """Optimizer moments from a single-process-format state dict (any number of saving ranks)."""
+        if not is_sharded(self.model):
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        names = self._param_names()
+        by_name = {"state": {names[int(k)]: v for k, v in state["state"].items()},
+                   "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]}
+                                    for g in state["param_groups"]]}
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=by_name,
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+class _DeferredOptimizerState:
+    """Stands in for the optimizer while a checkpoint is restored into the unwrapped model: the
+    optimizer is built after DDP/FSDP wrapping, and its state is loaded then."""
+    state: dict | None = None
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+# ----------------------------------------------------------------------------- the run
+
+class Trainer:
+    """A run: config resolved, processes joined, data, model, optimizer, resume, loggers."""
+
+    def __init__(self, cfg: DictConfig, env: DistEnv | None = None):
+        device = resolve_config(cfg)
+        t = cfg.trainer
+        micro_steps = local_grad_accum(t.grad_accum, env.world_size if env else env_world()[1])  # before any work
+        self.env = env or init_distributed(device.type, t.dist_timeout_s)
+        if not self.env.enabled and t.parallel == "fsdp":
+            log.warning("trainer.parallel=fsdp has no effect in a single process (start several with torchrun)")
+        if device.type == "cuda" and self.env.enabled:
+            device = torch.device("cuda", self.env.local_rank)
+        self.cfg, self.device, self.run_dir = cfg, device, Path(cfg.run.dir)
+        # One live run per run.dir, held (by rank 0, the only writer) from before the first checkpoint
+        # is looked at until the run ends; released by train.py, or by the OS however the process ends.
+        self.lock = RunDirLock(self.run_dir) if self.env.is_main else contextlib.nullcontext()
+        try:
+            self._build(cfg, device, micro_steps)
+        except BaseException:
+            self.lock.__exit__(None, None, None)
+            raise
+
+    def _build(self, cfg: DictConfig, device: torch.device, micro_steps: int) -> None:
+        from data import build_data
+
+        t = cfg.trainer
+        resume = find_resume_checkpoint(cfg.resume, self.run_dir)
+        seed_everything(cfg.seed)
+        self.data = self._on_local_rank0_first(lambda: build_data(
+            cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.rank, world_size=self.env.world_size))
+        model = model_from_config(cfg, self.data.vocab_size)
+        if cfg.model.get("init_from") and not resume:  # a resumed run's weights come from its checkpoint
+            load_hf_weights(model, cfg.model.init_from)
+        with open_dict(cfg):
+            cfg.run.data_fingerprint = self.data.fingerprint
+            cfg.run.num_params = model.num_params()
+            cfg.run.world_size = self.env.world_size
+        self.step, self.tokens, self.wandb_id, self.resumed_from = 0, 0, None, None
+        optimizer_state = _DeferredOptimizerState()
+        if resume:  # into the plain model, before DDP/FSDP wrapping
+            path, state = resume
+            restore_training_state(path, state, model=model, optimizer=optimizer_state, sampler=self.data.train,
+                                   data_fingerprint=self.data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model),
+                                   allow_data_change=bool(cfg.data.get("allow_changed", False)),
+                                   run_dir=self.run_dir if self.env.is_main else None)
+            self.step, self.tokens, self.wandb_id, self.resumed_from = (state["step"], state["tokens"],
+                                                                        state["wandb_id"], path)
+        self.model = model.to(device)
+        self.train_step = TrainStep(self.model, cfg, device, self.env, micro_steps)
+        if optimizer_state.state is not None:
+            self.train_step.load_optimizer(optimizer_state.state)
+        self.val_batches = self.data.val_batches(t.batch_size, t.eval_batches)
+
+    @property
+    def optimizer(self):
+        return self.train_step.optimizer
+
+    def _on_local_rank0_first(self, build):
+        """Build (e.g. the token cache) on each node's local rank 0 first; the others then load it."""
+        if not self.env.enabled:
+            return build()
+        result = error = None
+        if self.env.local_rank == 0:
+            try:
+                result = build()
+            except Exception as e:  # the others build next and raise the same error themselves
+                error = e
+        barrier(self.env)
+        if error is not None:
+            raise error
+        return result if self.env.local_rank == 0 else build()
+
+    def next_batch(self) -> tuple:
+        return self.data.train.next_batch(self.cfg.trainer.batch_size)
+
+    def evaluate(self) -> float:
+        """Mean validation loss; under several processes each evaluates its share of the batches."""
+        return evaluate_loss(self.model, self.val_batches, self.device, self.cfg.trainer.precision, self.env)
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        return (all_reduce(value.detach().clone(), self.env) / self.env.world_size).item()
+
+    def all_finite(self, healthy: torch.Tensor) -> bool:
+        return bool(all_reduce(healthy.to(torch.int32), self.env, torch.distributed.ReduceOp.MIN).item())
+
+    def save(self, config: dict, wandb_id: str | None, export: bool = False) -> Path | None:
+        """Rank 0 writes the whole state as one file (see README, Multi-GPU); every rank takes part."""
+        model_sd, optim_sd = self.train_step.full_state()
+        path = None
+        if self.env.is_main:
+            path = save_checkpoint(checkpoint_path(self.run_dir, self.step), {
+                "step": self.step, "tokens": self.tokens, "model": model_sd, "optimizer": optim_sd,
+                "rng": rng_state(), "sampler": self.data.train.state_dict(), "config": config,
+                "wandb_id": wandb_id})
+            prune_checkpoints(checkpoint_dir(self.run_dir), self.cfg.trainer.keep_ckpts)
+            if export:
+                save_weights(model_sd, self.run_dir / WEIGHTS_NAME, config)
+        barrier(self.env)  # no rank exits (and makes torchrun stop the others) before the file is whole
+        return path
+
+    def fit(self) -> int:
+        """The training loop; returns the process exit status."""
+        cfg, t, env = self.cfg, self.cfg.trainer, self.env
+        main = env.is_main
+        config = OmegaConf.to_container(cfg)
+        loggers = None
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(cfg, self.run_dir / "config.yaml")
+            loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id)
+            log.info("%s: %s params, attention=%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
+                     f"{cfg.run.num_params:,}", cfg.attention.name, self.device, t.precision,
+                     cfg.run.data_fingerprint,
+                     f", {env.world_size} processes ({t.parallel})" if env.enabled else "",
+                     f", resumed from {self.resumed_from} (step {self.step})" if self.resumed_from else "")
+        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum  # over all ranks: as configured
+        peak = peak_flops(self.device, t.peak_flops)
+        flops_per_token = self.model.flops_per_token(t.seq_len)
+        healthy = torch.ones((), dtype=torch.bool, device=self.device)  # checked when the host syncs anyway
+        meter, saved_step = Throughput(), self.step
+        loss = None
+
+        def check_finite() -> None:
+            if not self.all_finite(healthy):
+                raise FloatingPointError(
+                    f"loss or gradient became NaN/inf by step {self.step} (last loss {loss.item()}); stopped "
+                    f"without saving: {last_checkpoint_note(self.run_dir)}")
+
+        def save(export: bool = False) -> None:
+            nonlocal saved_step
+            check_finite()  # never let a poisoned state replace the last good checkpoint
+            path = self.save(config, loggers.wandb_id if loggers else None, export)
+            saved_step = self.step
+            if main:
+                log.info("saved %s", path)
+
+        try:
+            with StopRequest() as stop, logging_redirect_tqdm(), tqdm(
+                    total=t.max_steps, initial=self.step, disable=not (t.progress and main), unit="step",
+                    dynamic_ncols=True) as bar:
+                agreed = AgreedStop(env, stop)
+                stopping = False
+                while self.step < t.max_steps and not stopping:
+                    lr = lr_at(self.step, cfg.optim, t.max_steps)
+                    self.train_step.set_lr(lr)
+                    loss, grad_norm = self.train_step(self.next_batch)
+                    healthy &= torch.isfinite(loss) & torch.isfinite(grad_norm)
+                    self.step, self.tokens = self.step + 1, self.tokens + tokens_per_step
+                    meter.add(tokens_per_step)
+                    bar.update()
+                    stopping = agreed.poll()
+
+                    last = self.step == t.max_steps
+                    eval_now = last or (t.eval_every and self.step % t.eval_every == 0)
+                    if eval_now or self.step % t.log_every == 0:
+                        check_finite()
+                        row = {"step": self.step, "loss": self.mean_over_ranks(loss), "lr": lr,
+                               "tokens": self.tokens, "tokens_per_s": meter.rate(), "grad_norm": grad_norm.item()}
+                        if peak:
+                            row["mfu"] = row["tokens_per_s"] * flops_per_token / (peak * env.world_size)
+                        if eval_now:
+                            row["val_loss"] = self.evaluate()
+                        if main:
+                            loggers.log(row)
+                            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s%s", self.step, t.max_steps,
+                                     row["loss"], lr, row["tokens_per_s"],
+                                     f" | mfu {row['mfu']:.1%}" if peak else "",
+                                     f" | val_loss {row['val_loss']:.4f}" if eval_now else "")
+                    if last or (t.ckpt_every and self.step % t.ckpt_every == 0) or stopping:
+                        save(export=last)
+                    if self.step == saved_step or eval_now:
+                        meter.restart()  # tokens/s measures training steps, not evals and saves
+                agreed.finish()
+        except FloatingPointError as e:
+            if loggers:
+                loggers.close(exit_code=1)
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:  # a full disk or a folder gone read-only: checkpoints up to the last good one remain
+            if loggers:
+                with contextlib.suppress(OSError):
+                    loggers.close(exit_code=2)
+            print(f"error: {e.strerror if isinstance(e, CheckpointWriteError) else e}; "
+                  f"{last_checkpoint_note(self.run_dir)}", file=sys.stderr)
+            return 2
+        exit_code = stop.exit_code or agreed.exit_code
+        if loggers:
+            loggers.close(exit_code=exit_code)
+        if exit_code and main:
+            log.warning("%s received: checkpoint saved at step %d; rerun with resume=auto to continue",
+                        signal_name(exit_code - 128), self.step)
+        return exit_code
+
+
+def signal_name(signum: int) -> str:
+    import signal
+    return signal.Signals(signum).name
+
