@@ -32,6 +32,9 @@ def test_greedy_batch_matches_the_model_and_jsonl(run_dir, tmp_path):
     assert [r["prompt"] for r in rows] == ["def f(x):", "import os", "class A:"]
     assert all(r["new_tokens"] == 8 and r["stop_reason"] == "length" for r in rows)
     assert [r["completion"] for r in rows] == [r["completion"] for r in results]
+    # the finished run's weights-only export generates the same
+    weights = [str(run_dir / "model.safetensors"), *args[1:-2]]
+    assert [r["completion"] for r in generate.main(weights)] == [r["completion"] for r in results]
     # the same tokens as greedy argmax over the full sequence, one prompt at a time
     model, _, tok = load_model_for_eval(sorted((run_dir / "checkpoints").glob("*.pt"))[-1], device="cpu")
     for row in rows:
