@@ -4,14 +4,18 @@ A sequence of T tokens is cut into 2C equal chunks; CP rank i of C holds chunks 
 2C-1-i, concatenated in that order. Under a causal mask the early chunk is cheap and the
 late one expensive, so every rank does the same attention work (model.ring_attention
 relies on this layout). Positions for RoPE, position embeddings and the loss are each
-local token's true place in the sequence, `context_parallel_positions`.
+local token's true place in the sequence, `context_parallel_positions`;
+`use_context_parallel` makes a model's attention layers run the ring.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
+
+from model.ring_attention import BLOCKS, ring_attention
 
 
 def _check_layout(seq_len: int, rank: int, size: int) -> None:
@@ -56,3 +60,22 @@ def context_parallel_positions(seq_len: int, rank: int, size: int, device=None) 
     chunk = seq_len // (2 * size)
     return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device)
                       for i in context_parallel_chunks(rank, size)])
+
+
+def context_parallel_batch(idx: torch.Tensor, targets: torch.Tensor | None, group=None):
+    """This rank's share of a batch of whole windows: (local idx, local targets, positions),
+    for `model(idx, targets, positions=positions)` after use_context_parallel."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    local = [None if t is None else split_for_context_parallel(t, rank, size) for t in (idx, targets)]
+    return local[0], local[1], context_parallel_positions(idx.shape[1], rank, size, idx.device)
+
+
+def use_context_parallel(model, group=None) -> None:
+    """Make every attention layer of a GPT the ring over the CP `group`, with the model's
+    own attention (flash: our kernel, naive: plain PyTorch) as the per-block compute."""
+    if model.attention_name not in BLOCKS:
+        raise ValueError(f"context parallelism needs attention={' or '.join(BLOCKS)} (the ring merges "
+                         f"blocks by their log-sum-exp), got attention={model.attention_name}")
+    ring = partial(ring_attention, group=group, block=model.attention_name)
+    for block in model.blocks:
+        block.attn.attention = ring

@@ -4,7 +4,9 @@ Each world size is spawned once and runs every case; rank 0 gathers the outputs,
 gradients back into whole sequences (through the CP helpers under test) and saves them,
 and the test compares them with attention over the whole sequence in one process:
 float64 with the plain-PyTorch blocks (equal to rounding), float32 with our Triton kernel
-in the interpreter (within float32 error of the float64 answer).
+in the interpreter (within float32 error of the float64 answer). The same workers run a
+tiny GPT with its attention on the ring: loss and every parameter gradient must equal
+the single-process model's in float64.
 """
 import socket
 
@@ -16,6 +18,8 @@ import torch.multiprocessing as mp
 from kernels import attention_reference
 from model.context_parallel import (context_parallel_positions, gather_from_context_parallel,
                                     merge_context_parallel, split_for_context_parallel)
+from model import build_model
+from model.context_parallel import context_parallel_batch, use_context_parallel
 from model.ring_attention import ring_attention
 
 CHUNK, BATCH, HEAD_DIM = 4, 2, 16
@@ -55,10 +59,50 @@ def _worker(rank, size, port, path):
             grads = torch.autograd.grad(out, (q, k, v), dout)
             results[name] = {key: gather_from_context_parallel(t.detach(), dim=2 if key == "lse" else 1)
                              for key, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads))}
+        for name in MODEL_CASES:
+            results[name] = context_parallel_step(name, size)
         if rank == 0:
             torch.save(results, path)
     finally:
         dist.destroy_process_group()
+
+
+# name: model config overrides (GQA throughout; RoPE and learned positions; checkpointing)
+MODEL_CASES = {
+    "model-rope": {},
+    "model-learned-full-ckpt": {"pos_emb": "learned", "activation_checkpointing": "full"},
+    "model-selective-ckpt": {"activation_checkpointing": "selective", "tie_embeddings": False},
+}
+VOCAB = 64
+
+
+def make_model_inputs(name, size):
+    """A float64 tiny GPT (same weights in every process) and a batch of whole windows whose
+    targets include ignored (-100) tokens, unevenly spread over the CP ranks."""
+    torch.manual_seed(0)
+    model = build_model({"n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 32, "max_seq_len": 64,
+                         **MODEL_CASES[name]}, VOCAB, "naive").double()
+    g = torch.Generator().manual_seed(size)
+    idx = torch.randint(0, VOCAB, (BATCH, 2 * size * CHUNK), generator=g)
+    targets = torch.randint(0, VOCAB, idx.shape, generator=g)
+    targets[0, :3] = targets[1, -5:] = -100
+    return model, idx, targets
+
+
+def context_parallel_step(name, size):
+    """One CP forward/backward: each rank's mean loss over its valid tokens, weighted by its
+    share of the valid tokens, summed over ranks, as are the parameter gradients."""
+    model, idx, targets = make_model_inputs(name, size)
+    use_context_parallel(model)
+    idx, targets, positions = context_parallel_batch(idx, targets)
+    count = (targets != -100).sum().double()
+    total = count.clone()
+    dist.all_reduce(total)
+    loss = model(idx, targets, positions=positions) * (count / total)
+    loss.backward()
+    for t in [loss.detach()] + [p.grad for p in model.parameters()]:
+        dist.all_reduce(t)
+    return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
 
 
 def _free_port():
@@ -95,6 +139,19 @@ def test_ring_equals_single_process_attention(ring_results, name):
         assert err < TOLERANCE[dtype], f"{name} C={size} {key}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("name", MODEL_CASES)
+def test_context_parallel_model_step_equals_single_process(ring_results, name):
+    size, results = ring_results
+    model, idx, targets = make_model_inputs(name, size)
+    loss = model(idx, targets)
+    loss.backward()
+    expected = {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+    assert results[name].keys() == expected.keys()
+    for key, ref in expected.items():
+        err = rel_err(results[name][key], ref)
+        assert err < TOLERANCE[torch.float64], f"{name} C={size} {key}: relative error {err:.3g}"
+
+
 def test_split_merge_and_positions_round_trip():
     x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
     for size in (1, 2, 3):
@@ -117,6 +174,7 @@ def test_split_merge_and_positions_round_trip():
     (lambda: ring_attention(torch.zeros(1, 6, 3, 8), *[torch.zeros(1, 6, 2, 8)] * 2), "not a multiple"),
     (lambda: ring_attention(torch.zeros(1, 6, 2, 8), *[torch.zeros(1, 4, 2, 8)] * 2), "self-attention"),
     (lambda: ring_attention(*[torch.zeros(1, 6, 2, 8)] * 3), "needs torch.distributed initialised"),
+    (lambda: use_context_parallel(build_model({"n_layer": 1}, VOCAB, "sdpa")), "needs attention=flash or naive"),
 ])
 def test_bad_input_is_one_line_value_error(call, message):
     with pytest.raises(ValueError, match=message) as info:
