@@ -190,5 +190,12 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return
     if q.shape[1] % 2:
         raise ValueError(f"local sequence length {q.shape[1]} is odd; each rank holds two equal chunks")
     _group_size(group)
-    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), softmax_scale, BLOCKS[block])
+    out, lse = _ring_apply(q, k, v, group, bool(causal), softmax_scale, BLOCKS[block])
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable
+def _ring_apply(*args):
+    """The ring runs eagerly under torch.compile: its point-to-point ops cannot be traced, and
+    one clean graph break per attention layer beats dynamo stopping inside the loop."""
+    return _RingAttention.apply(*args)

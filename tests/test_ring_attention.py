@@ -60,19 +60,23 @@ def _worker(rank, size, port, path):
             results[name] = {key: gather_from_context_parallel(t.detach(), dim=2 if key == "lse" else 1)
                              for key, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads))}
         for name in MODEL_CASES:
-            results[name] = context_parallel_step(name, size)
+            if size in COMPILED_CASE_SIZES or not MODEL_CASES[name].get("compile"):
+                results[name] = context_parallel_step(name, size)
         if rank == 0:
             torch.save(results, path)
     finally:
         dist.destroy_process_group()
 
 
-# name: model config overrides (GQA throughout; RoPE and learned positions; checkpointing)
+# name: model config overrides (GQA throughout; RoPE and learned positions; checkpointing;
+# "compile": the model under torch.compile, C=2 only, aot_eager: no C++ toolchain needed)
 MODEL_CASES = {
     "model-rope": {},
     "model-learned-full-ckpt": {"pos_emb": "learned", "activation_checkpointing": "full"},
     "model-selective-ckpt": {"activation_checkpointing": "selective", "tie_embeddings": False},
+    "model-compiled": {"compile": True},
 }
+COMPILED_CASE_SIZES = (2,)
 VOCAB = 64
 
 
@@ -80,8 +84,9 @@ def make_model_inputs(name, size):
     """A float64 tiny GPT (same weights in every process) and a batch of whole windows whose
     targets include ignored (-100) tokens, unevenly spread over the CP ranks."""
     torch.manual_seed(0)
+    overrides = {key: value for key, value in MODEL_CASES[name].items() if key != "compile"}
     model = build_model({"n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 32, "max_seq_len": 64,
-                         **MODEL_CASES[name]}, VOCAB, "naive").double()
+                         **overrides}, VOCAB, "naive").double()
     g = torch.Generator().manual_seed(size)
     idx = torch.randint(0, VOCAB, (BATCH, 2 * size * CHUNK), generator=g)
     targets = torch.randint(0, VOCAB, idx.shape, generator=g)
@@ -98,7 +103,8 @@ def context_parallel_step(name, size):
     count = (targets != -100).sum().double()
     total = count.clone()
     dist.all_reduce(total)
-    loss = model(idx, targets, positions=positions) * (count / total)
+    run = torch.compile(model, backend="aot_eager") if MODEL_CASES[name].get("compile") else model
+    loss = run(idx, targets, positions=positions) * (count / total)
     loss.backward()
     for t in [loss.detach()] + [p.grad for p in model.parameters()]:
         dist.all_reduce(t)
@@ -123,6 +129,7 @@ def rel_err(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_ring_equals_single_process_attention(ring_results, name):
     size, results = ring_results
@@ -139,9 +146,12 @@ def test_ring_equals_single_process_attention(ring_results, name):
         assert err < TOLERANCE[dtype], f"{name} C={size} {key}: relative error {err:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODEL_CASES)
 def test_context_parallel_model_step_equals_single_process(ring_results, name):
     size, results = ring_results
+    if MODEL_CASES[name].get("compile") and size not in COMPILED_CASE_SIZES:
+        pytest.skip("the torch.compile case runs with C=2 only")
     model, idx, targets = make_model_inputs(name, size)
     loss = model(idx, targets)
     loss.backward()
