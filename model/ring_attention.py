@@ -160,17 +160,19 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _group_size(group) -> int:
+def _check_group(group) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("ring_attention needs torch.distributed initialised (init_process_group) for its group")
-    return dist.get_world_size(group)
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the ring's group")
 
 
 def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return_lse=False, block="flash"):
     """Exact attention of this rank's queries over the whole sequence of the CP `group`.
 
     q (B, N, H, D), k and v (B, N, Hkv, D) are this rank's two chunks i and 2C-1-i,
-    concatenated (model.context_parallel.split_for_context_parallel). `block` picks the
+    concatenated (model.context_parallel.split_for_context_parallel); `group` is the CP
+    process group (None: the default group), its rank order is the chunk order. `block` picks the
     per-block compute: 'flash' (our Triton kernel) or 'naive' (plain PyTorch, any float
     dtype). Returns out (B, N, H, D) in q's dtype and, with return_lse, the lse over the
     whole sequence (B, H, N), float32 (float64 for float64 inputs). Every rank of the
@@ -189,7 +191,7 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return
         raise ValueError(f"q has {q.shape[2]} heads, not a multiple of k's {k.shape[2]}")
     if q.shape[1] % 2:
         raise ValueError(f"local sequence length {q.shape[1]} is odd; each rank holds two equal chunks")
-    _group_size(group)
+    _check_group(group)
     out, lse = _ring_apply(q, k, v, group, bool(causal), softmax_scale, BLOCKS[block])
     return (out, lse) if return_lse else out
 
