@@ -182,7 +182,30 @@ def test_split_merge_and_positions_round_trip():
     assert context_parallel_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
 
 
+def test_explicit_positions_place_the_tokens():
+    """positions=0..T-1 is the default; RoPE only sees differences of positions (a shift
+    changes nothing but rounding, other gaps do); learned embeddings are looked up at the positions given,
+    per sequence with (B, T) positions."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, VOCAB, (2, 12))
+    rope = build_model({"n_layer": 1, "max_seq_len": 16}, VOCAB, "naive").double()
+    logits = rope(idx)
+    assert torch.equal(rope(idx, positions=torch.arange(12)), logits)
+    # the cos/sin table is float32: a shift moves the logits by rounding only
+    assert (rope(idx, positions=torch.arange(12) + 3) - logits).abs().max() < 1e-7
+    assert (rope(idx, positions=2 * torch.arange(12)) - logits).abs().max() > 1e-3
+    learned = build_model({"n_layer": 1, "max_seq_len": 16, "pos_emb": "learned"}, VOCAB, "naive").double()
+    shifted = torch.stack([torch.arange(12), torch.arange(12) + 3])
+    got = learned(idx, positions=shifted)
+    assert torch.equal(got[:1], learned(idx[:1]))
+    with torch.no_grad():
+        learned.pos_emb.weight[:13] = learned.pos_emb.weight[3:].clone()
+    assert torch.equal(got[1:], learned(idx[1:]))
+
+
 @pytest.mark.parametrize("call, message", [
+    (lambda: build_model({"n_layer": 1}, VOCAB, "naive")(torch.zeros(1, 6, dtype=torch.long),
+                                                        positions=torch.arange(5)), "positions of shape \\(5,\\)"),
     (lambda: split_for_context_parallel(torch.zeros(1, 10, 2), 0, 3), "not divisible by 2 x context-parallel size = 6"),
     (lambda: context_parallel_positions(12, 3, 3), "rank 3 is outside 0..2"),
     (lambda: context_parallel_positions(12, 0, 0), "must be a positive integer"),
