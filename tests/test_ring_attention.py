@@ -9,6 +9,7 @@ tiny GPT with its attention on the ring: loss and every parameter gradient must 
 the single-process model's in float64.
 """
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,10 @@ def test_ring_on_two_gpus_nccl_bf16(tmp_path):
         for key, ref in exact.items():
             err, bound = rel_err(got[key], ref), 2 * rel_err(plain[key], ref)
             assert err <= bound, f"causal={causal} {key}: relative error {err:.3g} > {bound:.3g}"
+
+
+def test_kernels_stay_free_of_torch_distributed():
+    """The ring lives in model/; kernels/ is single-device code and must stay importable alone."""
+    kernel_dir = Path(__file__).resolve().parent.parent / "kernels"
+    users = [p.name for p in kernel_dir.glob("*.py") if "torch.distributed" in p.read_text()]
+    assert not users, f"kernels/ files using torch.distributed: {users}"
