@@ -13,7 +13,7 @@ from model.attention import get_attention
 from model.config import GPTConfig
 from model.layers import Block, init_block_, init_linear_, make_norm
 from model.losses import at_least_float32, chunked_linear_cross_entropy
-from model.rope import rope_cos_sin
+from model.rope import rope_table
 
 IGNORE_INDEX = -100
 
@@ -44,18 +44,31 @@ class GPT(nn.Module):
         if not self.config.tie_embeddings:
             init_linear_(self.lm_head, std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V); with targets (B, T) -> mean cross-entropy
-        over the tokens whose target is not -100."""
+        over the tokens whose target is not -100.
+
+        positions (keyword-only): a (T,) or (B, T) integer tensor of every token's true
+        position, for tokens that are not 0..T-1 (a context-parallel rank's chunks,
+        model.context_parallel); RoPE and learned position embeddings use it.
+        """
         seq_len = idx.shape[1]
-        if seq_len > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.config.max_seq_len}")
+        if positions is None:
+            if seq_len > self.config.max_seq_len:
+                raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.config.max_seq_len}")
+            positions = torch.arange(seq_len, device=idx.device)
+        elif positions.dim() not in (1, 2) or positions.shape[-1] != seq_len:
+            raise ValueError(f"positions of shape {tuple(positions.shape)} do not give one position "
+                             f"per token of a {seq_len}-token sequence")
+        else:
+            positions = positions.to(idx.device)
         x = self.tok_emb(idx)
         rope = None
         if self.pos_emb is None:
-            rope = rope_cos_sin(seq_len, self.config.head_dim, self.config.rope_theta, idx.device)
+            rope = rope_table(positions, self.config.head_dim, self.config.rope_theta)
         else:
-            x = x + self.pos_emb(torch.arange(seq_len, device=idx.device))
+            x = x + self.pos_emb(positions)
         x = self.dropout(x)
         for block in self.blocks:
             x = block(x, rope)
