@@ -185,10 +185,36 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)
     for a query that sees no key).
     """
     check_inputs(q, k, v)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    args = (q, k, v, bool(causal), float(softmax_scale))
+    args = (q, k, v, bool(causal), _softmax_scale(softmax_scale, q.shape[-1]))
     out, lse = flash_attn_fwd(*args) if torch.compiler.is_compiling() else _EagerFlashAttention.apply(*args)
     return (out, lse) if return_lse else out
+
+
+def _softmax_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None):
+    """dq, dk, dv of flash_attention from a given output `out` and log-sum-exp `lse`.
+
+    The backward kernels only need P = exp(S - lse) and rowsum(dO * O), so `out` and
+    `lse` may come from attention over a longer key set than `k`, `v` (a ring's merged
+    result): the gradients are then this key block's exact share, to be summed over
+    blocks. Same layouts as flash_attention; lse (B, H, Nq) float32; dk, dv are summed
+    over each GQA group and shaped like k, v.
+    """
+    check_inputs(q, k, v)
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, "
+                             f"got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    want = (q.shape[0], q.shape[2], q.shape[1])
+    if not isinstance(lse, torch.Tensor) or lse.shape != want or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be a float32 tensor of shape (batch, heads, seqlen) = {want} on {q.device}, "
+                         f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+    launch = flash_attn_bwd if torch.compiler.is_compiling() else _launch_backward
+    return launch(dout, q, k, v, out, lse.contiguous(), bool(causal), _softmax_scale(softmax_scale, q.shape[-1]))

@@ -5,12 +5,32 @@ S = scale * Q K^T is materialised as a (B, H, Nq, Nk) tensor, masked, soft-maxed
 and multiplied by V. Memory is O(N^2), which is exactly what `attention=naive`
 is there to show; nothing beyond the formula's own N x N tensors is allocated, so
 the naive baseline's memory is not inflated. Same signature and layout as `kernels.flash_attention`.
+`attention_reference_backward` is the matching plain-PyTorch twin of
+`kernels.flash_attention_backward` (gradients from a given out and lse).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+
+def _masked_scores(q, k, causal, softmax_scale):
+    """scale * Q K^T as (B, H, Nq, Nk), -inf where the causal mask hides a key, and the
+    heads-first q, k-heads repeated to H (B, H, N, D) for the caller's other products."""
+    B, Nq, H, D = q.shape
+    Nk, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"q has {H} heads, not a multiple of k's {Hkv}")
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    qh = q.transpose(1, 2)                                     # (B, H, Nq, D)
+    kh = k.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, Nk, D)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(Nq, device=q.device)[:, None]
+        cols = torch.arange(Nk, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (Nk - Nq), float("-inf"))
+    return scores, qh, kh, scale
 
 
 def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=False):
@@ -20,26 +40,42 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=Fa
     pass float64 inputs for an exact oracle. Causal masking with Nq != Nk is aligned
     bottom-right: query i sees keys j <= i + Nk - Nq. A query row that sees no key
     (only possible when Nq > Nk) yields zeros and lse = -inf, as the kernel does.
-    Returns out (B, Nq, H, D) and, if asked, lse (B, H, Nq) in float32 (natural log).
+    Returns out (B, Nq, H, D) and, if asked, lse (B, H, Nq) (natural log) in float32,
+    or float64 for float64 inputs so that the oracle stays exact.
     """
-    B, Nq, H, D = q.shape
-    Nk, Hkv = k.shape[1], k.shape[2]
-    if H % Hkv:
-        raise ValueError(f"q has {H} heads, not a multiple of k's {Hkv}")
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    group = H // Hkv
-    qh = q.transpose(1, 2)                                  # (B, H, Nq, D)
-    kh = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Nk, D)
-    vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        rows = torch.arange(Nq, device=q.device)[:, None]
-        cols = torch.arange(Nk, device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + (Nk - Nq), float("-inf"))
+    scores, _, _, _ = _masked_scores(q, k, causal, softmax_scale)
+    vh = v.transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
     probs = torch.softmax(scores, dim=-1)
-    if causal and Nq > Nk:
+    if causal and q.shape[1] > k.shape[1]:
         probs = torch.nan_to_num(probs, nan=0.0)            # rows that see no key -> 0
     out = torch.matmul(probs, vh).transpose(1, 2)           # (B, Nq, H, D)
     if not return_lse:
         return out
-    return out, torch.logsumexp(scores.float(), dim=-1)      # (B, H, Nq)
+    return out, torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+
+
+def attention_reference_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None):
+    """dq, dk, dv of attention from its output `out` and log-sum-exp `lse` (B, H, Nq).
+
+    The FlashAttention backward identity, written out: P = exp(S - lse),
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale dS K,
+    dK = scale dS^T Q. Given the out and lse of attention over a longer key set (the
+    merged result of a ring), it returns this key block's exact share of the gradients.
+    dk, dv are summed over each GQA group, shaped like k, v; computed in q's dtype.
+    """
+    scores, qh, kh, scale = _masked_scores(q, k, causal, softmax_scale)
+    Hkv, group = k.shape[2], q.shape[2] // k.shape[2]
+    vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    lse = lse.to(scores.dtype)[..., None]
+    probs = torch.where(torch.isinf(lse), 0.0, torch.exp(scores - lse))  # rows that see no key -> 0
+    doh = dout.transpose(1, 2)                                           # (B, H, Nq, D)
+    delta = (dout * out).sum(-1).transpose(1, 2)[..., None]              # (B, H, Nq, 1)
+    ds = probs * (torch.matmul(doh, vh.transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, kh) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale                  # (B, H, Nk, D)
+    dv = torch.matmul(probs.transpose(-1, -2), doh)
+
+    def per_kv_head(t):  # (B, H, Nk, D) -> (B, Nk, Hkv, D), summed over the heads sharing one
+        return t.unflatten(1, (Hkv, group)).sum(2).transpose(1, 2)
+
+    return dq.transpose(1, 2), per_kv_head(dk), per_kv_head(dv)

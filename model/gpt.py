@@ -14,7 +14,7 @@ from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.layers import Block, init_block_, init_linear_, make_norm
 from model.losses import at_least_float32, chunked_linear_cross_entropy
-from model.rope import rope_cos_sin
+from model.rope import rope_table
 
 IGNORE_INDEX = -100
 
@@ -51,9 +51,10 @@ class GPT(nn.Module):
         """idx (B, T) -> logits (B, T, V); with targets (B, T) -> mean cross-entropy
         over the tokens whose target is not -100.
 
-        Keyword-only, for generation and anything that places tokens elsewhere than 0..T-1:
-        - positions: an int, the first token's position (default 0, or the cache's length),
-          or a (T,) / (B, T) tensor of every token's position;
+        Keyword-only, for tokens that are not 0..T-1 and for generation:
+        - positions: an int, the first token's position (default 0, or the cache's length), or a
+          (T,) / (B, T) integer tensor of every token's true position (a context-parallel rank's
+          chunks, model.context_parallel); RoPE and learned position embeddings use it;
         - cache: a KVCache; these tokens' keys and values are added to it and attention reads
           all cached tokens (the new ones are the last rows of the causal mask);
         - logits_to_keep: > 0 returns only the last that many positions' logits (a long
@@ -62,16 +63,22 @@ class GPT(nn.Module):
         seq_len = idx.shape[1]
         if positions is None:
             positions = cache.length if cache is not None else 0
-        if isinstance(positions, int) and positions + seq_len > self.config.max_seq_len:
-            raise ValueError(f"sequence length {positions + seq_len} exceeds model.max_seq_len={self.config.max_seq_len}")
+        if isinstance(positions, int):
+            if positions + seq_len > self.config.max_seq_len:
+                raise ValueError(f"sequence length {positions + seq_len} exceeds "
+                                 f"model.max_seq_len={self.config.max_seq_len}")
+            positions = torch.arange(positions, positions + seq_len, device=idx.device)
+        elif positions.dim() not in (1, 2) or positions.shape[-1] != seq_len:
+            raise ValueError(f"positions of shape {tuple(positions.shape)} do not give one position "
+                             f"per token of a {seq_len}-token sequence")
+        else:
+            positions = positions.to(idx.device)
         x = self.tok_emb(idx)
         rope = None
         if self.pos_emb is None:
-            rope = rope_cos_sin(seq_len, self.config.head_dim, self.config.rope_theta, idx.device, positions=positions)
-        elif isinstance(positions, int):
-            x = x + self.pos_emb(torch.arange(positions, positions + seq_len, device=idx.device))
+            rope = rope_table(positions, self.config.head_dim, self.config.rope_theta)
         else:
-            x = x + self.pos_emb(positions.to(idx.device))
+            x = x + self.pos_emb(positions)
         x = self.dropout(x)
         if cache is None:
             for block in self.blocks:

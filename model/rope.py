@@ -36,20 +36,9 @@ def _(positions, head_dim, theta):
     return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, *,
-                 positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The table for seq_len tokens: cos and sin, each (seq_len, head_dim // 2).
-
-    `positions` says where the tokens sit: an int is the first one's position (0 for training,
-    the cache length when decoding continues a prompt); a tensor gives every token's position,
-    (seq_len,) or (B, seq_len), and the table then has its shape plus head_dim // 2.
-    """
-    if isinstance(positions, torch.Tensor):
-        if positions.dim() > 2 or positions.shape[-1] != seq_len:
-            raise ValueError(f"positions of shape {tuple(positions.shape)} do not give one position "
-                             f"per token of a {seq_len}-token sequence")
-        return rope_table(positions.to(device), head_dim, theta)
-    return rope_table(torch.arange(positions, positions + seq_len, device=device), head_dim, theta)
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table for positions 0 .. seq_len - 1: cos and sin, each (seq_len, head_dim // 2)."""
+    return rope_table(torch.arange(seq_len, device=device), head_dim, theta)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

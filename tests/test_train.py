@@ -122,3 +122,33 @@ def test_wandb_offline_run_resumes_the_same_wandb_run(tmp_path, cache_dir, monke
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=4, resume="auto", **wandb_overrides)) == 0
     assert load_checkpoint(tmp_path / "checkpoints" / "step_00000004.pt")["wandb_id"] == first
     assert len(losses(tmp_path)) == 4 and not math.isnan(losses(tmp_path)[-1][1])
+
+
+def test_wandb_settings_defer_to_wandbs_environment(monkeypatch):
+    """Unset config values leave WANDB_PROJECT / WANDB_ENTITY / WANDB_MODE to wandb; set ones win."""
+    from omegaconf import OmegaConf
+
+    from training.loggers import wandb_settings
+    for var in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    unset = OmegaConf.create({"project": None, "entity": None, "mode": None})
+    assert wandb_settings(unset) == {"project": "flashtrain", "mode": "offline"}
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB_PROJECT", "mine")
+    assert wandb_settings(unset) == {}  # wandb.init reads its own variables
+    assert wandb_settings(OmegaConf.create({"project": "p", "entity": "e", "mode": "online"})) == \
+        {"project": "p", "entity": "e", "mode": "online"}
+
+
+def test_resume_auto_without_run_dir_is_refused(tmp_path, cache_dir):
+    """Without run.dir every run gets a fresh folder: resume=auto would silently start from step 0."""
+    overrides = [o for o in tiny_overrides(tmp_path, cache_dir) if not o.startswith("run.dir=")]
+    proc = run_subprocess([*overrides, "resume=auto"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: resume=auto needs run.dir=")
+
+
+def test_no_progress_bar_frames_when_stderr_is_not_a_terminal(tmp_path, cache_dir):
+    proc = run_subprocess(tiny_overrides(tmp_path, cache_dir, steps=3, **{"trainer.progress": True}))
+    assert proc.returncode == 0, proc.stderr
+    assert "step/s" not in proc.stderr and "s/step" not in proc.stderr and "\r" not in proc.stderr

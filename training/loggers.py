@@ -19,7 +19,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 def validate_logger(logger: DictConfig) -> None:
     if logger.name not in LOGGERS:
         raise ValueError(f"logger.name={logger.name!r}: expected one of {', '.join(LOGGERS)}")
-    if logger.name == "wandb" and logger.mode not in WANDB_MODES:
+    if logger.name == "wandb" and logger.mode is not None and logger.mode not in WANDB_MODES:
         raise ValueError(f"logger.mode={logger.mode!r}: expected one of {', '.join(WANDB_MODES)}")
 
 
@@ -54,6 +54,24 @@ class MetricsFile:
         self._file.close()
 
 
+# What a null config value falls back to when wandb's own environment variable is unset too.
+WANDB_FALLBACKS = {"project": ("WANDB_PROJECT", "flashtrain"), "mode": ("WANDB_MODE", "offline"),
+                   "entity": ("WANDB_ENTITY", None)}
+
+
+def wandb_settings(logger: DictConfig) -> dict:
+    """project/entity/mode for wandb.init: a value set in the config wins; a null one is left to
+    wandb's environment variable when that is set (wandb reads it itself), else our fallback."""
+    settings = {}
+    for key, (env_var, fallback) in WANDB_FALLBACKS.items():
+        value = logger.get(key)
+        if value is None and env_var not in os.environ:
+            value = fallback
+        if value is not None:
+            settings[key] = value
+    return settings
+
+
 class WandbRun:
     """A wandb run; given the id stored in a checkpoint it continues that same run."""
 
@@ -62,8 +80,7 @@ class WandbRun:
         import wandb
 
         self._wandb = wandb
-        self.run = wandb.init(project=logger.project, entity=logger.entity, mode=logger.mode,
-                              dir=str(run_dir), id=run_id, resume="allow",
+        self.run = wandb.init(**wandb_settings(logger), dir=str(run_dir), id=run_id, resume="allow",
                               config=config, name=name, tags=list(logger.tags))
         self.id = self.run.id
 

@@ -46,6 +46,9 @@ def resolve_config(cfg: DictConfig) -> torch.device:
     """Validate every group and record in `cfg` what `auto` became (device, attention, precision)."""
     from model.attention import resolve_attention
 
+    if cfg.get("resume") == "auto" and OmegaConf.is_interpolation(cfg.run, "dir"):
+        raise ValueError("resume=auto needs run.dir=<the folder of the run to continue>: without it every run "
+                         "gets a new folder, so there would be nothing to resume")
     OmegaConf.resolve(cfg)
     if cfg.model.get("init_from"):
         apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones
@@ -316,7 +319,8 @@ class Trainer:
 
         try:
             with StopRequest() as stop, logging_redirect_tqdm(), tqdm(
-                    total=t.max_steps, initial=self.step, disable=not (t.progress and main), unit="step",
+                    total=t.max_steps, initial=self.step, unit="step",
+                    disable=not (t.progress and main and sys.stderr.isatty()),  # no bar frames in a log file
                     dynamic_ncols=True) as bar:
                 agreed = AgreedStop(env, stop)
                 stopping = False
