@@ -65,7 +65,17 @@ def main(cfg: DictConfig) -> float | None:
     return outcome.get("val_loss")
 
 
+def one_folder_per_run(argv: list[str]) -> list[str]:
+    """`run.dir=X` also makes X Hydra's output dir (its .hydra/ and train.log), so one run has one
+    folder; an explicit hydra.run.dir=..., or a multirun (-m, one folder per job), is left alone."""
+    run_dir = [a.split("=", 1)[1] for a in argv if a.startswith("run.dir=")]
+    if run_dir and not any(a.startswith("hydra.run.dir=") for a in argv) and not {"-m", "--multirun"} & set(argv):
+        return [*argv, f"hydra.run.dir={run_dir[-1]}"]
+    return argv
+
+
 if __name__ == "__main__":
+    sys.argv = one_folder_per_run(sys.argv)
     with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
         main()
     if FAILED_JOBS:

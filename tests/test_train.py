@@ -161,3 +161,11 @@ def test_multirun_reports_a_failed_job_and_runs_the_rest(tmp_path, cache_dir):
     assert proc.returncode == 2
     assert "job 0 failed (exit status 2)" in proc.stdout + proc.stderr
     assert (tmp_path / "sweep" / "1" / "metrics.jsonl").is_file()  # job 1 ran after job 0 failed
+
+
+def test_run_dir_holds_hydras_files_too(tmp_path, cache_dir):
+    """One run, one folder: with run.dir set, Hydra's .hydra/ and train.log land there as well."""
+    proc = run_subprocess(tiny_overrides(tmp_path / "run", cache_dir, steps=1))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run" / ".hydra" / "overrides.yaml").is_file() and (tmp_path / "run" / "train.log").is_file()
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
