@@ -18,8 +18,6 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import exit_on_config_error
-from training.distributed import close_distributed
-from training.trainer import Trainer
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
@@ -28,6 +26,9 @@ FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-
 def train(cfg: DictConfig, outcome: dict | None = None) -> int:
     """Set up (bad input -> one line on stderr, exit status 2), then train; `outcome` receives the
     final validation loss."""
+    from training.distributed import close_distributed  # torch: imported only once a run starts,
+    from training.trainer import Trainer                # so `--help` answers at once
+
     try:
         try:
             trainer = Trainer(cfg)

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import HAS_CUDA
-from tests.trainrun import cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
+from tests.trainrun import REPO, cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
 from training.checkpoint import list_checkpoints, load_checkpoint
 
 
@@ -169,3 +171,14 @@ def test_run_dir_holds_hydras_files_too(tmp_path, cache_dir):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run" / ".hydra" / "overrides.yaml").is_file() and (tmp_path / "run" / "train.log").is_file()
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_help_says_what_the_tool_does_without_importing_torch():
+    """`--help` answers at once: the tool, the groups, the exit statuses, and no torch import."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "flashtrain: train a GPT" in proc.stdout and "Exit status" in proc.stdout
+    assert "attention: auto, flash, naive, sdpa" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "triton" not in imported
