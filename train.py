@@ -8,19 +8,27 @@ or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun wit
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import exit_on_config_error
-from training.distributed import close_distributed
-from training.trainer import Trainer
 
 
-def train(cfg: DictConfig) -> int:
-    """Set up (bad input -> one line on stderr, exit status 2), then train."""
+FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
+
+
+def train(cfg: DictConfig, outcome: dict | None = None) -> int:
+    """Set up (bad input -> one line on stderr, exit status 2), then train; `outcome` receives the
+    final validation loss."""
+    from training.distributed import close_distributed  # torch: imported only once a run starts,
+    from training.trainer import Trainer                # so `--help` answers at once
+
     try:
         try:
             trainer = Trainer(cfg)
@@ -34,18 +42,42 @@ def train(cfg: DictConfig) -> int:
                           f"{cfg.trainer.max_steps} is reached; raise trainer.max_steps to train further",
                           file=sys.stderr)
                 return 0
-            return trainer.fit()
+            status = trainer.fit()
+            if outcome is not None:
+                outcome["val_loss"] = trainer.val_loss
+            return status
     finally:
         close_distributed()
 
 
 @hydra.main(config_path="configs", config_name="train", version_base=None)
-def main(cfg: DictConfig) -> None:
-    status = train(cfg)
+def main(cfg: DictConfig) -> float | None:
+    """One run; returns its final validation loss (what Hydra's sweepers, e.g. Optuna, minimise).
+    In a multirun a failed job is reported and the sweep goes on; the process exits non-zero at the end."""
+    outcome: dict = {}
+    status = train(cfg, outcome)
+    if status and HydraConfig.get().mode == RunMode.MULTIRUN:
+        FAILED_JOBS.append(status)
+        logging.getLogger("train").error("job %d failed (exit status %d); the sweep goes on",
+                                         HydraConfig.get().job.num, status)
+        return None
     if status:
         sys.exit(status)
+    return outcome.get("val_loss")
+
+
+def one_folder_per_run(argv: list[str]) -> list[str]:
+    """`run.dir=X` also makes X Hydra's output dir (its .hydra/ and train.log), so one run has one
+    folder; an explicit hydra.run.dir=..., or a multirun (-m, one folder per job), is left alone."""
+    run_dir = [a.split("=", 1)[1] for a in argv if a.startswith("run.dir=")]
+    if run_dir and not any(a.startswith("hydra.run.dir=") for a in argv) and not {"-m", "--multirun"} & set(argv):
+        return [*argv, f"hydra.run.dir={run_dir[-1]}"]
+    return argv
 
 
 if __name__ == "__main__":
+    sys.argv = one_folder_per_run(sys.argv)
     with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
         main()
+    if FAILED_JOBS:
+        sys.exit(max(FAILED_JOBS))

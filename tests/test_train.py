@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import HAS_CUDA
-from tests.trainrun import cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
+from tests.trainrun import REPO, cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
 from training.checkpoint import list_checkpoints, load_checkpoint
 
 
@@ -152,3 +154,31 @@ def test_no_progress_bar_frames_when_stderr_is_not_a_terminal(tmp_path, cache_di
     proc = run_subprocess(tiny_overrides(tmp_path, cache_dir, steps=3, **{"trainer.progress": True}))
     assert proc.returncode == 0, proc.stderr
     assert "step/s" not in proc.stderr and "s/step" not in proc.stderr and "\r" not in proc.stderr
+
+
+def test_multirun_reports_a_failed_job_and_runs_the_rest(tmp_path, cache_dir):
+    """A failing job of `-m` must not end the sweep; the exit status still says one failed."""
+    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=2) if not o.startswith("run.dir=")]
+    proc = run_subprocess(["-m", *overrides, "trainer.batch_size=0,4", f"hydra.sweep.dir={tmp_path}/sweep"])
+    assert proc.returncode == 2
+    assert "job 0 failed (exit status 2)" in proc.stdout + proc.stderr
+    assert (tmp_path / "sweep" / "1" / "metrics.jsonl").is_file()  # job 1 ran after job 0 failed
+
+
+def test_run_dir_holds_hydras_files_too(tmp_path, cache_dir):
+    """One run, one folder: with run.dir set, Hydra's .hydra/ and train.log land there as well."""
+    proc = run_subprocess(tiny_overrides(tmp_path / "run", cache_dir, steps=1))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run" / ".hydra" / "overrides.yaml").is_file() and (tmp_path / "run" / "train.log").is_file()
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_help_says_what_the_tool_does_without_importing_torch():
+    """`--help` answers at once: the tool, the groups, the exit statuses, and no torch import."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "flashtrain: train a GPT" in proc.stdout and "Exit status" in proc.stdout
+    assert "attention: auto, flash, naive, sdpa" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "triton" not in imported

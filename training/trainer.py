@@ -219,6 +219,7 @@ class Trainer:
             cfg.run.num_params = model.num_params()
             cfg.run.world_size = self.env.world_size
         self.step, self.tokens, self.wandb_id, self.resumed_from = 0, 0, None, None
+        self.val_loss: float | None = None  # the last evaluation's, what train.py returns to sweepers
         optimizer_state = _DeferredOptimizerState()
         if resume:  # into the plain model, before DDP/FSDP wrapping
             path, state = resume
@@ -343,7 +344,7 @@ class Trainer:
                         if peak:
                             row["mfu"] = row["tokens_per_s"] * flops_per_token / (peak * env.world_size)
                         if eval_now:
-                            row["val_loss"] = self.evaluate()
+                            row["val_loss"] = self.val_loss = self.evaluate()
                         if main:
                             loggers.log(row)
                             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
