@@ -12,14 +12,19 @@ import math
 
 import torch
 
+from kernels.masks import check_masks, visible_mask
 
-def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
+                        document_ids=None, window=None):
     """softmax(scale * Q K^T + mask) V with q (B, Nq, H, D), k/v (B, Nk, Hkv, D).
 
     Computes in the inputs' dtype (so it is also the "same dtype" error baseline);
     pass float64 inputs for an exact oracle. Causal masking with Nq != Nk is aligned
     bottom-right: query i sees keys j <= i + Nk - Nq. A query row that sees no key
     (only possible when Nq > Nk) yields zeros and lse = -inf, as the kernel does.
+    document_ids (B, N) and window: the masks of `kernels.flash_attention`, applied
+    here as one dense boolean mask (kernels/masks.visible_mask).
     Returns out (B, Nq, H, D) and, if asked, lse (B, H, Nq) in float32 (natural log).
     """
     B, Nq, H, D = q.shape
@@ -32,12 +37,12 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=Fa
     kh = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Nk, D)
     vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        rows = torch.arange(Nq, device=q.device)[:, None]
-        cols = torch.arange(Nk, device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + (Nk - Nq), float("-inf"))
+    check_masks(q, k, causal, document_ids, window)
+    mask = visible_mask(Nq, Nk, causal, document_ids, window, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if causal and Nq > Nk:
+    if mask is not None and (Nq > Nk or window is not None):
         probs = torch.nan_to_num(probs, nan=0.0)            # rows that see no key -> 0
     out = torch.matmul(probs, vh).transpose(1, 2)           # (B, Nq, H, D)
     if not return_lse:
