@@ -96,7 +96,11 @@ def test_tiles_outside_the_mask_are_never_read():
         out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal, document_ids=ids)
         alone = forward_backward(flash_attention, *(t[:, n:] for t in (q, k, v, do)), causal)
         for name, masked, single in zip(NAMES, (out[:, n:], lse[..., n:], dq[:, n:], dk[:, n:], dv[:, n:]), alone):
-            assert torch.equal(masked, single), f"{name} of the second document (causal={causal})"
+            assert not torch.isnan(masked).any(), f"{name} of the second document read a skipped tile"
+            # the same tiles in the same order: identical in the interpreter; on a GPU the
+            # masked kernel may be tuned to another tile shape, so only close
+            tol = 0 if not HAS_CUDA else 2e-2
+            torch.testing.assert_close(masked, single, atol=tol, rtol=tol, msg=f"{name}, causal={causal}")
         assert torch.isnan(out[:, :n]).all(), "the poisoned document should itself be NaN"
     # window: queries of the last half never reach keys before n - window
     w = 32 * SCALE
@@ -160,7 +164,7 @@ def test_registry_entries_agree_with_masks(dtype):
 
 def test_eager_path_and_registered_op_agree_with_masks():
     q, k, v, do = make_inputs(1, 40, 40, 4, 2, 32, DTYPES[0])
-    ids = ids_from_lengths([9, 31][: 1] + [31])
+    ids = ids_from_lengths([9, 31])
     bounds = document_bounds(ids)
 
     def through_op(q, k, v, causal, return_lse, **_):
