@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, requires_cuda
 from kernels import attention_reference, flash_attention
 from kernels.masks import document_bounds, visible_mask
 from model.attention import ATTENTION
@@ -183,3 +183,20 @@ def test_registered_op_with_masks_passes_opcheck():
     checks = ("test_schema", "test_autograd_registration") + (("test_faketensor",) if HAS_CUDA else ())
     torch.library.opcheck(torch.ops.flashtrain.flash_attn_fwd.default, (q, k, v, True, 0.2, bounds, 6),
                           test_utils=checks)
+
+
+@requires_cuda
+def test_torch_compile_fullgraph_with_masks_matches_eager():
+    """The custom op carries the document bounds and the window through torch.compile."""
+    ids = ids_from_lengths(lengths(10, 50, 10), lengths(70))
+    q, k, v, do = make_inputs(2, ids.shape[1], ids.shape[1], 8, 2, 64, torch.bfloat16)
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, causal=True, document_ids=ids, window=100) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    eager = forward_backward(lambda *a, **kw: (f(*a[:3]), None), q, k, v, do, True)
+    comp = forward_backward(lambda *a, **kw: (compiled(*a[:3]), None), q, k, v, do, True)
+    for a, b in zip(eager, comp):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
