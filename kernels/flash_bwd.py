@@ -23,14 +23,18 @@ writer, with no atomics, and therefore gradients are bit-identical run to run:
 
 The cost of determinism is recomputing S and dP in the second kernel (7 tile matmuls
 instead of 5). Masking follows the forward: tiles that are fully visible and in bounds
-run unmasked; the causal diagonal and ragged edges are masked.
+run unmasked; the causal diagonal and ragged edges are masked. With documents or a
+window, the dQ kernel visits the forward's key range, and the dK/dV kernel the query
+tiles that see any of its keys (from its first and last key: `query_ranges`); the
+other tiles are skipped, so the backward's cost follows the mask as the forward's does.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.tiles import key_ranges, load_tile, query_heads, store_tile, tile_offsets
+from kernels.tiles import (key_ranges, load_tile, query_heads, query_ranges, row_key_bounds, store_tile,
+                           tile_offsets, visible)
 from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune, persistent
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
@@ -69,10 +73,10 @@ def _lse_log2(lse):
 
 
 @triton.jit
-def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs, stride_qn, stride_don,
-                 start_m, rows_m, offs_n, offs_d, n_q, n_k, causal_shift, qk_scale,
+def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do_offs, stride_qn, stride_don,
+                 start_m, rows_m, offs_n, offs_d, n_q, n_k, window, qk_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 MASK: tl.constexpr, PRECISION: tl.constexpr):
+                 DOCS: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
     """Add queries [start_m, start_m + BLOCK_M)'s contribution to this program's dK, dV.
 
     Works on transposed scores S^T (keys x queries) so that dV += P^T dO and
@@ -90,11 +94,10 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs, s
     lse = _lse_log2(lse)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale       # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t - lse[None, :])
-    if MASK:
-        visible = (offs_m[None, :] < n_q) & (offs_n[:, None] < n_k)
-        if CAUSAL:
-            visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_shift)
-        p_t = tl.where(visible, p_t, 0.0)
+    if MASK:  # query i sees keys [lo_i, hi_i), within [0, n_k); rows past n_q see none
+        row_lo, row_hi = row_key_bounds(offs_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
+        seen = (offs_m[None, :] < n_q) & (offs_n[:, None] >= row_lo[None, :]) & (offs_n[:, None] < row_hi[None, :])
+        p_t = tl.where(seen, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -102,19 +105,20 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs, s
     return dk, dv
 
 
-@triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"],
+@triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
                  prune_configs_by=bwd_kv_prune(), **persistent())
 @triton.jit
 def flash_bwd_kv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV,
+    Q, K, V, dOut, Lse, Delta, Docs, dK, dV,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket,
+    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Grid: (cdiv(n_k, BLOCK_N), B * Hkv). qk_scale = sm_scale * log2(e)."""
@@ -129,7 +133,7 @@ def flash_bwd_kv_kernel(
     offs_n = start_n + rows_n
     rows_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    causal_shift = n_k - n_q
+    Docs_b = Docs + b * 2 * n_k
 
     k = load_tile(K + b * stride_kb + h_kv * stride_kh, start_n, stride_kn,
                   tile_offsets(rows_n, offs_d, stride_kn, stride_kd), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
@@ -140,20 +144,11 @@ def flash_bwd_kv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query tiles that see any of these keys, split into masked / unmasked ranges.
-    full_end = (n_q // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        # first query that sees key start_n is start_n - causal_shift
-        lo = tl.maximum(start_n - causal_shift, 0) // BLOCK_M * BLOCK_M
-        # from here on, every query of a tile sees every key of this program
-        diag_end = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M
-        diag_end = tl.minimum(tl.maximum(diag_end, lo), n_q)
-    else:
-        lo = 0
-        diag_end = 0
-    mid_end = tl.maximum(full_end, diag_end)
+    # Query tiles that see any of these keys: [lo, mid_lo) masked, [mid_lo, mid_hi)
+    # unmasked, [mid_hi, hi) masked; the others see none of them and are skipped.
     # A ragged last key tile needs no extra masking here: its out-of-range keys were
     # loaded as zeros and only produce rows of dK/dV that are never stored.
+    lo, mid_lo, mid_hi, hi = query_ranges(start_n, n_q, n_k, Docs_b, window, BLOCK_N, BLOCK_M, CAUSAL, WINDOW, DOCS)
 
     for g in range(0, kv_group):
         h = h_kv * kv_group + g
@@ -161,22 +156,21 @@ def flash_bwd_kv_kernel(
         dO_bh = dOut + b * stride_dob + h * stride_doh
         Lse_bh = Lse + (b * n_heads + h) * n_q
         Delta_bh = Delta + (b * n_heads + h) * n_q
-        # ranges: [lo, diag_end) masked, [diag_end, mid_end) unmasked, [mid_end, n_q) masked
-        for start_m in range(lo, diag_end, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs,
+        for start_m in range(lo, tl.minimum(mid_lo, hi), BLOCK_M):
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do_offs,
                                   stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, causal_shift, qk_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
-        for start_m in range(diag_end, mid_end, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs,
+                                  n_q, n_k, window, qk_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, True, PRECISION)
+        for start_m in range(mid_lo, mid_hi, BLOCK_M):
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do_offs,
                                   stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, causal_shift, qk_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
-        for start_m in range(mid_end, n_q, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, q_offs, do_offs,
+                                  n_q, n_k, window, qk_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, False, PRECISION)
+        for start_m in range(mid_hi, hi, BLOCK_M):
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do_offs,
                                   stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, causal_shift, qk_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
+                                  n_q, n_k, window, qk_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, True, PRECISION)
 
     store_tile(dK + b * stride_dkb + h_kv * stride_dkh, start_n, stride_dkn,
                tile_offsets(rows_n, offs_d, stride_dkn, stride_dkd), rows_n, n_k, offs_d, dk * sm_scale, HEAD_DIM)
@@ -186,36 +180,33 @@ def flash_bwd_kv_kernel(
 
 @triton.jit
 def _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                MASK: tl.constexpr, PRECISION: tl.constexpr):
+                start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
     """Add keys [start_n, start_n + BLOCK_N)'s contribution to this program's dQ."""
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
-    if MASK:
-        visible = (start_n + offs_n)[None, :] < n_k
-        if CAUSAL:
-            visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None] + causal_shift)
-        p = tl.where(visible, p, 0.0)
+    if MASK:  # as in the forward
+        p = tl.where(visible(start_n + offs_n, row_lo, row_hi), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
-@triton.autotune(configs=bwd_q_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"],
+@triton.autotune(configs=bwd_q_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
                  prune_configs_by=bwd_q_prune(), **persistent())
 @triton.jit
 def flash_bwd_q_kernel(
-    Q, K, V, dOut, Lse, Delta, dQ,
+    Q, K, V, dOut, Lse, Delta, Docs, dQ,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
-    n_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket,
+    n_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H)."""
@@ -228,7 +219,7 @@ def flash_bwd_q_kernel(
     offs_m = start_m + rows_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    causal_shift = n_k - n_q
+    Docs_b = Docs + b * 2 * n_q
 
     q = load_tile(Q + b * stride_qb + h * stride_qh, start_m, stride_qn,
                   tile_offsets(rows_m, offs_d, stride_qn, stride_qd), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
@@ -244,15 +235,21 @@ def flash_bwd_q_kernel(
     k_offs = tile_offsets(offs_n, offs_d, stride_kn, stride_kd)
     v_offs = tile_offsets(offs_n, offs_d, stride_vn, stride_vd)
 
-    unmasked_end, hi = key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)  # as in the forward
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    # the forward's key tiles: masked, unmasked, masked; the rest skipped
+    row_lo, row_hi = row_key_bounds(offs_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
+    lo, mid_lo, mid_hi, hi = key_ranges(start_m, n_q, n_k, Docs_b, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, DOCS)
+    for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
         dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                         start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
-                         HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
-    for start_n in range(unmasked_end, hi, BLOCK_N):
+                         start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                         HEAD_DIM, BLOCK_D, True, PRECISION)
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):
         dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                         start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
-                         HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
+                         start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                         HEAD_DIM, BLOCK_D, False, PRECISION)
+    for start_n in range(mid_hi, hi, BLOCK_N):
+        dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                         start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                         HEAD_DIM, BLOCK_D, True, PRECISION)
 
     store_tile(dQ + b * stride_dqb + h * stride_dqh, start_m, stride_dqn,
                tile_offsets(rows_m, offs_d, stride_dqn, stride_dqd), rows_m, n_q, offs_d, dq * sm_scale, HEAD_DIM)

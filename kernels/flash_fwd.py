@@ -25,6 +25,9 @@ Details that matter for speed and exactness:
   tiles on the causal diagonal and the ragged last tile pay for masks;
 - causal masking with Nq != Nk is aligned bottom-right: query i sees key j iff
   j <= i + (Nk - Nq). A query row that sees no key at all gets O = 0 and L = -inf;
+- document masks and sliding windows make every row's visible keys an interval
+  [lo_i, hi_i) (kernels/masks.py); the tile's first and last rows bound the key tiles
+  it can see, and every other key tile is skipped, never loaded (kernels/tiles.py);
 - GQA: query head h reads KV head h // (H / Hkv); K and V are never repeated;
 - all offsets that can exceed 2^31 (batch and sequence strides at 1M tokens) are
   scalars formed in int64 (kernels/tiles.py), so long sequences index correctly.
@@ -34,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import key_ranges, load_tile, query_heads, store_tile, tile_offsets
+from kernels.tiles import key_ranges, load_tile, query_heads, row_key_bounds, store_tile, tile_offsets, visible
 from kernels.tuning import fwd_configs, fwd_prune, persistent
 
 LOG2E = 1.4426950408889634
@@ -43,17 +46,13 @@ LN2 = tl.constexpr(0.6931471805599453)  # jit code may only read constexpr globa
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-              start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-              MASK: tl.constexpr, PRECISION: tl.constexpr):
+              start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of a query tile."""
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; scaled below
-    if MASK:
-        visible = (start_n + offs_n)[None, :] < n_k
-        if CAUSAL:
-            visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None] + causal_shift)
-        s = tl.where(visible, s, float("-inf"))
+    if MASK:  # row i sees keys [row_lo_i, row_hi_i), which lies within [0, n_k)
+        s = tl.where(visible(start_n + offs_n, row_lo, row_hi), s, float("-inf"))
     # The running max lives in the scaled log2 domain. Scaling the row max (qk_scale > 0,
     # and rounding is monotonic, so this is exactly the max of the scaled scores) rather
     # than the whole tile leaves one fused multiply-add per score for P below.
@@ -71,20 +70,23 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     return acc, l_i, m_new
 
 
-@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"], prune_configs_by=fwd_prune(),
+@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"], prune_configs_by=fwd_prune(),
                  **persistent())
 @triton.jit
 def flash_fwd_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, Docs,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
-    n_heads, kv_group, n_q, n_k, qk_scale, seq_bucket,
+    n_heads, kv_group, n_q, n_k, qk_scale, seq_bucket, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e)."""
+    """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e).
+    Docs: (B, 2, N) int32 document bounds when DOCS (any pointer otherwise); window is
+    read when WINDOW."""
     # torch.compile passes Python floats as fp64; keep every score in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     pid_m = tl.program_id(0)
@@ -94,7 +96,7 @@ def flash_fwd_kernel(
     offs_m = start_m + rows_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    causal_shift = n_k - n_q
+    Docs_b = Docs + b * 2 * n_q
 
     Q_bh = Q + b * stride_qb + h * stride_qh
     K_bh = K + b * stride_kb + h_kv * stride_kh
@@ -108,17 +110,24 @@ def flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    unmasked_end, hi = key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    # Key tiles: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; the
+    # rest lie wholly outside every row's view (other documents, past the window, causal).
+    row_lo, row_hi = row_key_bounds(offs_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
+    lo, mid_lo, mid_hi, hi = key_ranges(start_m, n_q, n_k, Docs_b, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, DOCS)
+    for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                                  start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, False, PRECISION)
-    for start_n in range(unmasked_end, hi, BLOCK_N):
+                                  start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                                  HEAD_DIM, BLOCK_D, True, PRECISION)
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                                  start_n, offs_m, offs_n, offs_d, n_k, causal_shift, qk_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, True, PRECISION)
+                                  start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                                  HEAD_DIM, BLOCK_D, False, PRECISION)
+    for start_n in range(mid_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                                  start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                                  HEAD_DIM, BLOCK_D, True, PRECISION)
 
-    # Rows that saw no key (causal with n_q > n_k): O = 0, L = -inf.
+    # Rows that saw no key (causal with n_q > n_k, or a window before the keys): O = 0, L = -inf.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))

@@ -12,12 +12,14 @@ compile trace.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
 
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import LOG2E, flash_fwd_kernel
+from kernels.masks import check_masks, document_bounds
 from kernels.tuning import INTERPRET, seq_bucket
 
 MAX_HEAD_DIM = 256
@@ -78,7 +80,7 @@ def _no_wrap(kernel):
     return kernel
 
 
-def _launch_forward(q, k, v, causal: bool, softmax_scale: float, wrap=_no_wrap):
+def _launch_forward(q, k, v, causal: bool, softmax_scale: float, wrap=_no_wrap, doc_bounds=None, window: int = 0):
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
@@ -88,24 +90,30 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, wrap=_no_wrap):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
 
     wrap(flash_fwd_kernel)[grid](
-        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, seq_bucket(max(n_q, n_k)),
-        HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, PRECISION=_precision(q.dtype))
+        q, k, v, out, lse, lse if doc_bounds is None else doc_bounds,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, seq_bucket(max(n_q, n_k)), window,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, DOCS=doc_bounds is not None, WINDOW=window > 0,
+        PRECISION=_precision(q.dtype))
     return out, lse
 
 
 @torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32."""
-    return _launch_forward(q, k, v, causal, softmax_scale, torch.library.wrap_triton)
+                   softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
+                   window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32. doc_bounds: (B, 2, N) int32 from
+    kernels.masks.document_bounds, or None; window: keys each query sees, 0 for no window."""
+    return _launch_forward(q, k, v, causal, softmax_scale, torch.library.wrap_triton, doc_bounds, window)
 
 
-def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, wrap=_no_wrap):
+def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, wrap=_no_wrap,
+                     doc_bounds=None, window: int = 0):
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     block_d = _block_d(D)
     bucket = seq_bucket(max(n_q, n_k))
+    masks = dict(CAUSAL=causal, DOCS=doc_bounds is not None, WINDOW=window > 0)
     delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
     dq = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)
@@ -120,43 +128,47 @@ def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
         return (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv)
 
     wrap(flash_bwd_kv_kernel)[kv_grid](
-        q, k, v, dout, lse, delta, dk, dv,
+        q, k, v, dout, lse, delta, delta if doc_bounds is None else doc_bounds, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket,
-        HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, PRECISION=_precision(q.dtype))
+        H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window,
+        HEAD_DIM=D, BLOCK_D=block_d, PRECISION=_precision(q.dtype), **masks)
 
     def q_grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
 
     wrap(flash_bwd_q_kernel)[q_grid](
-        q, k, v, dout, lse, delta, dq,
+        q, k, v, dout, lse, delta, delta if doc_bounds is None else doc_bounds, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket,
-        HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, PRECISION=_precision(q.dtype))
+        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window,
+        HEAD_DIM=D, BLOCK_D=block_d, PRECISION=_precision(q.dtype), **masks)
     return dq, dk, dv
 
 
 @torch.library.triton_op("flashtrain::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
+                   window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dq, dk, dv; dk and dv are summed over each GQA group, no atomics."""
-    return _launch_backward(dout, q, k, v, out, lse, causal, softmax_scale, torch.library.wrap_triton)
+    return _launch_backward(dout, q, k, v, out, lse, causal, softmax_scale, torch.library.wrap_triton,
+                            doc_bounds, window)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale = inputs
+    q, k, v, causal, softmax_scale, doc_bounds, window = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, doc_bounds)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
+    ctx.window = window
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse, launch=flash_attn_bwd):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = launch(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
-    return dq, dk, dv, None, None
+    q, k, v, out, lse, doc_bounds = ctx.saved_tensors
+    dq, dk, dv = launch(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                        doc_bounds=doc_bounds, window=ctx.window)
+    return dq, dk, dv, None, None, None, None
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -166,9 +178,9 @@ class _EagerFlashAttention(torch.autograd.Function):
     """The same kernels and the same saved tensors as the op above, without its dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
-        out, lse = _launch_forward(q, k, v, causal, softmax_scale)
-        _setup_context(ctx, (q, k, v, causal, softmax_scale), (out, lse))
+    def forward(ctx, q, k, v, causal, softmax_scale, doc_bounds, window):
+        out, lse = _launch_forward(q, k, v, causal, softmax_scale, doc_bounds=doc_bounds, window=window)
+        _setup_context(ctx, (q, k, v, causal, softmax_scale, doc_bounds, window), (out, lse))
         return out, lse
 
     @staticmethod
@@ -176,16 +188,31 @@ class _EagerFlashAttention(torch.autograd.Function):
         return _backward(ctx, dout, _dlse, launch=_launch_backward)
 
 
-def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
+                    document_ids=None, window=None):
     """Exact softmax(scale * Q K^T) V by tiling; same contract as kernels.reference.
 
     q (B, Nq, H, D); k, v (B, Nk, Hkv, D) with H % Hkv == 0; any strides.
     causal with Nq != Nk is aligned bottom-right. Returns out (B, Nq, H, D) in q's
     dtype, and with return_lse=True also lse (B, H, Nq) float32 (natural log; -inf
     for a query that sees no key).
+
+    document_ids (B, N) integers, Nq == Nk: a packed window's per-token document ids
+    (as data/sampler.py's `return_doc_ids` emits them); each run of equal ids is one
+    document and a query sees only keys of its own (combined with causal). Per-token ids
+    rather than cu_seqlens offsets: the shape is static (one tensor per batch, whatever
+    the number of documents, so torch.compile does not re-specialise), every batch row
+    packs its own documents, and the sampler already produces them; a small pre-pass
+    turns them into per-token document ends that the kernels read to skip tiles.
+    window=W (with causal=True): each query sees only the last W keys (itself included).
+    Tiles outside the mask are skipped, not masked: the cost follows the sum of squared
+    document lengths, and is linear in N for a window.
     """
     check_inputs(q, k, v)
-    args = (q, k, v, bool(causal), _softmax_scale(softmax_scale, q.shape[-1]))
+    check_masks(q, k, causal, document_ids, window)
+    doc_bounds = None if document_ids is None else document_bounds(document_ids)
+    window = 0 if window is None or window >= k.shape[1] else int(window)  # a window of every key: plain causal
+    args = (q, k, v, bool(causal), _softmax_scale(softmax_scale, q.shape[-1]), doc_bounds, window)
     out, lse = flash_attn_fwd(*args) if torch.compiler.is_compiling() else _EagerFlashAttention.apply(*args)
     return (out, lse) if return_lse else out
 

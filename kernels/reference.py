@@ -14,39 +14,44 @@ import math
 
 import torch
 
+from kernels.masks import check_masks, visible_mask
 
-def _masked_scores(q, k, causal, softmax_scale):
-    """scale * Q K^T as (B, H, Nq, Nk), -inf where the causal mask hides a key, and the
-    heads-first q, k-heads repeated to H (B, H, N, D) for the caller's other products."""
+def _masked_scores(q, k, causal, softmax_scale, document_ids=None, window=None):
+    """scale * Q K^T as (B, H, Nq, Nk), -inf where the mask (causal, documents, window) hides
+    a key, whether any mask applies, and the heads-first q, k-heads repeated to H (B, H, N, D)
+    for the caller's other products."""
     B, Nq, H, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
     if H % Hkv:
         raise ValueError(f"q has {H} heads, not a multiple of k's {Hkv}")
+    check_masks(q, k, causal, document_ids, window)
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     qh = q.transpose(1, 2)                                     # (B, H, Nq, D)
     kh = k.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, Nk, D)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        rows = torch.arange(Nq, device=q.device)[:, None]
-        cols = torch.arange(Nk, device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + (Nk - Nq), float("-inf"))
+    mask = visible_mask(Nq, Nk, causal, document_ids, window, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
     return scores, qh, kh, scale
 
 
-def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
+                        document_ids=None, window=None):
     """softmax(scale * Q K^T + mask) V with q (B, Nq, H, D), k/v (B, Nk, Hkv, D).
 
     Computes in the inputs' dtype (so it is also the "same dtype" error baseline);
     pass float64 inputs for an exact oracle. Causal masking with Nq != Nk is aligned
     bottom-right: query i sees keys j <= i + Nk - Nq. A query row that sees no key
     (only possible when Nq > Nk) yields zeros and lse = -inf, as the kernel does.
+    document_ids (B, N) and window: the masks of `kernels.flash_attention`, applied
+    here as one dense boolean mask (kernels/masks.visible_mask).
     Returns out (B, Nq, H, D) and, if asked, lse (B, H, Nq) (natural log) in float32,
     or float64 for float64 inputs so that the oracle stays exact.
     """
-    scores, _, _, _ = _masked_scores(q, k, causal, softmax_scale)
+    scores, _, _, _ = _masked_scores(q, k, causal, softmax_scale, document_ids, window)
     vh = v.transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
     probs = torch.softmax(scores, dim=-1)
-    if causal and q.shape[1] > k.shape[1]:
+    if (causal and q.shape[1] > k.shape[1]) or window is not None:
         probs = torch.nan_to_num(probs, nan=0.0)            # rows that see no key -> 0
     out = torch.matmul(probs, vh).transpose(1, 2)           # (B, Nq, H, D)
     if not return_lse:

@@ -1,4 +1,4 @@
-"""Tile addressing, loads, stores and key ranges shared by the forward and backward kernels.
+"""Tile addressing, loads, stores, masks and tile ranges shared by the forward and backward kernels.
 
 Every Q/K/V/O/dO tile is BLOCK rows of one (sequence x head_dim) matrix, addressed as
 
@@ -53,18 +53,90 @@ def store_tile(base, start, row_stride, offs, rows, n_rows, cols, value, HEAD_DI
 
 
 @triton.jit
-def key_ranges(start_m, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Keys the query tile [start_m, start_m + BLOCK_M) must visit, as two ranges:
-    [0, unmasked_end) of tiles needing no mask, then [unmasked_end, hi) of tiles that do
-    (the causal diagonal and the ragged last tile). Causal is aligned bottom-right:
-    query i sees key j iff j <= i + (n_k - n_q)."""
-    full_end = (n_k // BLOCK_N) * BLOCK_N                    # tiles wholly inside [0, n_k)
+def row_key_bounds(rows, n_q, n_k, Docs_b, window,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr):
+    """Query row i (a scalar or a vector of rows) sees exactly the keys [lo_i, hi_i).
+
+    Causal is aligned bottom-right (query i sees key j iff j <= i + (n_k - n_q)); a window
+    keeps the last `window` of those; documents (Docs_b: this batch row's (2, n) int32 from
+    kernels/masks.document_bounds, n_q == n_k) keep the row's own document. Every bound is
+    nondecreasing in i, which is what lets a tile's first and last rows bound the tile.
+    Rows past n_q (a ragged tile) read the last row's document.
+    """
+    shift = n_k - n_q
+    lo = rows * 0
+    hi = rows * 0 + n_k
     if CAUSAL:
-        shift = n_k - n_q
-        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + shift), 0)  # past the last row's view
-        # tiles whose every key is visible to the tile's first row, hence to all its rows
-        unmasked_end = tl.minimum(tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N, full_end)
-    else:
-        hi = n_k
-        unmasked_end = full_end
-    return unmasked_end, hi
+        hi = tl.minimum(hi, rows + shift + 1)
+    if WINDOW:
+        lo = tl.maximum(lo, rows + shift - window + 1)
+    if DOCS:
+        row = tl.minimum(rows, n_q - 1)
+        lo = tl.maximum(lo, tl.load(Docs_b + row))
+        hi = tl.minimum(hi, tl.load(Docs_b + n_q + row))
+    return lo, hi
+
+
+@triton.jit
+def key_query_bounds(cols, n_q, n_k, Docs_b, window,
+                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr):
+    """The transpose of `row_key_bounds`: key j is seen by exactly the queries [lo_j, hi_j)."""
+    shift = n_k - n_q
+    lo = cols * 0
+    hi = cols * 0 + n_q
+    if CAUSAL:
+        lo = tl.maximum(lo, cols - shift)
+    if WINDOW:
+        hi = tl.minimum(hi, cols - shift + window)
+    if DOCS:
+        col = tl.minimum(cols, n_k - 1)
+        lo = tl.maximum(lo, tl.load(Docs_b + col))
+        hi = tl.minimum(hi, tl.load(Docs_b + n_k + col))
+    return lo, hi
+
+
+@triton.jit
+def tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK: tl.constexpr):
+    """Tiles of BLOCK (aligned to multiples of BLOCK) that one program must visit, from the
+    visible interval [lo, hi) of its first and last row (both nondecreasing in the row):
+
+        [lo, mid_lo)        masked: the tiles some row sees only in part
+        [mid_lo, mid_hi)    unmasked: inside [last_lo, first_hi), seen whole by every row
+        [mid_hi, hi)        masked: the causal diagonal, the window's or document's end,
+                            the ragged last tile
+
+    Everything before lo or from hi on is seen by no row and is never loaded: that is
+    the skipping that makes documents cost the sum of their squared lengths and a window
+    cost linear in the length. Loops over [lo, min(mid_lo, hi)) stop at hi.
+    """
+    lo = first_lo // BLOCK * BLOCK
+    hi = tl.maximum(last_hi, 0)
+    mid_lo = tl.maximum(tl.cdiv(last_lo, BLOCK) * BLOCK, lo)
+    mid_hi = tl.maximum(tl.maximum(first_hi, 0) // BLOCK * BLOCK, mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def key_ranges(start_m, n_q, n_k, Docs_b, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr):
+    """Key tiles the query tile [start_m, start_m + BLOCK_M) visits (see `tile_ranges`).
+    Without documents or a window this is [0, unmasked_end) unmasked, then the causal
+    diagonal and the ragged last tile masked, as it always was."""
+    first_lo, first_hi = row_key_bounds(start_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
+    last_lo, last_hi = row_key_bounds(start_m + BLOCK_M - 1, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
+    return tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK_N)
+
+
+@triton.jit
+def query_ranges(start_n, n_q, n_k, Docs_b, window, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr):
+    """Query tiles that see any key of [start_n, start_n + BLOCK_N) (see `tile_ranges`)."""
+    first_lo, first_hi = key_query_bounds(start_n, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
+    last_lo, last_hi = key_query_bounds(start_n + BLOCK_N - 1, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
+    return tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK_M)
+
+
+@triton.jit
+def visible(cols, lo, hi):
+    """(len(lo) x len(cols)): row r sees key cols[c] iff lo[r] <= cols[c] < hi[r] (`row_key_bounds`)."""
+    return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])

@@ -1,9 +1,10 @@
 """Attention implementations by name: the one switch between naive, SDPA and our kernel.
 
 Every entry has the signature of `kernels.flash_attention`:
-``fn(q, k, v, causal=False, softmax_scale=None) -> out`` with q (B, Nq, H, D) and
-k, v (B, Nk, Hkv, D), H % Hkv == 0 (grouped-query attention), any strides, and causal
-masks aligned bottom-right when Nq != Nk. The model calls them through this registry
+``fn(q, k, v, causal=False, softmax_scale=None, *, document_ids=None, window=None) -> out``
+with q (B, Nq, H, D) and k, v (B, Nk, Hkv, D), H % Hkv == 0 (grouped-query attention),
+any strides, causal masks aligned bottom-right when Nq != Nk, and the same document
+mask and sliding window (kernels/masks.py). The model calls them through this registry
 only, so comparing implementations is a one-word config change.
 """
 from __future__ import annotations
@@ -15,13 +16,14 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import flash_attention
+from kernels.masks import check_masks, visible_mask
 from kernels.reference import attention_reference
 from kernels.tuning import INTERPRET
 
 AttentionFn = Callable[..., torch.Tensor]
 
 
-def sdpa_attention(q, k, v, causal=False, softmax_scale=None):
+def sdpa_attention(q, k, v, causal=False, softmax_scale=None, *, document_ids=None, window=None):
     """torch's scaled_dot_product_attention on (B, N, H, D) tensors.
 
     SDPA wants (B, H, N, D): transposed views are enough (no copies), and `enable_gqa`
@@ -29,12 +31,18 @@ def sdpa_attention(q, k, v, causal=False, softmax_scale=None):
     only passed when heads are shared: some CUDA backends (memory-efficient, cuDNN in
     some versions) refuse `enable_gqa=True` and SDPA would fall back to a slower one.
     SDPA's own `is_causal` is aligned top-left, so Nq != Nk uses the bottom-right bias.
+    Documents and windows go in as an explicit boolean mask (B, 1, Nq, Nk), which keeps
+    SDPA off its flash backends: it is the comparison point, not the fast path.
     """
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q has {q.shape[2]} heads, not a multiple of k's {k.shape[2]}")
+    check_masks(q, k, causal, document_ids, window)
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     n_q, n_k = q.shape[1], k.shape[1]
-    mask = causal_lower_right(n_q, n_k) if causal and n_q != n_k else None
+    if document_ids is not None or window is not None:
+        mask, causal = visible_mask(n_q, n_k, causal, document_ids, window, q.device)[:, None], False
+    else:
+        mask = causal_lower_right(n_q, n_k) if causal and n_q != n_k else None
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,
         scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],

@@ -27,7 +27,7 @@ from kernels.flash_fwd import flash_fwd_kernel
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "dOut": "*bf16", "dQ": "*bf16",
-            "dK": "*bf16", "dV": "*bf16", "Lse": "*fp32", "Delta": "*fp32"}
+            "dK": "*bf16", "dV": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "Docs": "*i32"}
 FLOATS = {"qk_scale", "sm_scale"}
 
 def compile_for_hopper(kernel, constexprs, warps, stages):
@@ -46,13 +46,14 @@ def compile_for_hopper(kernel, constexprs, warps, stages):
                               options={"num_warps": warps, "num_stages": stages})
     return "wgmma.mma_async" in compiled.asm["ptx"]
 
-common = dict(HEAD_DIM=96, BLOCK_D=128, CAUSAL=True, PRECISION="tf32")
-results = {
-    "fwd": compile_for_hopper(flash_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64), 8, 3),
-    "bwd_kv": compile_for_hopper(flash_bwd_kv_kernel, dict(common, BLOCK_N=128, BLOCK_M=32), 8, 3),
-    "bwd_q": compile_for_hopper(flash_bwd_q_kernel, dict(common, BLOCK_M=128, BLOCK_N=32), 8, 3),
-    "delta": compile_for_hopper(flash_bwd_delta_kernel, dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_M=64), 4, 1),
-}
+results = {}
+# plain causal, and the document mask with a sliding window (the most index math)
+for tag, masks in (("", dict(DOCS=False, WINDOW=False)), ("_masked", dict(DOCS=True, WINDOW=True))):
+    common = dict(HEAD_DIM=96, BLOCK_D=128, CAUSAL=True, PRECISION="tf32", **masks)
+    results["fwd" + tag] = compile_for_hopper(flash_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64), 8, 3)
+    results["bwd_kv" + tag] = compile_for_hopper(flash_bwd_kv_kernel, dict(common, BLOCK_N=128, BLOCK_M=32), 8, 3)
+    results["bwd_q" + tag] = compile_for_hopper(flash_bwd_q_kernel, dict(common, BLOCK_M=128, BLOCK_N=32), 8, 3)
+results["delta"] = compile_for_hopper(flash_bwd_delta_kernel, dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_M=64), 4, 1)
 print(json.dumps(results))
 """
 
@@ -66,4 +67,5 @@ def test_kernels_compile_for_sm90_with_inductor_signature():
     assert proc.returncode == 0, proc.stderr[-3000:]
     uses_wgmma = json.loads(proc.stdout.strip().splitlines()[-1])
     # the three matmul kernels must reach Hopper's tensor-core instructions
-    assert uses_wgmma == {"fwd": True, "bwd_kv": True, "bwd_q": True, "delta": False}, uses_wgmma
+    assert uses_wgmma == {"fwd": True, "bwd_kv": True, "bwd_q": True, "fwd_masked": True, "bwd_kv_masked": True,
+                          "bwd_q_masked": True, "delta": False}, uses_wgmma

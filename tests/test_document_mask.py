@@ -1,0 +1,202 @@
+"""Document masks and sliding windows in the Triton FlashAttention, against a float64 reference.
+
+Same error contract as test_flash_attention.py (at most 2x the same-dtype formula's error,
+NaN never passes, poisoned uninitialised memory). On a CPU the kernels run in Triton's
+interpreter with 32 x 32 tiles, so the documents below are chosen around that size:
+shorter than a tile, exactly one tile, crossing tile edges, length 1. On CUDA the same
+cases run in bfloat16/float16 at larger sizes.
+"""
+import math
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, requires_cuda
+from kernels import attention_reference, flash_attention
+from kernels.masks import document_bounds, visible_mask
+from model.attention import ATTENTION
+from test_flash_attention import (DEVICE, DTYPES, NAMES, assert_as_exact_as_plain, check_against_reference,
+                                  forward_backward, make_inputs, poison_uninitialised_memory)  # noqa: F401
+
+SCALE = 8 if HAS_CUDA else 1   # GPU cases are the CPU ones with every length x8
+
+
+def ids_from_lengths(*rows):
+    """(B, N) int32 document ids of batch rows given as lists of document lengths."""
+    ids = [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows]
+    return torch.stack(ids).to(DEVICE, torch.int32)
+
+
+def lengths(*docs):
+    return [d * SCALE for d in docs]
+
+
+# (name, B, H, Hkv, D, document lengths per batch row or None, window, causal)
+CASES = [
+    ("short_long_len1", 1, 4, 2, 16, [lengths(5, 40, 1, 24)], None, True),
+    ("two_rows_noncausal", 2, 2, 2, 32, [lengths(33, 3, 34), lengths(1, 1, 68)], None, False),
+    ("whole_window", 1, 2, 1, 16, [lengths(70)], None, True),
+    ("all_length1", 1, 2, 2, 16, [[1] * (40 * SCALE)], None, True),
+    ("window", 1, 4, 1, 32, None, 20 * SCALE, True),
+    ("window_1", 1, 2, 2, 16, None, 1, True),
+    ("window_and_docs", 2, 2, 1, 16, [lengths(10, 50, 10), lengths(70)], 24 * SCALE, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_masks_match_float64_reference(case):
+    _, B, H, Hkv, D, docs, window, causal = case
+    ids = None if docs is None else ids_from_lengths(*docs)
+    n = ids.shape[1] if ids is not None else 70 * SCALE
+    check_against_reference(*make_inputs(B, n, n, H, Hkv, D, DTYPES[0]), causal, document_ids=ids, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+def test_window_and_docs_other_dtype(dtype):
+    ids = ids_from_lengths(lengths(7, 30, 33))
+    check_against_reference(*make_inputs(1, ids.shape[1], ids.shape[1], 2, 2, 32, dtype), True,
+                            document_ids=ids, window=17 * SCALE)
+
+
+def test_window_with_fewer_queries_than_keys():
+    """Bottom-right alignment: the queries are the last Nq positions of the keys."""
+    check_against_reference(*make_inputs(1, 40 * SCALE, 72 * SCALE, 2, 1, 16, DTYPES[0]), True, window=16 * SCALE)
+
+
+def test_strided_fused_qkv_with_documents():
+    B, N, H, D = 2, 37 * SCALE, 4, 32
+    qkv = torch.randn(B, N, 3, H, D, device=DEVICE).to(DTYPES[0])
+    q, k, v = qkv.unbind(2)
+    do = torch.randn(B, N, H, D, device=DEVICE).to(DTYPES[0])
+    ids = ids_from_lengths(lengths(12, 25), lengths(30, 1, 6))
+    check_against_reference(q, k, v, do, True, document_ids=ids, window=9 * SCALE)
+
+
+def test_single_token_documents_see_only_themselves():
+    """Every token its own document: out = v and lse = the token's own score, exactly."""
+    ids = torch.arange(40, device=DEVICE, dtype=torch.int32)[None]
+    q, k, v, do = make_inputs(1, 40, 40, 2, 2, 16, DTYPES[0])
+    out, lse = flash_attention(q, k, v, causal=True, document_ids=ids, return_lse=True)
+    assert torch.equal(out, v)
+    own = (q.double() * k.double()).sum(-1).transpose(1, 2) / math.sqrt(16)
+    torch.testing.assert_close(lse.double(), own, atol=1e-2 if DTYPES[0] != torch.float32 else 1e-5, rtol=0)
+
+
+def test_tiles_outside_the_mask_are_never_read():
+    """Keys of other documents (and past the window) are NaN. A kernel that visited their
+    tiles, even masked, would turn them into NaN through 0 * NaN in P V, dP, dS; a
+    skipping kernel gives the other document exactly what it gets alone. Documents are
+    whole tiles here (64 = 2 x 32 on the CPU), so the skipped tiles hold nothing else."""
+    n = 64 * SCALE
+    ids = ids_from_lengths([n, n])
+    q, k, v, do = make_inputs(1, 2 * n, 2 * n, 2, 1, 32, DTYPES[0])
+    for t in (q, k, v, do):
+        t[:, :n] = float("nan")
+    for causal in (False, True):
+        out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal, document_ids=ids)
+        alone = forward_backward(flash_attention, *(t[:, n:] for t in (q, k, v, do)), causal)
+        for name, masked, single in zip(NAMES, (out[:, n:], lse[..., n:], dq[:, n:], dk[:, n:], dv[:, n:]), alone):
+            assert not torch.isnan(masked).any(), f"{name} of the second document read a skipped tile"
+            # the same tiles in the same order: identical in the interpreter; on a GPU the
+            # masked kernel may be tuned to another tile shape, so only close
+            tol = 0 if not HAS_CUDA else 2e-2
+            torch.testing.assert_close(masked, single, atol=tol, rtol=tol, msg=f"{name}, causal={causal}")
+        assert torch.isnan(out[:, :n]).all(), "the poisoned document should itself be NaN"
+    # window: queries of the last half never reach keys before n - window
+    w = 32 * SCALE
+    q, k, v, do = make_inputs(1, 2 * n, 2 * n, 2, 2, 32, DTYPES[0])
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=True, window=w)
+    k[:, : n - w] = float("nan")
+    v[:, : n - w] = float("nan")
+    out = flash_attention(q, k, v, causal=True, window=w)
+    assert not torch.isnan(out[:, n:]).any(), "a tile outside the window was read"
+    assert ((out[:, n:].double() - ref[:, n:]).abs().max() < 2e-2)
+
+
+def test_document_bounds_are_runs_of_equal_ids():
+    ids = torch.tensor([[3, 3, 1, 1, 1, 3, 7], [0, 1, 2, 3, 4, 5, 6]], device=DEVICE)
+    bounds = document_bounds(ids).cpu()
+    assert bounds.dtype == torch.int32 and bounds.shape == (2, 2, 7)
+    assert bounds[0, 0].tolist() == [0, 0, 2, 2, 2, 5, 6]
+    assert bounds[0, 1].tolist() == [2, 2, 5, 5, 5, 6, 7]
+    assert bounds[1, 0].tolist() == list(range(7)) and bounds[1, 1].tolist() == list(range(1, 8))
+    # the dense oracle's mask agrees: the same runs, whatever the ids' values
+    mask = visible_mask(7, 7, False, ids, None, ids.device)[0].cpu()
+    cols = torch.arange(7)
+    assert torch.equal(mask, (cols[None] >= bounds[0, 0][:, None]) & (cols[None] < bounds[0, 1][:, None]))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(causal=False, window=4), "window needs causal"),
+    (dict(causal=True, window=0), "window must be a positive int"),
+    (dict(causal=True, document_ids=torch.zeros(1, 5, dtype=torch.int32)), "document_ids has shape"),
+    (dict(causal=True, document_ids=torch.zeros(1, 8)), "integer"),
+])
+def test_bad_masks_are_refused(kw, match):
+    q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 16, DTYPES[0])
+    if isinstance(kw.get("document_ids"), torch.Tensor):
+        kw["document_ids"] = kw["document_ids"].to(DEVICE)
+    for fn in (flash_attention, attention_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(q, k, v, **kw)
+
+
+def test_documents_need_as_many_queries_as_keys():
+    q, k, v, _ = make_inputs(1, 8, 16, 2, 2, 16, DTYPES[0])
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        flash_attention(q, k, v, causal=True, document_ids=torch.zeros(1, 16, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_registry_entries_agree_with_masks(dtype):
+    """naive, sdpa and flash compute the same masked attention (flash in float32: its widest dtype)."""
+    ids = ids_from_lengths([3, 30, 1, 16], [50]).cpu()
+    q, k, v = (torch.randn(2, 50, 4, 16, dtype=dtype) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=True, document_ids=ids, window=12)
+    for name in ("naive", "sdpa"):
+        out = ATTENTION[name](q, k, v, causal=True, document_ids=ids, window=12)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5 if dtype == torch.float32 else 1e-12, rtol=0)
+    if not HAS_CUDA:
+        flash = ATTENTION["flash"](q.float(), k.float(), v.float(), causal=True, document_ids=ids, window=12)
+        torch.testing.assert_close(flash.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_eager_path_and_registered_op_agree_with_masks():
+    q, k, v, do = make_inputs(1, 40, 40, 4, 2, 32, DTYPES[0])
+    ids = ids_from_lengths([9, 31])
+    bounds = document_bounds(ids)
+
+    def through_op(q, k, v, causal, return_lse, **_):
+        return torch.ops.flashtrain.flash_attn_fwd(q, k, v, causal, 1 / math.sqrt(32), bounds, 7)
+
+    eager = forward_backward(flash_attention, q, k, v, do, causal=True, document_ids=ids, window=7)
+    op = forward_backward(through_op, q, k, v, do, causal=True)
+    for a, b in zip(eager, op):
+        assert torch.equal(a, b)
+
+
+def test_registered_op_with_masks_passes_opcheck():
+    q, k, v, _ = make_inputs(1, 24, 24, 2, 1, 32, DTYPES[-1] if not HAS_CUDA else torch.float16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    bounds = document_bounds(ids_from_lengths([5, 19]))
+    checks = ("test_schema", "test_autograd_registration") + (("test_faketensor",) if HAS_CUDA else ())
+    torch.library.opcheck(torch.ops.flashtrain.flash_attn_fwd.default, (q, k, v, True, 0.2, bounds, 6),
+                          test_utils=checks)
+
+
+@requires_cuda
+def test_torch_compile_fullgraph_with_masks_matches_eager():
+    """The custom op carries the document bounds and the window through torch.compile."""
+    ids = ids_from_lengths(lengths(10, 50, 10), lengths(70))
+    q, k, v, do = make_inputs(2, ids.shape[1], ids.shape[1], 8, 2, 64, torch.bfloat16)
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, causal=True, document_ids=ids, window=100) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    eager = forward_backward(lambda *a, **kw: (f(*a[:3]), None), q, k, v, do, True)
+    comp = forward_backward(lambda *a, **kw: (compiled(*a[:3]), None), q, k, v, do, True)
+    for a, b in zip(eager, comp):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
