@@ -57,12 +57,14 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     # and rounding is monotonic, so this is exactly the max of the scaled scores) rather
     # than the whole tile leaves one fused multiply-add per score for P below.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_shift = m_new
     if MASK:
-        # A row that has seen only masked keys keeps m = -inf; shift by 0 instead so
-        # that exp2(-inf - -inf) never produces NaN. Its P, l and acc stay exactly 0.
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        # A row that has seen only masked keys keeps m = -inf (so its first visible key
+        # later still gets P = 1 exactly); its exponents shift by 0 instead so that
+        # exp2(-inf - -inf) never produces NaN. Its P, l and acc stay exactly 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(s * qk_scale - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     acc = acc * alpha[:, None]
