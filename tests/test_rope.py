@@ -48,15 +48,3 @@ def test_compiled_model_builds_the_table_once_per_forward():
     torch.testing.assert_close(compiled, eager)
     for p, g in zip(model.parameters(), eager_grads):
         torch.testing.assert_close(p.grad, g)
-
-
-def test_backward_is_the_inverse_rotation_of_autograds_derivative():
-    """The hand-written backward equals the derivative autograd computes for the formula."""
-    from model.rope import _rotate
-    x = torch.randn(2, 6, 3, 8, dtype=torch.float64, requires_grad=True)
-    cos, sin = rope_cos_sin(6, 8, 10000.0, "cpu")
-    dy = torch.randn(2, 6, 3, 8, dtype=torch.float64)
-    ours, = torch.autograd.grad(apply_rope(x, cos.double(), sin.double()), x, dy)
-    formula, = torch.autograd.grad(_rotate(x, cos.double(), sin.double()), x, dy)
-    torch.testing.assert_close(ours, formula, rtol=0, atol=1e-15)
-    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos.double(), sin.double()), (x,))
