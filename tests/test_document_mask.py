@@ -15,8 +15,8 @@ from conftest import HAS_CUDA, requires_cuda
 from kernels import attention_reference, flash_attention
 from kernels.masks import document_bounds, visible_mask
 from model.attention import ATTENTION
-from test_flash_attention import (DEVICE, DTYPES, NAMES, assert_as_exact_as_plain, check_against_reference,
-                                  forward_backward, make_inputs, poison_uninitialised_memory)  # noqa: F401
+from test_flash_attention import (DEVICE, DTYPES, NAMES, assert_as_exact_as_plain, assert_compiled_matches_eager,  # noqa: F401
+                                  check_against_reference, forward_backward, make_inputs, poison_uninitialised_memory)
 
 SCALE = 8 if HAS_CUDA else 1   # GPU cases are the CPU ones with every length x8
 
@@ -190,13 +190,5 @@ def test_torch_compile_fullgraph_with_masks_matches_eager():
     """The custom op carries the document bounds and the window through torch.compile."""
     ids = ids_from_lengths(lengths(10, 50, 10), lengths(70))
     q, k, v, do = make_inputs(2, ids.shape[1], ids.shape[1], 8, 2, 64, torch.bfloat16)
-
-    def f(q, k, v):
-        return flash_attention(q, k, v, causal=True, document_ids=ids, window=100) * 2
-
-    compiled = torch.compile(f, fullgraph=True)
-    eager = forward_backward(lambda *a, **kw: (f(*a[:3]), None), q, k, v, do, True)
-    comp = forward_backward(lambda *a, **kw: (compiled(*a[:3]), None), q, k, v, do, True)
-    for a, b in zip(eager, comp):
-        if a is not None:
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert_compiled_matches_eager(
+        lambda q, k, v: flash_attention(q, k, v, causal=True, document_ids=ids, window=100) * 2, q, k, v, do)

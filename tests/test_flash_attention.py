@@ -254,19 +254,20 @@ def test_bfloat16_in_interpreter_is_refused():
 
 # ---- GPU only: compile, CUDA graphs ---------------------------------------------------
 
-@requires_cuda
-def test_torch_compile_fullgraph_matches_eager():
-    q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
-
-    def f(q, k, v):
-        return flash_attention(q, k, v, causal=True) * 2
-
+def assert_compiled_matches_eager(f, q, k, v, do):
+    """torch.compile(f, fullgraph=True) gives the bits of eager f, forward and backward."""
     compiled = torch.compile(f, fullgraph=True)
     eager = forward_backward(lambda *a, **kw: (f(*a[:3]), None), q, k, v, do, True)
     comp = forward_backward(lambda *a, **kw: (compiled(*a[:3]), None), q, k, v, do, True)
     for a, b in zip(eager, comp):
         if a is not None:
             torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@requires_cuda
+def test_torch_compile_fullgraph_matches_eager():
+    q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
+    assert_compiled_matches_eager(lambda q, k, v: flash_attention(q, k, v, causal=True) * 2, q, k, v, do)
 
 
 @requires_cuda
