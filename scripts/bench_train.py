@@ -46,11 +46,11 @@ def compose_cfg(overrides: list[str]):
 
 
 def build(cfg, attention: str, device: torch.device):
-    """Model (compiled when the config says so) and optimizer, as train.py builds them."""
-    from model import build_model
+    """Model (compiled when the config says so) and optimizer, from the Trainer's own builders."""
     from training.optim import build_optimizer
+    from training.trainer import model_from_config
 
-    model = build_model(cfg.model, vocab_size=cfg.model.vocab_size, attention=attention).to(device)
+    model = model_from_config(cfg, cfg.model.vocab_size, attention).to(device)
     optimizer = build_optimizer(model, cfg.optim, device)
     return model, (torch.compile(model) if cfg.trainer.compile else model), optimizer
 
