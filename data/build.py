@@ -39,7 +39,7 @@ def validate_data(data) -> None:
 
     fraction = data.get("val_fraction", 0.05)
     require(is_number(fraction) and 0 <= fraction < 1, "val_fraction", "must be a number in [0, 1)")
-    for key in ("verify_cache", "allow_changed", "include_tests", "streaming"):
+    for key in ("verify_cache", "allow_changed", "include_tests", "streaming", "document_mask"):
         require(isinstance(data.get(key, False), bool), key, "must be true or false")
     bad = data.get("max_bad_fraction", 0.0)
     require(is_number(bad) and 0 <= bad <= 1, "max_bad_fraction", "must be a number in [0, 1]")

@@ -13,7 +13,8 @@ from training.device import autocast, resolve_device, resolve_precision
 
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precision: str, env=None) -> float:
-    """Mean loss over fixed validation batches (the same batches every call, so values compare).
+    """Mean loss over fixed validation batches (the same batches every call, so values compare);
+    a batch (x, y, document_ids) is evaluated with the document mask.
 
     Under several processes (`env`, a training.distributed.DistEnv) rank r evaluates batches
     r, r + N, ... and the sums are added over ranks. An FSDP-sharded model gathers its weights in
@@ -29,9 +30,10 @@ def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precisi
     model.eval()
     total = torch.zeros((), device=device)
     for i in range(rounds):
-        x, y = own[i] if i < len(own) else batches[0]
+        x, y, *doc_ids = own[i] if i < len(own) else batches[0]   # doc ids: data.document_mask
+        masks = {"document_ids": doc_ids[0].to(device)} if doc_ids else {}
         with autocast(device, precision):
-            loss = model(x.to(device), y.to(device)).float()
+            loss = model(x.to(device), y.to(device), **masks).float()
         if i < len(own):
             total += loss
     model.train(was_training)
