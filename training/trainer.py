@@ -24,6 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from training.checkpoint import (CheckpointWriteError, check_unchanged, checkpoint_dir, checkpoint_path,
                                  find_resume_checkpoint, last_checkpoint_note, prune_checkpoints,
                                  restore_training_state, save_checkpoint)
+from data.tokenizer import save_tokenizer
 from training.config import validate_run
 from training.device import autocast, resolve_device, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, env_world, init_distributed, is_sharded,
@@ -299,6 +300,7 @@ class Trainer:
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, self.run_dir / "config.yaml")
+            save_tokenizer(self.data.tokenizer, self.run_dir)  # evals and generation need no corpus
             loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id)
             log.info("%s: %s params, attention=%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
                      f"{cfg.run.num_params:,}", cfg.attention.name, self.device, t.precision,
