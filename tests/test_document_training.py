@@ -162,3 +162,15 @@ def test_bad_mask_settings_are_one_line_before_any_step(tmp_path, cache_dir, cap
     assert run_in_process(tiny_overrides(tmp_path / "run", cache_dir, **override)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and message in err, err
+
+
+def test_hugging_face_export_refuses_a_sliding_window(tmp_path):
+    from data.tokenizer import ByteTokenizer
+    from training.hf import export_hf
+
+    model = build_model({"name": "t", "n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 32,
+                         "max_seq_len": 32}, 257, "sdpa",
+                        window=8)
+    with pytest.raises(ValueError, match="attention.window=8 does not map .* attend to every earlier token"):
+        export_hf(model, ByteTokenizer(), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
