@@ -174,3 +174,12 @@ def test_hugging_face_export_refuses_a_sliding_window(tmp_path):
     with pytest.raises(ValueError, match="attention.window=8 does not map .* attend to every earlier token"):
         export_hf(model, ByteTokenizer(), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_checkpoints_from_before_reset_positions_still_resume():
+    from training.checkpoint import CheckpointError, check_model_config
+
+    older = {"name": "tiny", "d_model": 64}   # written before model.reset_positions existed
+    check_model_config("old.pt", older, {**older, "reset_positions": False})
+    with pytest.raises(CheckpointError, match="model.reset_positions=False in checkpoint, True now"):
+        check_model_config("old.pt", older, {**older, "reset_positions": True})

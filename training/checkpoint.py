@@ -250,16 +250,17 @@ def _defaults_of_newer_keys(saved: dict, current: dict) -> dict:
     return {k: defaults[k] for k in current if k not in saved and k in defaults}
 
 
-def check_unchanged(path: str | Path, saved_cfg: dict, cfg, keys: tuple[str, ...], defaults: dict) -> None:
-    """Refuse a resume that changes what the model computes outside the `model` group
-    (`data.document_mask`, `attention.window`); a key absent from an older checkpoint is its default."""
+def check_unchanged(path: str | Path, saved_cfg: dict, cfg, defaults: dict) -> None:
+    """Refuse a resume that changes what the model computes outside the `model` group: the
+    "group.key" names of `defaults` (`data.document_mask`, `attention.window`), each at its
+    default where an older checkpoint or config lacks it."""
     from omegaconf import OmegaConf
 
     diffs = []
-    for key in keys:
+    for key, default in defaults.items():
         group, name = key.split(".")
-        old = saved_cfg.get(group, {}).get(name, defaults[key])
-        new = OmegaConf.select(cfg, key, default=defaults[key])
+        old = saved_cfg.get(group, {}).get(name, default)
+        new = OmegaConf.select(cfg, key, default=default)
         if old != new:
             diffs.append(f"{key}={old!r} in checkpoint, {new!r} now")
     if diffs:

@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from data.tokenizer import save_tokenizer
 from training.checkpoint import (CheckpointWriteError, check_unchanged, checkpoint_dir, checkpoint_path,
                                  find_resume_checkpoint, last_checkpoint_note, prune_checkpoints,
                                  restore_training_state, save_checkpoint)
-from data.tokenizer import save_tokenizer
 from training.config import validate_run
 from training.device import autocast, resolve_device, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, env_world, init_distributed, is_sharded,
@@ -230,7 +230,7 @@ class Trainer:
         optimizer_state = _DeferredOptimizerState()
         if resume:  # into the plain model, before DDP/FSDP wrapping
             path, state = resume
-            check_unchanged(path, state["config"], cfg, tuple(MASK_DEFAULTS), MASK_DEFAULTS)
+            check_unchanged(path, state["config"], cfg, MASK_DEFAULTS)
             restore_training_state(path, state, model=model, optimizer=optimizer_state, sampler=self.data.train,
                                    data_fingerprint=self.data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model),
                                    allow_data_change=bool(cfg.data.get("allow_changed", False)),
