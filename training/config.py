@@ -127,6 +127,22 @@ def validate_run(cfg: DictConfig) -> None:
              cfg.resume, "expected null, auto or a checkpoint path")
     validate_trainer(cfg.trainer)
     validate_model(cfg.model, cfg.trainer.seq_len)
+    validate_masks(cfg)
+
+
+def validate_masks(cfg: DictConfig) -> None:
+    """`attention.window`, `data.document_mask` and `model.reset_positions`, and what they combine with."""
+    window = cfg.attention.get("window")
+    _require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+             "attention.window", window, "must be null (full causal attention) or an integer >= 1")
+    document_mask = cfg.data.get("document_mask", False)
+    _require(isinstance(document_mask, bool), "data.document_mask", document_mask, "must be true or false")
+    _require(not cfg.model.get("reset_positions") or document_mask, "model.reset_positions", True,
+             "needs data.document_mask=true (positions restart at the document starts the mask uses)")
+    cp = cfg.trainer.get("context_parallel", 1)
+    _require(cp == 1 or not (document_mask or window), "trainer.context_parallel", cp,
+             "ring attention has no document mask or sliding window yet: use data.document_mask=false "
+             "attention.window=null, or trainer.context_parallel=1")
 
 
 def validate_model(model: DictConfig, seq_len: int) -> None:
