@@ -1,0 +1,147 @@
+"""model.block_chunk_size and model.offload_activations are exact (float64: same loss and every
+gradient as without them), do what they promise on the CPU (no whole-sequence MLP hidden, block
+inputs moved out), and refuse the combinations they do not support in one line."""
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import model.offload as offload_module
+from model import build_model
+from tests.test_memory_features import TINY, assert_same, loss_and_grads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from _memory import LiveTensorMeter  # noqa: E402
+
+VARIANTS = {   # sequence length in loss_and_grads is 24
+    "rope-gqa-swiglu": {},
+    "learned-mha-gelu": {"pos_emb": "learned", "n_kv_head": 4, "norm": "layernorm", "mlp": "gelu", "bias": True},
+}
+
+
+@pytest.mark.parametrize("chunk", [5, 8, 24, 100])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_block_chunks_are_exact(variant, mode, chunk):
+    """Chunks that do and do not divide the 24 tokens, one chunk, and a chunk longer than the sequence."""
+    changes = VARIANTS[variant]
+    plain = loss_and_grads(**changes)
+    assert_same(plain, loss_and_grads(activation_checkpointing=mode, block_chunk_size=chunk, **changes))
+
+
+def test_block_chunks_are_exact_with_chunked_loss_and_naive_attention():
+    plain = loss_and_grads("naive")
+    assert_same(plain, loss_and_grads("naive", activation_checkpointing="full", block_chunk_size=7, loss_chunk_size=10))
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"block_chunk_size": 7},
+    {"block_chunk_size": 7, "loss_chunk_size": 10, **VARIANTS["learned-mha-gelu"]},
+])
+def test_offloaded_activations_are_exact(changes, monkeypatch):
+    """Same loss and gradients, and every block input but the last one went to the 'host' copy."""
+    offloads = []
+    init = offload_module.BlockInputOffload.__init__
+
+    def recording_init(self, device):
+        init(self, device)
+        offloads.append(self)
+
+    monkeypatch.setattr(offload_module.BlockInputOffload, "__init__", recording_init)
+    base = {k: v for k, v in changes.items() if k != "block_chunk_size"}
+    plain = loss_and_grads(activation_checkpointing="full", **base)
+    assert not offloads
+    assert_same(plain, loss_and_grads(activation_checkpointing="full", offload_activations=True, **changes))
+    (offload,) = offloads
+    batch, seq_len, n_layer = 2, 24, TINY["n_layer"]
+    assert offload.offloaded_bytes == (n_layer - 1) * batch * seq_len * TINY["d_model"] * 8
+
+
+def _block_inputs_alive_after_forward(**changes):
+    """How many of the block inputs are still alive between forward and backward."""
+    torch.manual_seed(0)
+    model = build_model({**TINY, "n_layer": 3, "activation_checkpointing": "full", **changes},
+                        vocab_size=50, attention="sdpa")
+    inputs = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda _, args: inputs.append(weakref.ref(args[0])))
+    idx = torch.randint(0, 50, (1, 32))
+    loss = model(idx, idx)
+    alive = sum(ref() is not None for ref in inputs)
+    loss.backward()
+    return alive
+
+
+def test_offload_lets_go_of_the_block_inputs():
+    """Full checkpointing holds every block's input; offloaded, only the last block's stays."""
+    assert _block_inputs_alive_after_forward() == 3
+    assert _block_inputs_alive_after_forward(offload_activations=True) == 1
+
+
+class LargestRows(TorchDispatchMode):
+    """Largest number of rows (elements / last dim) of any tensor created whose last dim is `width`."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width, self.rows = width, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.width:
+                self.rows = max(self.rows, t.numel() // self.width)
+        return out
+
+
+def _step_under(mode, seq_len=256, **changes):
+    torch.manual_seed(0)
+    model = build_model({**TINY, "n_layer": 2, "max_seq_len": seq_len, "mlp": "gelu", "d_ff": 96, **changes},
+                        vocab_size=50, attention="sdpa")
+    idx = torch.randint(0, 50, (1, seq_len))
+    with mode:
+        model(idx, idx).backward()
+    return mode
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_mlp_hidden_never_spans_the_sequence(checkpointing):
+    """The MLP's d_ff-wide hidden is made for the whole sequence without chunks (also while full
+    checkpointing recomputes the block in backward), and for at most one chunk with them; the
+    live-tensor peak of the whole step drops accordingly."""
+    whole = _step_under(LargestRows(96), activation_checkpointing=checkpointing)
+    chunked = _step_under(LargestRows(96), activation_checkpointing=checkpointing, block_chunk_size=32)
+    assert whole.rows == 256
+    assert chunked.rows == 32
+    peak_whole = _step_under(LiveTensorMeter(), activation_checkpointing=checkpointing).peak
+    peak_chunked = _step_under(LiveTensorMeter(), activation_checkpointing=checkpointing, block_chunk_size=32).peak
+    mlp_hidden = 256 * 96 * 4   # one float32 (T, d_ff) tensor
+    assert peak_chunked < peak_whole - mlp_hidden
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"block_chunk_size": -1}, "model.block_chunk_size=-1 must be >= 0"),
+    ({"block_chunk_size": 8}, "model.block_chunk_size=8 needs model.activation_checkpointing=full or selective"),
+    ({"block_chunk_size": 8, "activation_checkpointing": "full", "dropout": 0.1},
+     "model.block_chunk_size=8 with model.dropout=0.1"),
+    ({"block_chunk_size": 2.5}, "model.block_chunk_size=2.5: must be an integer"),
+    ({"offload_activations": True}, "model.offload_activations=true needs model.activation_checkpointing=full"),
+    ({"offload_activations": True, "activation_checkpointing": "selective"}, "got 'selective'"),
+    ({"offload_activations": "yes"}, "model.offload_activations='yes': must be true or false"),
+])
+def test_bad_memory_feature_config_is_one_clear_error(change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_model({**TINY, **change}, vocab_size=50, attention="sdpa")
+
+
+def test_chunked_blocks_compile_without_graph_breaks():
+    torch.manual_seed(0)
+    model = build_model({**TINY, "activation_checkpointing": "full", "block_chunk_size": 8},
+                        vocab_size=50, attention="sdpa")
+    idx = torch.randint(0, 50, (2, 16))
+    explanation = torch._dynamo.explain(model)(idx, idx)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
