@@ -50,7 +50,8 @@ def per_token_chunks(fn, size: int, *args):
     input's gradient with one concatenation instead of one full-size add per chunk. Equal to
     fn(*args) up to the rounding of a matmul over fewer rows.
     """
-    parts = [checkpoint(_contiguous(fn), *chunk_args, use_reentrant=False)
+    # No RNG state to replay: chunks refuse dropout (GPTConfig), the only randomness in a block.
+    parts = [checkpoint(_contiguous(fn), *chunk_args, use_reentrant=False, preserve_rng_state=False)
              for chunk_args in zip(*(_split_sequence(a, size) for a in args))]
     if not isinstance(parts[0], tuple):
         return torch.cat(parts, dim=1)

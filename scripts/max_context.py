@@ -230,7 +230,27 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------- reporting
 
-def summary_rows(results: list[dict]) -> list[list]:
+def memory_line(probes: list[dict]) -> tuple[float, float] | None:
+    """(bytes per sequence position, fixed bytes): the line through the peaks of the two longest
+    steps that fitted; None with fewer than two. Every memory feature here is linear in length."""
+    fitted = sorted((p["length"], p["peak_bytes"]) for p in probes if p["fits"])
+    if len(fitted) < 2:
+        return None
+    (n1, b1), (n2, b2) = fitted[-2:]
+    slope = (b2 - b1) / (n2 - n1)
+    return slope, b2 - slope * n2
+
+
+def predicted_max(line: tuple[float, float] | None, limit_bytes: int | None, granularity: int) -> int | None:
+    """Longest length (a multiple of granularity) whose peak on `line` stays within limit_bytes."""
+    if line is None or limit_bytes is None or line[0] <= 0:
+        return None
+    return max(0, int((limit_bytes - line[1]) / line[0]) // granularity * granularity)
+
+
+def summary_rows(results: list[dict], limit_bytes: int | None = None, batch_size: int = 1) -> list[list]:
+    """One table row per search; `limit_bytes` (the device's memory, or the CPU budget) turns the
+    memory line into a predicted maximum length; a step holds batch_size x length tokens."""
     naive = {r["features"]: r["max_length"] for r in results if r["impl"] == "naive" and r["max_length"]}
     rows = []
     for r in results:
@@ -243,14 +263,25 @@ def summary_rows(results: list[dict]) -> list[list]:
             shown = ("≥ " if r["capped"] else "") + f"{r['max_length']:,}"
         ratio = (("≥ " if r["capped"] else "") + f"{r['max_length'] / naive[r['features']]:.1f}x"
                  if r["max_length"] and r["features"] in naive else "-")
+        line = memory_line(r["probes"])
+        predicted = predicted_max(line, limit_bytes, r["granularity"])
         rows.append([r["features"], r["impl"], shown, ratio, f"{r['granularity']:,}",
                      human_bytes(best and best["peak_bytes"]), f"{best['step_s']:.2f}" if best else "-",
-                     f"{best['tokens_per_s']:,.0f}" if best else "-", len(r["probes"])])
+                     f"{best['tokens_per_s']:,.0f}" if best else "-",
+                     f"{1e6 / best['tokens_per_s']:,.1f}" if best else "-",
+                     f"{line[0] / batch_size:,.0f}" if line else "-",
+                     f"{predicted:,}" if predicted is not None else "-", len(r["probes"])])
     return rows
 
 
 HEADERS = ["features", "attention", "max tokens", "vs naive", "granularity", "peak memory", "step s",
-           "tokens/s", "probes"]
+           "tokens/s", "µs/token", "bytes/token", "linear max", "probes"]
+
+
+def memory_limit(report: dict) -> int | None:
+    """What a step must fit in: the device's memory on CUDA, the live-tensor budget on the CPU."""
+    budget = report["settings"]["memory_budget_mb"]
+    return report["metadata"].get("device_memory_bytes") or (budget and int(budget * 2**20))
 
 
 def write_outputs(stem: Path, report: dict) -> None:
@@ -265,13 +296,17 @@ def write_outputs(stem: Path, report: dict) -> None:
              "search that reached its cap. 'vs naive' divides by naive's maximum under the same features. "
              "Peak memory, step time and tokens/s are those of the longest step that fitted. A step of "
              f"over {RETIME_BELOW_S:g} s is timed once, so its time includes first-call costs such as "
-             "compiling kernels; kernel speed is measured by scripts/bench_attention.py."
+             "compiling kernels; kernel speed is measured by scripts/bench_attention.py. µs/token is that step's "
+             "time per token. 'bytes/token' is the slope of peak memory through the two longest steps that "
+             "fitted, and 'linear max' the length at which that line reaches the "
+             + ("device's memory" if meta["device_type"] == "cuda" else "budget")
+             + ": a prediction from two probes, not a measurement (every feature set here is linear in length)."
              + tuning_note(meta)]
     if meta["device_type"] != "cuda":
         lines.append(f"CPU run against a {settings['memory_budget_mb']} MiB live-tensor budget: it exercises "
                      "the tool; only CUDA runs give real figures.")
     write_text(stem.with_suffix(".md"), "\n".join(lines) + "\n\n"
-               + markdown_table(HEADERS, summary_rows(report["results"])))
+               + markdown_table(HEADERS, summary_rows(report["results"], memory_limit(report), settings["batch_size"])))
 
 
 def earlier_results(path: Path, report: dict) -> list[dict]:
@@ -352,7 +387,8 @@ def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int 
         record["probes"].append(asdict(result))
         save()
         out.print("    " + (f"fits: peak {human_bytes(result.peak_bytes)}, {result.step_s:.2f} s, "
-                            f"{result.tokens_per_s:,.0f} tokens/s" if result.fits
+                            f"{result.tokens_per_s:,.0f} tokens/s, {1e6 / result.tokens_per_s:,.1f} µs/token"
+                            if result.fits
                             else f"does not fit ({result.error})"))
         return result
 
@@ -406,8 +442,8 @@ def run(cfg: DictConfig) -> dict:
             write_outputs(stem, report)
             draw_safely(out, plot, stem, report)  # after every search: a run cut short keeps its plots
 
-    print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, "
-                f"{report['metadata']['device']}", HEADERS, summary_rows(report["results"]))
+    print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, {report['metadata']['device']}",
+                HEADERS, summary_rows(report["results"], memory_limit(report), cfg.batch_size))
     if device.type == "cpu":
         out.print("[yellow]CPU run against a live-tensor budget: only CUDA runs give real figures.[/]")
     out.print(f"wrote {stem}.json, .md, _memory.png, _max.png")

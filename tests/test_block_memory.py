@@ -145,3 +145,48 @@ def test_chunked_blocks_compile_without_graph_breaks():
     idx = torch.randint(0, 50, (2, 16))
     explanation = torch._dynamo.explain(model)(idx, idx)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_max_context_runs_the_new_feature_sets_on_a_cpu_budget(tmp_path):
+    """Block chunks fit longer steps in the same budget (a wide MLP, as at scale); the table reports
+    time per token, the per-token memory slope and the length where that line meets the budget.
+    (Offloading is not searched here: on the CPU the 'host' copy is in the same memory.)"""
+    import max_context
+
+    overrides = ["model.vocab_size=256", "model.n_layer=2", "model.d_model=32", "model.n_head=4",
+                 "model.n_kv_head=4", "model.mlp=gelu", "model.d_ff=512", "impls=[sdpa]",
+                 "features=[ckpt+chunked,ckpt+chunked+blockchunk]",
+                 "start=256", "granularity=256", "cap=2048", "memory_budget_mb=6",
+                 f"out_dir={tmp_path}", "out_name=mc", "device=cpu"]
+    torch.set_num_threads(1)
+    try:
+        cfg = max_context.compose_config(overrides)
+        for features in cfg.features:   # CPU-sized chunks
+            cfg.feature_sets[features].loss_chunk_size = 64
+            if "block_chunk_size" in cfg.feature_sets[features]:
+                cfg.feature_sets[features].block_chunk_size = 128
+        report = max_context.run(cfg)
+    finally:
+        torch.set_num_threads(2)
+    found = {r["features"]: r for r in report["results"]}
+    assert all(r["error"] is None for r in found.values())
+    assert 0 < found["ckpt+chunked"]["max_length"] < found["ckpt+chunked+blockchunk"]["max_length"]
+    slopes = {name: max_context.memory_line(r["probes"])[0] for name, r in found.items()}
+    assert 0 < slopes["ckpt+chunked+blockchunk"] < slopes["ckpt+chunked"] / 2
+    table = (tmp_path / "mc.md").read_text()
+    assert "| µs/token | bytes/token | linear max |" in table
+
+
+def test_memory_line_and_its_predicted_maximum():
+    probes = [{"length": n, "fits": True, "peak_bytes": 1000 + 10 * n} for n in (256, 512, 1024)]
+    probes.append({"length": 2048, "fits": False, "peak_bytes": None})
+    line = max_context_module().memory_line(probes)
+    assert line == (10.0, 1000.0)
+    assert max_context_module().predicted_max(line, 1000 + 10 * 5000, 256) == 4864
+    assert max_context_module().memory_line(probes[:1]) is None
+    assert max_context_module().predicted_max(None, 10**9, 256) is None
+
+
+def max_context_module():
+    import max_context
+    return max_context
