@@ -190,3 +190,18 @@ def test_memory_line_and_its_predicted_maximum():
 def max_context_module():
     import max_context
     return max_context
+
+
+def test_block_chunks_split_per_sequence_positions():
+    """RoPE tables of shape (B, T, D/2) (positions given per sequence) are split along T too."""
+    def loss_and_grads_at(positions, **changes):
+        torch.manual_seed(0)
+        model = build_model({**TINY, "activation_checkpointing": "full", **changes}, vocab_size=50,
+                            attention="sdpa").double()
+        idx = torch.randint(0, 50, (2, 24))
+        loss = model(idx, idx, positions=positions)
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    positions = torch.stack([torch.arange(24), torch.arange(100, 124)])
+    assert_same(loss_and_grads_at(positions), loss_and_grads_at(positions, block_chunk_size=5))
