@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 import model.offload as offload_module
 from model import build_model
 from tests.test_memory_features import TINY, assert_same, loss_and_grads
+from tests.trainrun import cache_dir, losses, run_in_process, tiny_overrides  # noqa: F401 (cache_dir: fixture)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from _memory import LiveTensorMeter  # noqa: E402
@@ -205,3 +206,29 @@ def test_block_chunks_split_per_sequence_positions():
 
     positions = torch.stack([torch.arange(24), torch.arange(100, 124)])
     assert_same(loss_and_grads_at(positions), loss_and_grads_at(positions, block_chunk_size=5))
+
+
+def test_train_runs_with_both_features(tmp_path, cache_dir):
+    """train.py end to end: the same losses and gradient norms as full checkpointing alone."""
+    base = ["model.activation_checkpointing=full", "model.loss_chunk_size=16"]
+    runs = {}
+    for name, extra in (("plain", []), ("both", ["model.block_chunk_size=24", "model.offload_activations=true"])):
+        assert run_in_process(tiny_overrides(tmp_path / name, cache_dir, steps=3) + base + extra) == 0
+        runs[name] = losses(tmp_path / name)
+    assert len(runs["plain"]) == 3
+    for plain, both in zip(runs["plain"], runs["both"]):
+        assert plain[0] == both[0]
+        assert both[1:] == pytest.approx(plain[1:], rel=1e-5)
+
+
+def test_compiling_with_offload_compiles_each_block():
+    """The saved-tensor hooks sit between blocks, so TrainStep compiles the blocks one by one."""
+    from training.config import compose
+    from training.trainer import TrainStep, model_from_config
+
+    cfg = compose(["model.n_layer=2", "model.activation_checkpointing=full", "model.offload_activations=true",
+                   "trainer.compile=true"])
+    model = model_from_config(cfg, 64, attention="sdpa")
+    step = TrainStep(model, cfg, torch.device("cpu"))
+    assert step.forward is model
+    assert all("forward" in vars(block) for block in model.blocks)   # replaced by the compiled one
