@@ -7,7 +7,7 @@ torch.utils.checkpoint saves it) go to pinned host memory through saved-tensor h
 a side CUDA stream. In backward, fetching block i's input for its recomputation also starts the
 copy back of block i-1's on that stream, so the copy overlaps block i's backward and at most two
 block inputs are on the device at once. The last block's input is the first one backward needs,
-so it stays on the device.
+so it stays on the device; fetching it (from itself) starts the copy back of the one before.
 
 On the CPU there is no separate device memory: the "host copy" is a plain copy and the fetch
 another, so the same bookkeeping runs in tests.
@@ -15,6 +15,7 @@ another, so the same bookkeeping runs in tests.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -30,7 +31,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 class _Stored:
     """One saved tensor in host memory, and its copy back to the device once started."""
 
-    __slots__ = ("host", "device", "previous", "back", "ready")
+    __slots__ = ("host", "device", "previous", "back", "ready", "__weakref__")
 
     def __init__(self, host: torch.Tensor, device: torch.device, previous: "_Stored | None"):
         self.host, self.device, self.previous = host, device, previous
@@ -44,20 +45,27 @@ class BlockInputOffload:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = _side_stream(device) if device.type == "cuda" else None
-        self._last: _Stored | None = None   # the block before: fetching one prefetches that one
+        # The block before, weakly: autograd alone decides how long a stored input lives.
+        self._last = lambda: None
         self.offloaded_bytes = 0
 
-    def around(self, x: torch.Tensor):
-        """Context for one block call: what it saves with x's leading (B, T) goes to the host;
+    def around(self, x: torch.Tensor, keep: bool = False):
+        """Context for one block call: what it saves with x's leading (B, T) goes to the host
+        (with `keep`, it stays on the device but still starts the prefetch chain in backward);
         weights and other tensors without the sequence stay where they are."""
         lead = x.shape[:2]
 
         def pack(t: torch.Tensor):
             if t.dim() < 2 or t.shape[:2] != lead or t.device != self.device:
                 return t
-            self._last = _Stored(self._to_host(t), t.device, self._last)
-            self.offloaded_bytes += t.numel() * t.element_size()
-            return self._last
+            if keep:
+                stored = _Stored(None, t.device, self._last())
+                stored.back = t
+            else:
+                stored = _Stored(self._to_host(t), t.device, self._last())
+                self.offloaded_bytes += t.numel() * t.element_size()
+            self._last = weakref.ref(stored)
+            return stored
 
         return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
 
@@ -94,7 +102,9 @@ class BlockInputOffload:
             self._fetch(stored)
         if stored.ready is not None:
             torch.cuda.current_stream(stored.device).wait_event(stored.ready)
-        back, stored.back, stored.ready = stored.back, None, None
+        back, stored.ready = stored.back, None
+        if stored.host is not None:   # a kept tensor stays with its holder, a fetched one goes
+            stored.back = None
         if stored.previous is not None and stored.previous.back is None:
             self._fetch(stored.previous)   # overlaps this block's backward
         return back
@@ -102,8 +112,8 @@ class BlockInputOffload:
 
 def block_offload(enabled: bool, x: torch.Tensor, n_blocks: int):
     """`context(i, x)` for block i of one forward: BlockInputOffload's hooks when `enabled`
-    and a backward can follow, for every block but the last; otherwise no hooks."""
+    and a backward can follow (the last block's input kept on the device); otherwise none."""
     if not (enabled and torch.is_grad_enabled()):
         return lambda i, x: contextlib.nullcontext()
     offload = BlockInputOffload(x.device)
-    return lambda i, x: offload.around(x) if i < n_blocks - 1 else contextlib.nullcontext()
+    return lambda i, x: offload.around(x, keep=i == n_blocks - 1)

@@ -232,3 +232,47 @@ def test_compiling_with_offload_compiles_each_block():
     step = TrainStep(model, cfg, torch.device("cpu"))
     assert step.forward is model
     assert all("forward" in vars(block) for block in model.blocks)   # replaced by the compiled one
+
+
+def test_offloaded_backward_holds_no_block_input_of_the_forward():
+    """When the first block is recomputed in backward, none of the forward's block inputs is
+    alive any more (the top one is released after its own backward), only fetched copies."""
+    torch.manual_seed(0)
+    model = build_model({**TINY, "n_layer": 3, "activation_checkpointing": "full", "offload_activations": True},
+                        vocab_size=50, attention="sdpa")
+    inputs, alive_at_first_block = [], []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda _, args: inputs.append(weakref.ref(args[0])))
+
+    def count(_, args):
+        if len(inputs) == 3:   # the recomputation in backward, not the forward
+            alive_at_first_block.append(sum(ref() is not None for ref in inputs))
+
+    model.blocks[0].norm_attn.register_forward_pre_hook(count)
+    idx = torch.randint(0, 50, (1, 32))
+    model(idx, idx).backward()
+    assert alive_at_first_block == [0]
+
+
+def test_each_offloaded_input_is_fetched_before_its_block_needs_it(monkeypatch):
+    """Unpacking block i's input starts fetching block i-1's (the top block's starts the chain), so
+    every copy back is under way while the block above is differentiated."""
+    events = []
+    fetch, unpack = offload_module.BlockInputOffload._fetch, offload_module.BlockInputOffload._unpack
+
+    def recording_fetch(self, stored):
+        events.append(("fetch", id(stored)))
+        fetch(self, stored)
+
+    def recording_unpack(self, stored):
+        if isinstance(stored, offload_module._Stored):
+            events.append(("unpack", id(stored)))
+        return unpack(self, stored)
+
+    monkeypatch.setattr(offload_module.BlockInputOffload, "_fetch", recording_fetch)
+    monkeypatch.setattr(offload_module.BlockInputOffload, "_unpack", recording_unpack)
+    loss_and_grads(activation_checkpointing="full", offload_activations=True, n_layer=4)
+    unpacked = [key for kind, key in events if kind == "unpack"]
+    assert len(unpacked) == 4
+    for above, key in zip(unpacked, unpacked[1:]):   # the offloaded three: each fetched one block ahead
+        assert events.index(("fetch", key)) == events.index(("unpack", above)) + 1
