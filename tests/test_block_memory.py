@@ -276,3 +276,38 @@ def test_each_offloaded_input_is_fetched_before_its_block_needs_it(monkeypatch):
     assert len(unpacked) == 4
     for above, key in zip(unpacked, unpacked[1:]):   # the offloaded three: each fetched one block ahead
         assert events.index(("fetch", key)) == events.index(("unpack", above)) + 1
+
+
+def test_partial_steps_measure_the_peak_of_whole_steps(tmp_path):
+    """partial_step=true stops after the top block's backward; under checkpointing its peak is the
+    whole step's (a little above: every gradient is allocated from the start), and it is not timed."""
+    import max_context
+
+    peaks = {}
+    for partial in (False, True):
+        cfg = max_context.compose_config([
+            "model.vocab_size=256", "model.n_layer=3", "model.d_model=32", "model.n_head=4", "model.n_kv_head=4",
+            "impls=[sdpa]", "features=[ckpt+chunked,ckpt+chunked+blockchunk]", "start=256", "granularity=256",
+            "cap=512", "memory_budget_mb=100", f"out_dir={tmp_path}", f"out_name=p{partial}", "device=cpu",
+            f"partial_step={partial}"])
+        cfg.feature_sets["ckpt+chunked+blockchunk"].block_chunk_size = 128
+        report = max_context.run(cfg)
+        peaks[partial] = [p["peak_bytes"] for r in report["results"] for p in r["probes"]]
+        assert all((p["step_s"] is None) == partial for r in report["results"] for p in r["probes"])
+    assert len(peaks[True]) == len(peaks[False]) == 4
+    for whole, partial in zip(peaks[False], peaks[True]):
+        assert whole <= partial < 1.2 * whole
+    assert "Partial steps" in (tmp_path / "pTrue.md").read_text()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.compile=true", "partial_step=true with trainer.compile=true"),
+    ("features=[plain]", "partial_step=true needs activation checkpointing"),
+])
+def test_partial_step_refusals(override, message):
+    import max_context
+
+    cfg = max_context.compose_config(["model.vocab_size=256", "impls=[sdpa]", "memory_budget_mb=8", "device=cpu",
+                                      "features=[ckpt+chunked]", "partial_step=true", override])
+    with pytest.raises(ValueError, match=message):
+        max_context.validate(cfg, torch.device("cpu"))
