@@ -46,6 +46,8 @@ class GPTConfig:
     activation_checkpointing: str = "none"
     loss_chunk_size: int = 0
     reset_positions: bool = False       # positions restart at 0 at each document of a packed window
+    block_chunk_size: int = 0           # >0: a block's per-token stages run over chunks of this many tokens
+    offload_activations: bool = False   # full checkpointing's block inputs wait in host memory
     init_from: Optional[str] = None     # a Hugging Face folder to start from (training/hf.py reads it)
 
     @property
@@ -98,6 +100,17 @@ class GPTConfig:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.loss_chunk_size < 0:
             raise ValueError(f"model.loss_chunk_size={self.loss_chunk_size} must be >= 0 (0 disables chunking)")
+        if self.block_chunk_size < 0:
+            raise ValueError(f"model.block_chunk_size={self.block_chunk_size} must be >= 0 (0 disables chunking)")
+        if self.block_chunk_size and self.activation_checkpointing == "none":
+            raise ValueError(f"model.block_chunk_size={self.block_chunk_size} needs model.activation_checkpointing="
+                             "full or selective (without checkpointing every chunk's activations are kept anyway)")
+        if self.block_chunk_size and self.dropout:
+            raise ValueError(f"model.block_chunk_size={self.block_chunk_size} with model.dropout={self.dropout}: "
+                             "chunks would draw other dropout masks than the whole sequence; use dropout=0")
+        if self.offload_activations and self.activation_checkpointing != "full":
+            raise ValueError("model.offload_activations=true needs model.activation_checkpointing=full (it moves "
+                             f"the block inputs that full checkpointing keeps), got {self.activation_checkpointing!r}")
 
 
 _TYPES = {  # annotation -> (check, what the error says)

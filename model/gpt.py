@@ -16,6 +16,7 @@ from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.layers import Block, init_block_, init_linear_, make_norm
 from model.losses import at_least_float32, chunked_linear_cross_entropy
+from model.offload import block_offload
 from model.rope import rope_table
 
 IGNORE_INDEX = -100
@@ -104,8 +105,10 @@ class GPT(nn.Module):
             x = x + self.pos_emb(positions)
         x = self.dropout(x)
         if cache is None:
-            for block in self.blocks:
-                x = block(x, rope, document_ids, self.window)
+            offload = block_offload(self.config.offload_activations, x, len(self.blocks))
+            for i, block in enumerate(self.blocks):
+                with offload(i, x):
+                    x = block(x, rope, document_ids, self.window)
         else:
             for layer, block in enumerate(self.blocks):
                 x = block.forward_cached(x, rope, cache, layer, self.window)

@@ -2,10 +2,13 @@
 
 A block is split in three stages so activation checkpointing can choose what to keep:
 ``pre_attention`` (norm, fused QKV projection, RoPE), the attention kernel, and
-``post_attention`` (output projection, residual, norm, MLP, residual).
+``post_attention`` (output projection, residual, norm, MLP, residual). The two outer stages
+are per-token, so with ``block_chunk_size`` they run over the sequence a chunk at a time,
+each chunk checkpointed (`per_token_chunks`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -16,6 +19,47 @@ from torch.utils.checkpoint import checkpoint
 from model.attention import AttentionFn
 from model.config import GPTConfig
 from model.rope import apply_rope
+
+
+def _split_sequence(arg, size: int):
+    """The sequence chunks of one stage argument: (B, T, ...) tensors along dim 1, the RoPE
+    table (cos, sin), each (T, D/2) or (B, T, D/2), along its T dim; None stays None."""
+    if arg is None:
+        return itertools.repeat(None)
+    if isinstance(arg, tuple):
+        return zip(*(t.split(size, dim=-2) for t in arg))
+    return arg.split(size, dim=1)
+
+
+def _contiguous(fn):
+    """fn with its outputs made contiguous, so a chunk's output is not a view that keeps the
+    chunk's whole intermediate alive (v is a view into the fused QKV projection)."""
+    def run(*args):
+        out = fn(*args)
+        return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+    return run
+
+
+def per_token_chunks(fn, size: int, *args):
+    """fn(*args) for a per-token fn, run over the sequence in chunks of `size` tokens, each
+    chunk under its own activation checkpoint, outputs concatenated along the sequence.
+
+    Only one chunk's interior (the MLP's 4 x d_model hidden, norm outputs, the projection
+    before RoPE) exists at a time, forward or backward; what is kept is the inputs (already
+    alive) and the outputs. Splitting is one `split` per input, so backward gathers each
+    input's gradient with one concatenation instead of one full-size add per chunk. Equal to
+    fn(*args) up to the rounding of a matmul over fewer rows.
+    """
+    # No RNG state to replay: chunks refuse dropout (GPTConfig), the only randomness in a block.
+    parts = [checkpoint(_contiguous(fn), *chunk_args, use_reentrant=False, preserve_rng_state=False)
+             for chunk_args in zip(*(_split_sequence(a, size) for a in args))]
+    if not isinstance(parts[0], tuple):
+        return torch.cat(parts, dim=1)
+    outputs = []
+    for i in range(len(parts[0])):   # one output at a time, its chunks freed as it is joined
+        outputs.append(torch.cat([p[i] for p in parts], dim=1))
+        parts = [tuple(None if j == i else t for j, t in enumerate(p)) for p in parts]
+    return tuple(outputs)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -76,6 +120,11 @@ class Block(nn.Module):
       what its own backward needs (q, k, v, output, and for flash the log-sum-exp: O(T)
       memory), so backward never reruns the O(T^2) attention forward, while the wide
       MLP interior, the norms and the projections (cheap to redo) are dropped.
+
+    With ``block_chunk_size`` > 0 (either checkpointing mode) ``pre_attention`` and
+    ``post_attention`` run over chunks of that many tokens, each chunk checkpointed on its
+    own, so their interiors never exist for the whole sequence, not even while ``full``
+    checkpointing recomputes the block in backward; attention itself sees the whole sequence.
     """
 
     def __init__(self, config: GPTConfig, attention: AttentionFn):
@@ -86,6 +135,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
         self.checkpointing = config.activation_checkpointing
+        self.chunk_size = config.block_chunk_size
 
     def pre_attention(self, x, rope):
         return self.attn.project(self.norm_attn(x), rope)
@@ -99,8 +149,17 @@ class Block(nn.Module):
         masks = {name: m for name, m in (("document_ids", document_ids), ("window", window)) if m is not None}
         return self.attn.attention(q, k, v, causal=causal, **masks)
 
+    def _stage(self, fn, *args):
+        """A per-token stage, over chunks when block_chunk_size is set."""
+        return per_token_chunks(fn, self.chunk_size, *args) if self.chunk_size else fn(*args)
+
+    def _recomputed(self, fn, *args):
+        """A per-token stage recomputed in backward: checkpointed per chunk or as a whole."""
+        return self._stage(fn, *args) if self.chunk_size else checkpoint(fn, *args, use_reentrant=False)
+
     def _forward(self, x, rope, document_ids=None, window=None):
-        return self.post_attention(x, self.attend(*self.pre_attention(x, rope), document_ids, window))
+        y = self.attend(*self._stage(self.pre_attention, x, rope), document_ids, window)
+        return self._stage(self.post_attention, x, y)
 
     def forward_cached(self, x: torch.Tensor, rope, cache, layer: int, window=None) -> torch.Tensor:
         """The block for generation: x's keys and values join `cache`, queries attend to all of it.
@@ -116,9 +175,9 @@ class Block(nn.Module):
         if self.checkpointing == "full":
             return checkpoint(self._forward, x, rope, document_ids, window, use_reentrant=False)
         if self.checkpointing == "selective":
-            q, k, v = checkpoint(self.pre_attention, x, rope, use_reentrant=False)
+            q, k, v = self._recomputed(self.pre_attention, x, rope)
             y = self.attend(q, k, v, document_ids, window)
-            return checkpoint(self.post_attention, x, y, use_reentrant=False)
+            return self._recomputed(self.post_attention, x, y)
         return self._forward(x, rope, document_ids, window)
 
 

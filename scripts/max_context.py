@@ -115,6 +115,17 @@ def find_max_length(probe: Callable[[int], Probe], start: int, granularity: int,
 
 # ----------------------------------------------------------------------------- one training step
 
+class _TopBlockDone(Exception):
+    """Raised once the top block's backward is done: a partial step ends there."""
+
+
+def _stop_when_differentiated(block, args) -> None:
+    """Forward pre-hook on the top block: its input's gradient, the last thing the top block's
+    backward makes, ends the step (partial_step=true)."""
+    if args[0].requires_grad:
+        args[0].register_hook(lambda grad: (_ for _ in ()).throw(_TopBlockDone()))
+
+
 class StepProbe:
     """A model and optimizer built once; calling it with a length runs one training step, the
     step train.py runs (training.trainer.TrainStep: autocast, compile, clipping, optimizer)."""
@@ -123,6 +134,7 @@ class StepProbe:
         from training.trainer import TrainStep, model_from_config
 
         self.device, self.batch_size, self.budget = device, cfg.batch_size, budget_bytes
+        self.partial = cfg.partial_step
         self.vocab_size = cfg.model.vocab_size
         self.model = model_from_config(cfg, self.vocab_size, attention=impl).to(device)
         self.train_step = TrainStep(self.model, cfg, device, micro_steps=1)
@@ -138,7 +150,18 @@ class StepProbe:
         return allocated_bytes(self.device, [*self.model.parameters(), *self.model.buffers(), *state])
 
     def _step(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
-        self.train_step(lambda: (idx, targets))  # the loss comes out of the model: no logits here
+        if not self.partial:
+            self.train_step(lambda: (idx, targets))  # the loss comes out of the model: no logits here
+            return
+        for p in self.model.parameters():  # the gradients a whole step ends up holding, from the start
+            p.grad = torch.zeros_like(p)
+        top = self.model.blocks[-1].register_forward_pre_hook(_stop_when_differentiated)
+        try:
+            self.train_step(lambda: (idx, targets))
+        except _TopBlockDone:
+            pass
+        finally:
+            top.remove()
 
     def timed_step(self, length: int) -> float:
         shape = (self.batch_size, length)
@@ -159,7 +182,7 @@ class StepProbe:
         try:
             with meter:
                 step_s = self.timed_step(length)
-                if step_s < RETIME_BELOW_S:
+                if step_s < RETIME_BELOW_S and not self.partial:
                     step_s = self.timed_step(length)
         except Exception as exc:  # noqa: BLE001 (anything but OOM is re-raised)
             if not is_oom(exc):
@@ -169,6 +192,8 @@ class StepProbe:
         release_memory(self.device)
         if error:
             return Probe(length, fits=False, start_bytes=start_bytes, error=error)
+        if self.partial:   # not a step's time
+            return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=meter.peak)
         return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=meter.peak, step_s=step_s,
                      tokens_per_s=self.batch_size * length / step_s)
 
@@ -220,6 +245,13 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
     if cfg.cap > cfg.model.max_seq_len:
         raise ValueError(f"cap={cfg.cap} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
                          f"pass model.max_seq_len={cfg.cap} as well")
+    if cfg.partial_step and cfg.trainer.compile:
+        raise ValueError("partial_step=true with trainer.compile=true: the hook that ends the step at the top "
+                         "block is not compiled; measure memory uncompiled")
+    if cfg.partial_step and any(cfg.feature_sets[name].get("activation_checkpointing", cfg.model.activation_checkpointing)
+                                == "none" for name in cfg.features):
+        raise ValueError("partial_step=true needs activation checkpointing in every feature set: without it "
+                         "the peak need not come at the top block's backward")
     if device.type == "cpu" and cfg.memory_budget_mb is None:
         raise ValueError("memory_budget_mb is null: on the CPU there is no device limit to find; set a "
                          "budget (e.g. memory_budget_mb=64) or run on CUDA for real figures")
@@ -230,7 +262,27 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------- reporting
 
-def summary_rows(results: list[dict]) -> list[list]:
+def memory_line(probes: list[dict]) -> tuple[float, float] | None:
+    """(bytes per sequence position, fixed bytes): the line through the peaks of the two longest
+    steps that fitted; None with fewer than two. Every memory feature here is linear in length."""
+    fitted = sorted((p["length"], p["peak_bytes"]) for p in probes if p["fits"])
+    if len(fitted) < 2:
+        return None
+    (n1, b1), (n2, b2) = fitted[-2:]
+    slope = (b2 - b1) / (n2 - n1)
+    return slope, b2 - slope * n2
+
+
+def predicted_max(line: tuple[float, float] | None, limit_bytes: int | None, granularity: int) -> int | None:
+    """Longest length (a multiple of granularity) whose peak on `line` stays within limit_bytes."""
+    if line is None or limit_bytes is None or line[0] <= 0:
+        return None
+    return max(0, int((limit_bytes - line[1]) / line[0]) // granularity * granularity)
+
+
+def summary_rows(results: list[dict], limit_bytes: int | None = None, batch_size: int = 1) -> list[list]:
+    """One table row per search; `limit_bytes` (the device's memory, or the CPU budget) turns the
+    memory line into a predicted maximum length; a step holds batch_size x length tokens."""
     naive = {r["features"]: r["max_length"] for r in results if r["impl"] == "naive" and r["max_length"]}
     rows = []
     for r in results:
@@ -243,14 +295,26 @@ def summary_rows(results: list[dict]) -> list[list]:
             shown = ("≥ " if r["capped"] else "") + f"{r['max_length']:,}"
         ratio = (("≥ " if r["capped"] else "") + f"{r['max_length'] / naive[r['features']]:.1f}x"
                  if r["max_length"] and r["features"] in naive else "-")
+        line = memory_line(r["probes"])
+        timed = best is not None and best["step_s"] is not None   # partial steps are not timed
+        predicted = predicted_max(line, limit_bytes, r["granularity"])
         rows.append([r["features"], r["impl"], shown, ratio, f"{r['granularity']:,}",
-                     human_bytes(best and best["peak_bytes"]), f"{best['step_s']:.2f}" if best else "-",
-                     f"{best['tokens_per_s']:,.0f}" if best else "-", len(r["probes"])])
+                     human_bytes(best and best["peak_bytes"]), f"{best['step_s']:.2f}" if timed else "-",
+                     f"{best['tokens_per_s']:,.0f}" if timed else "-",
+                     f"{1e6 / best['tokens_per_s']:,.1f}" if timed else "-",
+                     f"{line[0] / batch_size:,.0f}" if line else "-",
+                     f"{predicted:,}" if predicted is not None else "-", len(r["probes"])])
     return rows
 
 
 HEADERS = ["features", "attention", "max tokens", "vs naive", "granularity", "peak memory", "step s",
-           "tokens/s", "probes"]
+           "tokens/s", "µs/token", "bytes/token", "linear max", "probes"]
+
+
+def memory_limit(report: dict) -> int | None:
+    """What a step must fit in: the device's memory on CUDA, the live-tensor budget on the CPU."""
+    budget = report["settings"]["memory_budget_mb"]
+    return report["metadata"].get("device_memory_bytes") or (budget and int(budget * 2**20))
 
 
 def write_outputs(stem: Path, report: dict) -> None:
@@ -265,13 +329,22 @@ def write_outputs(stem: Path, report: dict) -> None:
              "search that reached its cap. 'vs naive' divides by naive's maximum under the same features. "
              "Peak memory, step time and tokens/s are those of the longest step that fitted. A step of "
              f"over {RETIME_BELOW_S:g} s is timed once, so its time includes first-call costs such as "
-             "compiling kernels; kernel speed is measured by scripts/bench_attention.py."
+             "compiling kernels; kernel speed is measured by scripts/bench_attention.py. µs/token is that step's "
+             "time per token. 'bytes/token' is the slope of peak memory through the two longest steps that "
+             "fitted, and 'linear max' the length at which that line reaches the "
+             + ("device's memory" if meta["device_type"] == "cuda" else "budget")
+             + ": a prediction from two probes, not a measurement (every feature set here is linear in length)."
              + tuning_note(meta)]
+    if settings.get("partial_step"):
+        lines.append("Partial steps (partial_step=true): each probe ran the forward and the backward until the "
+                     "top block's was done, with every parameter's gradient allocated from the start. Under "
+                     "activation checkpointing that is where a step's memory peaks (each block further down "
+                     "holds one saved input fewer), so the peaks are those of whole steps; the times are not.")
     if meta["device_type"] != "cuda":
         lines.append(f"CPU run against a {settings['memory_budget_mb']} MiB live-tensor budget: it exercises "
                      "the tool; only CUDA runs give real figures.")
     write_text(stem.with_suffix(".md"), "\n".join(lines) + "\n\n"
-               + markdown_table(HEADERS, summary_rows(report["results"])))
+               + markdown_table(HEADERS, summary_rows(report["results"], memory_limit(report), settings["batch_size"])))
 
 
 def earlier_results(path: Path, report: dict) -> list[dict]:
@@ -283,6 +356,7 @@ def earlier_results(path: Path, report: dict) -> list[dict]:
     same = {"model": (earlier["model"], report["model"]),
             "batch_size": (earlier["settings"]["batch_size"], report["settings"]["batch_size"]),
             "precision": (earlier["settings"]["precision"], report["settings"]["precision"]),
+            "partial_step": (earlier["settings"].get("partial_step", False), report["settings"]["partial_step"]),
             "device": (earlier["metadata"]["device"], report["metadata"]["device"])}
     for key, (then, now) in same.items():
         if then != now:
@@ -351,8 +425,10 @@ def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int 
         result = prober(length)
         record["probes"].append(asdict(result))
         save()
-        out.print("    " + (f"fits: peak {human_bytes(result.peak_bytes)}, {result.step_s:.2f} s, "
-                            f"{result.tokens_per_s:,.0f} tokens/s" if result.fits
+        out.print("    " + (f"fits: peak {human_bytes(result.peak_bytes)}"
+                            + (f", {result.step_s:.2f} s, {result.tokens_per_s:,.0f} tokens/s, "
+                               f"{1e6 / result.tokens_per_s:,.1f} µs/token" if result.step_s else " (partial step)")
+                            if result.fits
                             else f"does not fit ({result.error})"))
         return result
 
@@ -373,7 +449,7 @@ def run(cfg: DictConfig) -> dict:
     stem = REPO_ROOT / cfg.out_dir / (cfg.out_name or f"max_context_{device_slug(device)}")
     settings = {key: OmegaConf.to_container(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key]
                 for key in ("impls", "features", "skip", "batch_size", "start", "granularity", "cap",
-                            "memory_budget_mb", "feature_sets")}
+                            "memory_budget_mb", "feature_sets", "partial_step")}
     settings["precision"] = resolve_precision(cfg.trainer.precision, device)
     meta = environment(device)
     report = {"metadata": meta, "settings": settings,
@@ -406,8 +482,8 @@ def run(cfg: DictConfig) -> dict:
             write_outputs(stem, report)
             draw_safely(out, plot, stem, report)  # after every search: a run cut short keeps its plots
 
-    print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, "
-                f"{report['metadata']['device']}", HEADERS, summary_rows(report["results"]))
+    print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, {report['metadata']['device']}",
+                HEADERS, summary_rows(report["results"], memory_limit(report), cfg.batch_size))
     if device.type == "cpu":
         out.print("[yellow]CPU run against a live-tensor budget: only CUDA runs give real figures.[/]")
     out.print(f"wrote {stem}.json, .md, _memory.png, _max.png")

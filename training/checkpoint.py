@@ -232,7 +232,8 @@ def find_resume_checkpoint(resume: str | None, run_dir: str | Path) -> tuple[Pat
 
 
 # Model keys that do not change the function or the weights (exact memory features).
-_MODEL_KEYS_FREE_TO_CHANGE = ("activation_checkpointing", "loss_chunk_size")
+_MODEL_KEYS_FREE_TO_CHANGE = ("activation_checkpointing", "loss_chunk_size", "block_chunk_size",
+                              "offload_activations")
 
 
 def _describe_config_differences(saved: dict, current: dict, prefix: str = "model") -> str:

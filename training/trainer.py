@@ -106,7 +106,9 @@ class TrainStep:
         self.grad_clip = cfg.optim.grad_clip or float("inf")
 
     def _compile(self, wrapped):
-        if is_sharded(wrapped):  # FSDP2: compile each block, FSDP's hooks stay outside the graphs
+        # FSDP2: compile each block, FSDP's hooks stay outside the graphs. Offloaded activations:
+        # the saved-tensor hooks around each block cannot be traced, so the blocks compile alone.
+        if is_sharded(wrapped) or self.model.config.offload_activations:
             for block in self.model.blocks:
                 block.forward = torch.compile(block.forward)
             return wrapped
