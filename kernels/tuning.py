@@ -113,6 +113,13 @@ def bwd_kv_prune():
     return {"early_config_prune": _for_head_dim(_BWD_KV, ("BLOCK_N", "BLOCK_M"), _BWD_KV_CAUSAL)}
 
 
+def bwd_kv_dq_prune():
+    """The atomic dK/dV/dQ kernel tries the dK/dV shapes; untuned (past TUNE_MAX_TOKENS) it keeps
+    the first, 128 keys per program, causal or not: each (key tile, query tile) pair adds a
+    BLOCK_M x D float32 tile to dQ, so the atomic traffic falls as 1 / BLOCK_N."""
+    return {"early_config_prune": _for_head_dim(_BWD_KV, ("BLOCK_N", "BLOCK_M"))}
+
+
 def bwd_q_configs():
     return _configs(_BWD_Q, ("BLOCK_M", "BLOCK_N"))
 
