@@ -20,11 +20,11 @@ IGNORE_INDEX = -100
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, attention: str):
+    def __init__(self, config: GPTConfig, attention: str, deterministic: bool = True):
         super().__init__()
         self.config = config
         self.attention_name = attention
-        attention_fn = get_attention(attention)
+        attention_fn = get_attention(attention, deterministic)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.pos_emb == "learned" else None
         self.dropout = nn.Dropout(config.dropout)
@@ -132,7 +132,8 @@ class GPT(nn.Module):
         return tokens_per_s * self.flops_per_token(seq_len) / peak_flops
 
 
-def build_model(cfg_model, vocab_size: int, attention: str) -> GPT:
+def build_model(cfg_model, vocab_size: int, attention: str, deterministic: bool = True) -> GPT:
     """GPT from the `model` config node, the tokenizer's vocabulary size and a resolved
-    attention name (naive | sdpa | flash); raises ValueError naming a bad config value."""
-    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention)
+    attention name (naive | sdpa | flash); deterministic is `attention.deterministic` (which
+    backward our kernel runs). Raises ValueError naming a bad config value."""
+    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention, deterministic)

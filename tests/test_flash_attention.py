@@ -60,8 +60,9 @@ def forward_backward(fn, q, k, v, do, causal, **kw):
     return out, lse, dq, dk, dv
 
 
-def check_against_reference(q, k, v, do, causal, **kw):
-    ours = forward_backward(flash_attention, q, k, v, do, causal, **kw)
+def check_against_reference(q, k, v, do, causal, deterministic=True, **kw):
+    """deterministic=False: the backward that adds dq with atomics, held to the same bound."""
+    ours = forward_backward(flash_attention, q, k, v, do, causal, deterministic=deterministic, **kw)
     same_dtype = forward_backward(attention_reference, q, k, v, do, causal, **kw)
     exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), causal, **kw)
     for name, mine, plain, ref in zip(NAMES, ours, same_dtype, exact):
@@ -124,11 +125,15 @@ GPU_SHAPES = [
 SHAPES = GPU_SHAPES if HAS_CUDA else CPU_SHAPES
 
 
+DETERMINISTIC = pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+
+
+@DETERMINISTIC
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_q{}_k{}_H{}_kv{}_D{}".format(*s))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_matches_float64_reference(shape, causal, dtype):
-    check_against_reference(*make_inputs(*shape, dtype), causal)
+def test_matches_float64_reference(shape, causal, dtype, deterministic):
+    check_against_reference(*make_inputs(*shape, dtype), causal, deterministic)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -136,14 +141,15 @@ def test_custom_softmax_scale(dtype):
     check_against_reference(*make_inputs(1, 50, 50, 2, 2, 32, dtype), True, softmax_scale=0.3)
 
 
+@DETERMINISTIC
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_large_logits_stay_finite(causal):
+def test_large_logits_stay_finite(causal, deterministic):
     """Scores around 1e4 overflow a naive exp; the online softmax must not."""
     dtype = DTYPES[-1]  # float16 on both: the narrowest exponent range we support
     q, k, v, do = make_inputs(1, 64, 64, 2, 2, 32, dtype)
     q = (q / q.norm(dim=-1, keepdim=True) * 200).to(dtype)
     k = (k / k.norm(dim=-1, keepdim=True) * 200 * math.sqrt(32) / 4).to(dtype)
-    out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal)
+    out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal, deterministic=deterministic)
     for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv)):
         assert torch.isfinite(t).all(), f"{name} not finite with large logits"
     assert lse.abs().max() > 1e3, "the test did not produce large logits"
@@ -151,7 +157,8 @@ def test_large_logits_stay_finite(causal):
     assert rel_err(out, ref) < 1e-2
 
 
-def test_strided_views_of_fused_qkv():
+@DETERMINISTIC
+def test_strided_views_of_fused_qkv(deterministic):
     """The model passes q, k, v as views of one projection; no copies are needed."""
     dtype = DTYPES[0]
     B, N, H, D = 2, 37, 4, 32
@@ -159,10 +166,10 @@ def test_strided_views_of_fused_qkv():
     q, k, v = qkv.unbind(2)
     assert not q.is_contiguous()
     do = torch.randn(B, N, H, D, device=DEVICE).to(dtype)
-    check_against_reference(q, k, v, do, True)
+    check_against_reference(q, k, v, do, True, deterministic)
     # (B, H, N, D) storage seen through a transpose
     q2, k2, v2 = (torch.randn(B, H, N, D, device=DEVICE).to(dtype).transpose(1, 2) for _ in range(3))
-    check_against_reference(q2, k2, v2, do, False)
+    check_against_reference(q2, k2, v2, do, False, deterministic)
 
 
 def test_backward_is_deterministic():
@@ -232,6 +239,11 @@ def test_bad_input_is_refused(mutate, match):
 def test_head_dim_over_256_is_refused():
     with pytest.raises(ValueError, match="head_dim 320"):
         flash_attention(*_ok(D=320))
+
+
+def test_non_bool_deterministic_is_refused():
+    with pytest.raises(ValueError, match="deterministic must be True or False"):
+        flash_attention(*_ok(), deterministic="false")
 
 
 def test_bad_softmax_scale_is_refused():

@@ -66,7 +66,8 @@ def resolve_config(cfg: DictConfig) -> torch.device:
 def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = None):
     """The GPT of `cfg.model` (attention: the resolved `cfg.attention.name` unless given)."""
     from model import build_model
-    return build_model(cfg.model, vocab_size=vocab_size, attention=attention or cfg.attention.name)
+    return build_model(cfg.model, vocab_size=vocab_size, attention=attention or cfg.attention.name,
+                       deterministic=cfg.attention.get("deterministic", True))  # absent in configs saved before it
 
 
 def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
