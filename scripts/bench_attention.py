@@ -79,12 +79,15 @@ SWEEPS = {
 
 # ----------------------------------------------------------------------------- backends
 
-def _ours(causal: bool, seq_len: int, device: torch.device) -> Attention:
-    try:
-        from kernels import flash_attention
-    except ImportError as exc:
-        raise Unavailable(f"kernels.flash_attention not importable ({exc})") from exc
-    return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+def _ours(deterministic: bool):
+    """Our kernel with the deterministic backward (`ours`) or the one adding dQ with atomics."""
+    def make(causal: bool, seq_len: int, device: torch.device) -> Attention:
+        try:
+            from kernels import flash_attention
+        except ImportError as exc:
+            raise Unavailable(f"kernels.flash_attention not importable ({exc})") from exc
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, deterministic=deterministic)
+    return make
 
 
 def _sdpa(backend_name: str | None):
@@ -130,7 +133,8 @@ class Backend:
 
 
 BACKENDS = {
-    "ours": Backend("ours (Triton)", False, _ours),
+    "ours": Backend("ours (Triton)", False, _ours(True)),
+    "ours-atomic": Backend("ours (Triton), atomic-dQ backward (attention.deterministic=false)", False, _ours(False)),
     "sdpa-default": Backend("SDPA, its own choice of backend", True, _sdpa(None)),
     "sdpa-flash": Backend("SDPA flash (FA2)", True, _sdpa("FLASH_ATTENTION")),
     "sdpa-cudnn": Backend("SDPA cuDNN", True, _sdpa("CUDNN_ATTENTION")),
@@ -388,7 +392,7 @@ def print_shape(out, rows: list[dict]) -> None:
 # 2048-wide model with heads of 128, and the same with grouped-query attention (32 over 8).
 TRAINING_HEADS = ((12, 12, 64), (16, 16, 128), (32, 8, 128))
 TRAINING_LENGTHS = (1024, 2048, 4096, 8192, 16384, 65536, 131072)
-TRAINING_BACKENDS = ("ours", "sdpa-default", "sdpa-cudnn", "flex")
+TRAINING_BACKENDS = ("ours", "ours-atomic", "sdpa-default", "sdpa-cudnn", "flex")
 SUSTAINED_S = 20.0
 
 
@@ -501,22 +505,29 @@ def measure_training_shape(name: str, shape, device, bench, sustained: bool) -> 
 
 
 TRAINING_HEADERS = ["H/Hkv x D", "T", "B", "backend", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s",
-                    "ours/this fwd", "ours/this bwd", "ours/this fwd+bwd"]
+                    "ours/this fwd", "ours/this bwd", "ours/this fwd+bwd", "atomic/this bwd", "atomic/this fwd+bwd"]
 
 
 def training_rows(report: dict) -> list[list]:
+    """One row per measurement; 'ours/this' is this backend's time over ours (deterministic),
+    'atomic/this' over ours-atomic (its forward is ours', so only bwd and fwd+bwd)."""
     def key(r):
         return r["H"], r["Hkv"], r["D"], r["N"]
-    ours = {key(r): r for r in report["training"] if r["backend"] == "ours" and r["status"] == "ok"}
+
+    def by_key(name):
+        return {key(r): r for r in report["training"] if r["backend"] == name and r["status"] == "ok"}
+
+    ours, atomic = by_key("ours"), by_key("ours-atomic")
     rows = []
     for r in report["training"]:
         heads = f"{r['H']}/{r['Hkv']} x {r['D']}"
         label = r["backend"] + (f" ({r['picked']})" if "picked" in r else "")
         if r["status"] != "ok":
-            rows.append([heads, r["N"], r["B"], label, r["status"], "", "", "", "", "", ""])
+            rows.append([heads, r["N"], r["B"], label, r["status"]] + [""] * 8)
             continue
-        mine = ours.get(key(r))
-        ratios = [f"{r[p + '_ms'] / mine[p + '_ms']:.2f}" if mine and r is not mine else "-" for p in PASSES]
+        ratios = []
+        for mine, passes in ((ours.get(key(r)), PASSES), (atomic.get(key(r)), PASSES[1:])):
+            ratios += [f"{r[p + '_ms'] / mine[p + '_ms']:.2f}" if mine and r is not mine else "-" for p in passes]
         rows.append([heads, r["N"], r["B"], label, *(f"{r[p + '_ms']:.3f}" for p in PASSES),
                      f"{r['fwd+bwd_tflops']:.0f}", *ratios])
     return rows
@@ -542,7 +553,9 @@ def write_training_outputs(stem: Path, report: dict) -> None:
              "fused QKV projection as the model passes them, gradients taken w.r.t. that projection. "
              "Times are milliseconds (triton.testing.do_bench median, burst clocks); 'ours/this' is the "
              "other backend's time over ours: > 1 means ours is faster. sdpa-default is SDPA left to "
-             f"choose (the backend it ran is in brackets).{tuning_note(meta)}", "",
+             f"choose (the backend it ran is in brackets); ours-atomic is ours with attention.deterministic=false "
+             "(the same forward; the backward adds dQ with float32 atomics), 'atomic/this' its ratios."
+             f"{tuning_note(meta)}", "",
              markdown_table(TRAINING_HEADERS, training_rows(report))]
     sustained = sustained_rows(report)
     if sustained:
@@ -590,7 +603,7 @@ def run_training(out_dir: Path, names: list[str], device: torch.device, heads, l
             shape = (max(1, TOKENS // N), N, H, Hkv, D)
             out.print(f"[bold]H={H} Hkv={Hkv} D={D} T={N} B={shape[0]}[/]")
             for name in names:
-                sustained = (H, Hkv, D, N) in sustained_at and name in ("ours", "sdpa-default")
+                sustained = (H, Hkv, D, N) in sustained_at and name in ("ours", "ours-atomic", "sdpa-default")
                 row = measure_training_shape(name, shape, device, bench, sustained)
                 report["training"].append(row)
                 out.print(f"    {name:>12}{' (' + row['picked'] + ')' if 'picked' in row else ''}: " + (

@@ -107,3 +107,19 @@ def test_missing_kernel_is_reported_unavailable_never_substituted(tmp_path, monk
 def test_bad_backend_name_is_refused():
     with pytest.raises(ValueError, match="--backends: unknown fa3"):
         bench_attention.main(["--smoke", "--backends", "ours,fa3"])
+
+
+def test_training_table_gives_ratios_to_both_backwards():
+    """--training: each backend's time over ours (deterministic) and over ours-atomic."""
+    def row(backend, fwd, bwd, both, **extra):
+        r = {"backend": backend, "B": 4, "N": 4096, "H": 12, "Hkv": 12, "D": 64, "causal": True, "status": "ok",
+             "fwd_ms": fwd, "bwd_ms": bwd, "fwd+bwd_ms": both, "fwd+bwd_tflops": 100.0}
+        return {**r, **extra}
+    report = {"training": [row("ours", 1.0, 2.0, 3.0), row("ours-atomic", 1.0, 1.6, 2.5),
+                           row("sdpa-default", 0.5, 1.0, 2.0, picked="cuDNN"),
+                           {**row("flex", 0, 0, 0), "status": "out of memory"}]}
+    ours, atomic, sdpa, flex = bench_attention.training_rows(report)
+    assert ours[8:] == ["-", "-", "-", "1.25", "1.20"]
+    assert atomic[8:] == ["1.00", "0.80", "0.83", "-", "-"]
+    assert sdpa[3] == "sdpa-default (cuDNN)" and sdpa[8:] == ["0.50", "0.50", "0.67", "0.62", "0.80"]
+    assert flex[4] == "out of memory" and len(flex) == len(bench_attention.TRAINING_HEADERS)
