@@ -5,6 +5,18 @@
     python scripts/bench_attention.py --quick    # two lengths, memory up to 32K (1-2 minutes)
     python scripts/bench_attention.py --long     # gpt2-small's heads, batch 1, N up to 256K
     python scripts/bench_attention.py --smoke    # CPU-sized plumbing check (not a benchmark)
+    python scripts/bench_attention.py --training # the shapes models train with (issue 11's table)
+
+--training with every backend (ours, ours-atomic, sdpa-default, sdpa-cudnn, flex) takes an
+estimated ~12 minutes on one H200 (Flex compiles per shape, our autotuner times every candidate
+at 64K and 128K). Split in two lanes of ~6 minutes on a two-GPU host, then merged:
+
+    CUDA_VISIBLE_DEVICES=0 python scripts/bench_attention.py --training --heads 12/12/64,16/16/128 \
+        --sustained 12/12/64/16384 --out lane1 &
+    CUDA_VISIBLE_DEVICES=1 python scripts/bench_attention.py --training --heads 32/8/128 \
+        --sustained 32/8/128/16384 --out lane2 &
+    wait; python scripts/bench_attention.py --merge-training lane1/attention_h200_training.json \
+        lane2/attention_h200_training.json --out benchmarks
 
 Throughput: forward, backward and forward+backward TFLOP/s for head dims 64 and 128, sequence
 lengths 1K-32K at 16K tokens per batch (B = 16384 / N; one sequence of 32K) and hidden size 2048
@@ -27,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -615,6 +628,28 @@ def run_training(out_dir: Path, names: list[str], device: torch.device, heads, l
     return report
 
 
+def merge_training(out_dir: Path, parts: list[Path]) -> dict:
+    """One training-shapes report from the lanes of a split run (e.g. --heads on two GPUs, each
+    writing its own --out): the first part's metadata, every part's command, all rows in order."""
+    reports = []
+    for part in parts:
+        try:
+            reports.append(json.loads(part.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--merge-training: cannot read {part}: {error_text(exc)}") from None
+        if reports[-1].get("settings", {}).get("mode") != "training":
+            raise ValueError(f"--merge-training: {part} is not a --training report")
+    merged = {**reports[0], "training": [row for r in reports for row in r["training"]]}
+    merged["metadata"] = {**reports[0]["metadata"], "command": " ; ".join(r["metadata"]["command"] for r in reports),
+                          "lanes": [{k: r["metadata"].get(k) for k in ("date", "command")} for r in reports]}
+    merged["backends"] = {name: info for r in reports for name, info in r["backends"].items()}
+    merged["settings"]["heads"] = [h for r in reports for h in r["settings"]["heads"]]
+    stem = out_dir / Path(parts[0]).stem
+    write_training_outputs(stem, merged)
+    console().print(f"wrote {stem}.json, .md from {len(parts)} parts")
+    return merged
+
+
 # ----------------------------------------------------------------------------- main
 
 def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dict:
@@ -676,9 +711,13 @@ def main(argv: list[str] | None = None) -> dict:
                       help="gpt2-small's attention, batch 1, N from 16K to 256K (a few minutes)")
     size.add_argument("--training", action="store_const", dest="mode", const="training",
                       help="causal, the heads of trained models, strided fused-QKV inputs, T from 1K to "
-                           "128K, against SDPA's own choice (about 10 minutes with flex)")
+                           "128K, against SDPA's own choice (about 12 minutes with every backend on one "
+                           "H200; the module docstring gives a two-GPU split)")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke",
                       help="CPU-sized shapes that only check the plumbing; not a benchmark")
+    size.add_argument("--merge-training", nargs="+", type=Path, metavar="JSON",
+                      help="combine the attention_<gpu>_training.json files of a run split into lanes "
+                           "(--heads per GPU, each with its own --out) into one report in --out")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
     parser.add_argument("--backends", default=None,
                         help=f"comma-separated subset of {','.join(BACKENDS)} (default: all; with --training "
@@ -689,6 +728,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sustained", default="12/12/64/16384,16/16/128/16384",
                         help="--training only: H/Hkv/D/T shapes also timed over 20 s back to back, with clocks")
     args = parser.parse_args(argv)
+    if args.merge_training:
+        return merge_training(args.out, args.merge_training)
     mode = args.mode or "full"
     names = [n for n in (args.backends or ",".join(TRAINING_BACKENDS if mode == "training" else BACKENDS)).split(",")
              if n]
