@@ -149,3 +149,17 @@ def test_lanes_of_a_split_training_run_merge_into_one_report(tmp_path):
     assert "| 32/8 x 128 | 16384 | 1 | ours-atomic |" in table and "| 12/12 x 64 | 16384 | 1 | flex |" in table
     with pytest.raises(ValueError, match="cannot read"):
         bench_attention.main(["--merge-training", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
+
+
+def test_host_overhead_tool_runs_with_stubbed_launches():
+    """scripts/bench_attention_host.py --stub (in its own process: it replaces the kernels' launches)."""
+    import subprocess
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_attention_host.py"
+    proc = subprocess.run([sys.executable, str(script), "--stub", "--profile", "0"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("deterministic:") and "flash_fwd_kernel, flash_bwd_q_kernel, flash_bwd_kv_kernel"
+               in line for line in lines), proc.stdout
+    assert any(line.startswith("atomic:") and "flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel" in line
+               for line in lines), proc.stdout
