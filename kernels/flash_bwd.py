@@ -39,8 +39,8 @@ import triton.language as tl
 
 from kernels.tiles import (key_ranges, load_tile, query_heads, query_ranges, row_key_bounds, store_tile,
                            tile_offsets, visible)
-from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_prune, bwd_kv_prune, bwd_q_configs, bwd_q_prune,
-                            persistent)
+from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_configs, bwd_kv_dq_prune, bwd_kv_prune, bwd_q_configs,
+                            bwd_q_prune, persistent)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
@@ -227,7 +227,7 @@ def flash_bwd_kv_kernel(
                     HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, False)
 
 
-@triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
+@triton.autotune(configs=bwd_kv_dq_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
                  prune_configs_by=bwd_kv_dq_prune(), reset_to_zero=["dQ"], **persistent())
 @triton.jit
 def flash_bwd_kv_dq_kernel(
