@@ -214,6 +214,25 @@ def test_eager_path_and_registered_op_give_identical_results():
         assert torch.equal(a, b)
 
 
+def test_registered_op_runs_the_atomic_backward():
+    """deterministic=False travels through the op torch.compile traces (its autograd formula calls
+    the backward op with it): same results as the eager path, bit for bit in the interpreter (which
+    runs programs one after another), within atomic reordering on a GPU."""
+    q, k, v, do = make_inputs(2, 40, 40, 4, 2, 32, DTYPES[0])
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    checks = ("test_schema", "test_autograd_registration") + (("test_faketensor",) if HAS_CUDA else ())
+    torch.library.opcheck(torch.ops.flashtrain.flash_attn_fwd.default, (q, k, v, True, 0.2, None, 0, False),
+                          test_utils=checks)
+
+    def through_op(q, k, v, causal, return_lse, **_):
+        return torch.ops.flashtrain.flash_attn_fwd(q, k, v, causal, 1 / math.sqrt(32), None, 0, False)
+
+    eager = forward_backward(flash_attention, q, k, v, do, causal=True, deterministic=False)
+    op = forward_backward(through_op, q, k, v, do, causal=True)
+    for a, b in zip(eager, op):
+        torch.testing.assert_close(a, b, atol=0 if not HAS_CUDA else 1e-2, rtol=0 if not HAS_CUDA else 1e-2)
+
+
 # ---- bad input: one clear ValueError naming the argument ------------------------------
 
 def _ok(n=8, D=32, dtype=None):
@@ -280,6 +299,22 @@ def assert_compiled_matches_eager(f, q, k, v, do):
 def test_torch_compile_fullgraph_matches_eager():
     q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
     assert_compiled_matches_eager(lambda q, k, v: flash_attention(q, k, v, causal=True) * 2, q, k, v, do)
+
+
+@requires_cuda
+def test_torch_compile_fullgraph_atomic_backward_matches_eager():
+    """The atomic backward under torch.compile (Inductor launches it, zeroing dQ as the autotuner
+    asks): as exact as eager against float64, dQ differing only by the order of its additions."""
+    q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
+    f = lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=False)  # noqa: E731
+    compiled = torch.compile(f, fullgraph=True)
+    exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), True)
+    plain = forward_backward(attention_reference, q, k, v, do, True)
+    for fn in (f, compiled):
+        out, _, dq, dk, dv = forward_backward(lambda *a, **kw: (fn(*a[:3]), None), q, k, v, do, True)
+        for name, mine, pl, ref in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (plain[0], *plain[2:]),
+                                       (exact[0], *exact[2:])):
+            assert_as_exact_as_plain(name, mine, pl, ref, do, v)
 
 
 @requires_cuda
