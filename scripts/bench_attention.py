@@ -8,11 +8,14 @@
     python scripts/bench_attention.py --training # the shapes models train with (issue 11's table)
 
 --training with every backend (ours, ours-atomic, sdpa-default, sdpa-cudnn, flex) takes an
-estimated ~12 minutes on one H200 (Flex compiles per shape, our autotuner times every candidate
-at 64K and 128K). Split in two lanes of ~6 minutes on a two-GPU host, then merged:
+estimated ~12-14 minutes on one H200 (Flex compiles each of the 21 shapes, ~8 s each; our
+autotuner compiles ~17 candidates per head dim and times each at 64K and 128K, where one
+32/8 x 128 call takes ~1 s; the 20 s sustained runs). Split in two lanes of ~6.5 minutes on a
+two-GPU host (the first without a sustained run: 12 x 64's is in the file from commit 22c954d),
+then merged:
 
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_attention.py --training --heads 12/12/64,16/16/128 \
-        --sustained 12/12/64/16384 --out lane1 &
+        --sustained '' --out lane1 &
     CUDA_VISIBLE_DEVICES=1 python scripts/bench_attention.py --training --heads 32/8/128 \
         --sustained 32/8/128/16384 --out lane2 &
     wait; python scripts/bench_attention.py --merge-training lane1/attention_h200_training.json \
