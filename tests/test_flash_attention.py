@@ -158,6 +158,19 @@ def test_large_logits_stay_finite(causal, deterministic):
 
 
 @DETERMINISTIC
+def test_very_negative_scores_with_a_ragged_key_tile(deterministic):
+    """Every score ~ -160, so L ~ -160 and exp(0 - L) overflows: the zero-filled keys past n_k of a
+    ragged key tile must never reach dQ (the atomic kernel would add 0 * inf = NaN)."""
+    q, k, v, do = make_inputs(1, 40, 40, 2, 2, 32, DTYPES[0])
+    u = q[:, :1].float() / q[:, :1].float().norm(dim=-1, keepdim=True)   # one direction per head
+    q = (30 * u + 0.5 * q.float()).to(q.dtype)
+    k = (-30 * u + 0.5 * k.float()).to(k.dtype)
+    out, lse, *_ = forward_backward(flash_attention, q, k, v, do, False, deterministic=deterministic)
+    assert lse.max() < -100, "the test did not produce very negative scores"
+    check_against_reference(q, k, v, do, False, deterministic)
+
+
+@DETERMINISTIC
 def test_strided_views_of_fused_qkv(deterministic):
     """The model passes q, k, v as views of one projection; no copies are needed."""
     dtype = DTYPES[0]
