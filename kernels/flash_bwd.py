@@ -10,19 +10,23 @@ With P = softmax(S), S = scale * Q K^T and O = P V, the gradients are
 
 Nothing of size N x N is stored: P is recomputed per tile as exp(S - L) from the
 forward's per-row log-sum-exp L, which is exact (it is the final normaliser, so no
-online rescaling is needed here). Delta is computed first by a small kernel.
+online rescaling is needed here).
 
-The work is split into two kernels so that every gradient element has exactly one
+Deterministic (the default): two kernels, so that every gradient element has exactly one
 writer, with no atomics, and therefore gradients are bit-identical run to run:
 
+- `flash_bwd_q_kernel` (launched first): one program owns BLOCK_M queries of one head,
+  computes their Delta from its O and dO tiles and stores it, and streams the key tiles
+  they can see, accumulating dQ (the forward's loop, run again);
 - `flash_bwd_kv_kernel`: one program owns BLOCK_N keys of one KV head, keeps dK and dV
   for them in registers, and streams every query tile that can see those keys, for
-  every query head of the GQA group, so dK and dV arrive already summed over the group;
-- `flash_bwd_q_kernel`: one program owns BLOCK_M queries of one head and streams the
-  key tiles they can see, accumulating dQ (the forward's loop, run again).
+  every query head of the GQA group, so dK and dV arrive already summed over the group.
 
 The cost of determinism is recomputing S and dP in the second kernel (7 tile matmuls
-instead of 5). Masking follows the forward: tiles that are fully visible and in bounds
+instead of 5). Non-deterministic: `flash_bwd_kv_dq_kernel` is the dK/dV kernel that also
+adds each tile's dQ share, dS^T K, into a float32 dQ with atomics (5 matmuls, one
+launch after the small `flash_bwd_delta_kernel`); the order of those additions varies
+from run to run, so dQ's last bits do. Masking follows the forward: tiles that are fully visible and in bounds
 run unmasked; the causal diagonal and ragged edges are masked. With documents or a
 window, the dQ kernel visits the forward's key range, and the dK/dV kernel the query
 tiles that see any of its keys (from its first and last key: `query_ranges`); the
@@ -35,7 +39,8 @@ import triton.language as tl
 
 from kernels.tiles import (key_ranges, load_tile, query_heads, query_ranges, row_key_bounds, store_tile,
                            tile_offsets, visible)
-from kernels.tuning import bwd_kv_configs, bwd_kv_prune, bwd_q_configs, bwd_q_prune, persistent
+from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_configs, bwd_kv_dq_prune, bwd_kv_prune, bwd_q_configs,
+                            bwd_q_prune, persistent)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
@@ -48,7 +53,8 @@ def flash_bwd_delta_kernel(
     n_heads, n_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Delta[b, h, i] = sum_d O[b, i, h, d] * dO[b, i, h, d], in float32."""
+    """Delta[b, h, i] = sum_d O[b, i, h, d] * dO[b, i, h, d], in float32 (before the atomic
+    backward; the deterministic one computes it in flash_bwd_q_kernel)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -73,11 +79,14 @@ def _lse_log2(lse):
 
 
 @triton.jit
-def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do_offs, stride_qn, stride_don,
-                 start_m, rows_m, offs_n, offs_d, n_q, n_k, window, qk_scale,
+def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs, dq_offs,
+                 stride_qn, stride_don, stride_dqn,
+                 start_m, rows_m, offs_n, offs_d, n_q, n_k, window, qk_scale, sm_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOCS: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """Add queries [start_m, start_m + BLOCK_M)'s contribution to this program's dK, dV.
+                 DOCS: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+                 DQ_ATOMIC: tl.constexpr):
+    """Add queries [start_m, start_m + BLOCK_M)'s contribution to this program's dK, dV
+    (and with DQ_ATOMIC, this key tile's share of their dQ, atomically, into float32 dQ).
 
     Works on transposed scores S^T (keys x queries) so that dV += P^T dO and
     dK += dS^T Q are plain matmuls with the key dimension leading.
@@ -102,26 +111,29 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    if DQ_ATOMIC:  # keys past n_k never reach here unmasked (see _bwd_kv_program)
+        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * sm_scale
+        tl.atomic_add(dQ_bh + tl.cast(start_m, tl.int64) * stride_dqn + dq_offs, dq, sem="relaxed",
+                      mask=(offs_m < n_q)[:, None] & (offs_d < HEAD_DIM)[None, :])
     return dk, dv
 
 
-@triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
-                 prune_configs_by=bwd_kv_prune(), **persistent())
 @triton.jit
-def flash_bwd_kv_kernel(
-    Q, K, V, dOut, Lse, Delta, Docs, dK, dV,
+def _bwd_kv_program(
+    Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dQ,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOCS: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
-    """Grid: (cdiv(n_k, BLOCK_N), B * Hkv). qk_scale = sm_scale * log2(e)."""
+    """One (key tile, batch x KV head) program of the dK/dV kernels (both kernels below)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
     pid_n = tl.program_id(0)
@@ -141,41 +153,111 @@ def flash_bwd_kv_kernel(
                   tile_offsets(rows_n, offs_d, stride_vn, stride_vd), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
     q_offs = tile_offsets(rows_m, offs_d, stride_qn, stride_qd)
     do_offs = tile_offsets(rows_m, offs_d, stride_don, stride_dod)
+    dq_offs = tile_offsets(rows_m, offs_d, stride_dqn, stride_dqd)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # Query tiles that see any of these keys: [lo, mid_lo) masked, [mid_lo, mid_hi)
     # unmasked, [mid_hi, hi) masked; the others see none of them and are skipped.
-    # A ragged last key tile needs no extra masking here: its out-of-range keys were
-    # loaded as zeros and only produce rows of dK/dV that are never stored.
+    # A ragged last key tile needs no extra masking for dK/dV: its out-of-range keys were
+    # loaded as zeros and only produce rows of dK/dV that are never stored. Their dQ share
+    # would be 0 * P, and P = exp2(0 - L) can overflow: with DQ_ATOMIC that one tile runs
+    # every query tile masked, which zeroes P past n_k.
     lo, mid_lo, mid_hi, hi = query_ranges(start_n, n_q, n_k, Docs_b, window, BLOCK_N, BLOCK_M, CAUSAL, WINDOW, DOCS)
+    if DQ_ATOMIC:
+        if start_n + BLOCK_N > n_k:
+            mid_hi = mid_lo
 
     for g in range(0, kv_group):
         h = h_kv * kv_group + g
         Q_bh = Q + b * stride_qb + h * stride_qh
         dO_bh = dOut + b * stride_dob + h * stride_doh
+        dQ_bh = dQ + b * stride_dqb + h * stride_dqh
         Lse_bh = Lse + (b * n_heads + h) * n_q
         Delta_bh = Delta + (b * n_heads + h) * n_q
         for start_m in range(lo, tl.minimum(mid_lo, hi), BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do_offs,
-                                  stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, window, qk_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, True, PRECISION)
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs, dq_offs,
+                                  stride_qn, stride_don, stride_dqn, start_m, rows_m, offs_n, offs_d,
+                                  n_q, n_k, window, qk_scale, sm_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, True, PRECISION, DQ_ATOMIC)
         for start_m in range(mid_lo, mid_hi, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do_offs,
-                                  stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, window, qk_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, False, PRECISION)
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs, dq_offs,
+                                  stride_qn, stride_don, stride_dqn, start_m, rows_m, offs_n, offs_d,
+                                  n_q, n_k, window, qk_scale, sm_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, False, PRECISION, DQ_ATOMIC)
         for start_m in range(mid_hi, hi, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, q_offs, do_offs,
-                                  stride_qn, stride_don, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, window, qk_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, True, PRECISION)
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs, dq_offs,
+                                  stride_qn, stride_don, stride_dqn, start_m, rows_m, offs_n, offs_d,
+                                  n_q, n_k, window, qk_scale, sm_scale,
+                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, True, PRECISION, DQ_ATOMIC)
 
     store_tile(dK + b * stride_dkb + h_kv * stride_dkh, start_n, stride_dkn,
                tile_offsets(rows_n, offs_d, stride_dkn, stride_dkd), rows_n, n_k, offs_d, dk * sm_scale, HEAD_DIM)
     store_tile(dV + b * stride_dvb + h_kv * stride_dvh, start_n, stride_dvn,
                tile_offsets(rows_n, offs_d, stride_dvn, stride_dvd), rows_n, n_k, offs_d, dv, HEAD_DIM)
+
+
+@triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
+                 prune_configs_by=bwd_kv_prune(), **persistent())
+@triton.jit
+def flash_bwd_kv_kernel(
+    Q, K, V, dOut, Lse, Delta, Docs, dK, dV,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid: (cdiv(n_k, BLOCK_N), B * Hkv). qk_scale = sm_scale * log2(e). Deterministic:
+    reads the Delta that flash_bwd_q_kernel stored, writes dK and dV only."""
+    _bwd_kv_program(Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dK,
+                    stride_qb, stride_qn, stride_qh, stride_qd,
+                    stride_kb, stride_kn, stride_kh, stride_kd,
+                    stride_vb, stride_vn, stride_vh, stride_vd,
+                    stride_dob, stride_don, stride_doh, stride_dod,
+                    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+                    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+                    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+                    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
+                    HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, False)
+
+
+@triton.autotune(configs=bwd_kv_dq_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
+                 prune_configs_by=bwd_kv_dq_prune(), reset_to_zero=["dQ"], **persistent())
+@triton.jit
+def flash_bwd_kv_dq_kernel(
+    Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dQ,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """The whole backward in one pass over the key tiles: dK, dV as flash_bwd_kv_kernel, and
+    dQ (float32, zeroed by the caller; the autotuner re-zeroes it between its trial runs)
+    accumulated with atomic adds, already scaled. Delta from flash_bwd_delta_kernel.
+    Grid: (cdiv(n_k, BLOCK_N), B * Hkv)."""
+    _bwd_kv_program(Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dQ,
+                    stride_qb, stride_qn, stride_qh, stride_qd,
+                    stride_kb, stride_kn, stride_kh, stride_kd,
+                    stride_vb, stride_vn, stride_vh, stride_vd,
+                    stride_dob, stride_don, stride_doh, stride_dod,
+                    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+                    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+                    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+                    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
+                    HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, True)
 
 
 @triton.jit
@@ -198,10 +280,11 @@ def _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, st
                  prune_configs_by=bwd_q_prune(), **persistent())
 @triton.jit
 def flash_bwd_q_kernel(
-    Q, K, V, dOut, Lse, Delta, Docs, dQ,
+    Q, K, V, Out, dOut, Lse, Delta, Docs, dQ,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_on, stride_oh, stride_od,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     n_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
@@ -209,7 +292,8 @@ def flash_bwd_q_kernel(
     DOCS: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid: (cdiv(n_q, BLOCK_M), B * H)."""
+    """Grid: (cdiv(n_q, BLOCK_M), B * H). Also stores Delta = rowsum(O * dO) of its rows, for
+    flash_bwd_kv_kernel launched after it (one launch fewer than a separate Delta kernel)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
     pid_m = tl.program_id(0)
@@ -225,9 +309,12 @@ def flash_bwd_q_kernel(
                   tile_offsets(rows_m, offs_d, stride_qn, stride_qd), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = load_tile(dOut + b * stride_dob + h * stride_doh, start_m, stride_don,
                    tile_offsets(rows_m, offs_d, stride_don, stride_dod), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    o = load_tile(Out + b * stride_ob + h * stride_oh, start_m, stride_on,
+                  tile_offsets(rows_m, offs_d, stride_on, stride_od), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)   # as flash_bwd_delta_kernel
+    tl.store(Delta + (b * n_heads + h) * n_q + offs_m, delta, mask=offs_m < n_q)
     lse = tl.load(Lse + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
     lse = _lse_log2(lse)
-    delta = tl.load(Delta + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     K_bh = K + b * stride_kb + h_kv * stride_kh

@@ -5,9 +5,14 @@ Forward and backward are registered with `torch.library.triton_op`, so that
 and Inductor can still schedule the Triton launches; `register_autograd` ties them.
 Outside torch.compile the same launches run under a plain `autograd.Function`: the
 custom-op dispatch costs host time that a small call (gpt2-small's heads at T = 1K)
-cannot hide behind the GPU. Input checks run in the Python wrapper, before anything
-is launched, and raise ValueError naming the offending argument instead of a Triton
-compile trace.
+cannot hide behind the GPU, and so does the autotuner's per-call key computation: after
+its first call per shape band, an eager launch goes straight to the tuned config
+(`_launch`). Input checks run in the Python wrapper, before anything is launched, and
+raise ValueError naming the offending argument instead of a Triton compile trace.
+
+The backward is deterministic by default (two kernels, bit-identical gradients run to
+run); `deterministic=False` runs one kernel that accumulates dQ with float32 atomics
+(kernels/flash_bwd.py).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import Optional
 import torch
 import triton
 
-from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
+from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import LOG2E, flash_fwd_kernel
 from kernels.masks import check_masks, document_bounds
 from kernels.tuning import INTERPRET, seq_bucket
@@ -33,10 +38,6 @@ def _block_d(head_dim: int) -> int:
 def _precision(dtype: torch.dtype) -> str:
     # float32 inputs get true fp32 products: no silent tf32 rounding.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _strides(t: torch.Tensor):
-    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -80,95 +81,131 @@ def _no_wrap(kernel):
     return kernel
 
 
+_TUNED: dict = {}   # (kernel, dtype, device, length band, constexprs) -> the tuned config's launch kwargs
+
+
+def _launch(kernel, grid, args, consts: dict, wrap, key: tuple) -> None:
+    """kernel[grid](*args, **consts). Traced (torch.compile), through `wrap` as it always was.
+    Eager, the autotuner runs on the first call with a key, and its pick (`best_config`) is
+    remembered: later calls launch the jitted function with it directly, skipping the
+    autotuner's per-call work (a dict of ~45 arguments and a key with every tensor's dtype,
+    ~20-40 us of host time per launch, see kernels/NOTES.md). The key holds everything the
+    autotuner's key holds: the constexprs, the length band and the dtype of every tensor
+    argument (q's dtype fixes them all; DOCS says whether Docs is int32)."""
+    if wrap is not _no_wrap:
+        wrap(kernel)[grid](*args, **consts)
+        return
+    tuned = _TUNED.get((kernel,) + key)
+    if tuned is None:
+        kernel[grid](*args, **consts)
+        _TUNED[(kernel,) + key] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[grid](*args, **consts, **tuned)
+
+
+def _constexprs(q, k, causal: bool, doc_bounds, window: int) -> tuple[dict, int, tuple]:
+    """The kernels' shared constexprs, the autotuning length band, and the `_launch` key."""
+    D = q.shape[3]
+    consts = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, DOCS=doc_bounds is not None, WINDOW=window > 0,
+                  PRECISION=_precision(q.dtype))
+    bucket = seq_bucket(max(q.shape[1], k.shape[1]))
+    return consts, bucket, (q.dtype, q.device, bucket, *consts.values())
+
+
 def _launch_forward(q, k, v, causal: bool, softmax_scale: float, wrap=_no_wrap, doc_bounds=None, window: int = 0):
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
+    consts, bucket, key = _constexprs(q, k, causal, doc_bounds, window)
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
 
-    wrap(flash_fwd_kernel)[grid](
+    _launch(flash_fwd_kernel, grid, (
         q, k, v, out, lse, lse if doc_bounds is None else doc_bounds,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, seq_bucket(max(n_q, n_k)), window,
-        HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, DOCS=doc_bounds is not None, WINDOW=window > 0,
-        PRECISION=_precision(q.dtype))
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, bucket, window), consts, wrap, key)
     return out, lse
 
 
 @torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
-                   window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   window: int = 0, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32. doc_bounds: (B, 2, N) int32 from
-    kernels.masks.document_bounds, or None; window: keys each query sees, 0 for no window."""
+    kernels.masks.document_bounds, or None; window: keys each query sees, 0 for no window;
+    deterministic: which backward the autograd formula runs (the forward is the same)."""
     return _launch_forward(q, k, v, causal, softmax_scale, torch.library.wrap_triton, doc_bounds, window)
 
 
 def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, wrap=_no_wrap,
-                     doc_bounds=None, window: int = 0):
+                     doc_bounds=None, window: int = 0, deterministic: bool = True):
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    block_d = _block_d(D)
-    bucket = seq_bucket(max(n_q, n_k))
-    masks = dict(CAUSAL=causal, DOCS=doc_bounds is not None, WINDOW=window > 0)
+    consts, bucket, key = _constexprs(q, k, causal, doc_bounds, window)
     delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
-    dq = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
+    docs = delta if doc_bounds is None else doc_bounds
     dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=v.device)
-
-    delta_rows = 64
-    wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, delta_rows), B * H)](
-        out, dout, delta, *_strides(out), *_strides(dout), H, n_q,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=delta_rows)
+    inputs = (q, k, v, dout, lse, delta, docs, dk, dv)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride())
+    sizes = (H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window)
 
     def kv_grid(meta):
         return (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv)
 
-    wrap(flash_bwd_kv_kernel)[kv_grid](
-        q, k, v, dout, lse, delta, delta if doc_bounds is None else doc_bounds, dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window,
-        HEAD_DIM=D, BLOCK_D=block_d, PRECISION=_precision(q.dtype), **masks)
+    if deterministic:
+        # dQ first: it also stores Delta, which the dK/dV kernel then reads (stream order)
+        dq = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
 
-    def q_grid(meta):
-        return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
+        def q_grid(meta):
+            return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
 
-    wrap(flash_bwd_q_kernel)[q_grid](
-        q, k, v, dout, lse, delta, delta if doc_bounds is None else doc_bounds, dq,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window,
-        HEAD_DIM=D, BLOCK_D=block_d, PRECISION=_precision(q.dtype), **masks)
-    return dq, dk, dv
+        _launch(flash_bwd_q_kernel, q_grid, (
+            q, k, v, out, dout, lse, delta, docs, dq,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(), *dq.stride(),
+            H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window), consts, wrap, key)
+        _launch(flash_bwd_kv_kernel, kv_grid, inputs + strides + sizes, consts, wrap, key)
+        return dq, dk, dv
+
+    delta_rows = 64
+    wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, delta_rows), B * H)](
+        out, dout, delta, *out.stride(), *dout.stride(), H, n_q,
+        HEAD_DIM=D, BLOCK_D=consts["BLOCK_D"], BLOCK_M=delta_rows)
+    # float32 dQ for the atomic adds (float32 inputs: it is dQ itself)
+    dq = torch.zeros((B, n_q, H, D), dtype=torch.float32, device=q.device)
+    _launch(flash_bwd_kv_dq_kernel, kv_grid, inputs + (dq,) + strides + (*dq.stride(),) + sizes, consts, wrap, key)
+    return dq.to(q.dtype), dk, dv
 
 
 @torch.library.triton_op("flashtrain::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
                    softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
-                   window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dq, dk, dv; dk and dv are summed over each GQA group, no atomics."""
+                   window: int = 0, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq, dk, dv; dk and dv are summed over each GQA group. deterministic=False
+    accumulates dq with atomics (its last bits vary run to run)."""
     return _launch_backward(dout, q, k, v, out, lse, causal, softmax_scale, torch.library.wrap_triton,
-                            doc_bounds, window)
+                            doc_bounds, window, deterministic)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, doc_bounds, window = inputs
+    q, k, v, causal, softmax_scale, doc_bounds, window, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, doc_bounds)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.window = window
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse, launch=flash_attn_bwd):
     q, k, v, out, lse, doc_bounds = ctx.saved_tensors
     dq, dk, dv = launch(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                        doc_bounds=doc_bounds, window=ctx.window)
-    return dq, dk, dv, None, None, None, None
+                        doc_bounds=doc_bounds, window=ctx.window, deterministic=ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -178,9 +215,9 @@ class _EagerFlashAttention(torch.autograd.Function):
     """The same kernels and the same saved tensors as the op above, without its dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, doc_bounds, window):
+    def forward(ctx, q, k, v, causal, softmax_scale, doc_bounds, window, deterministic):
         out, lse = _launch_forward(q, k, v, causal, softmax_scale, doc_bounds=doc_bounds, window=window)
-        _setup_context(ctx, (q, k, v, causal, softmax_scale, doc_bounds, window), (out, lse))
+        _setup_context(ctx, (q, k, v, causal, softmax_scale, doc_bounds, window, deterministic), (out, lse))
         return out, lse
 
     @staticmethod
@@ -189,7 +226,7 @@ class _EagerFlashAttention(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
-                    document_ids=None, window=None):
+                    document_ids=None, window=None, deterministic=True):
     """Exact softmax(scale * Q K^T) V by tiling; same contract as kernels.reference.
 
     q (B, Nq, H, D); k, v (B, Nk, Hkv, D) with H % Hkv == 0; any strides.
@@ -207,14 +244,24 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     window=W (with causal=True): each query sees only the last W keys (itself included).
     Tiles outside the mask are skipped, not masked: the cost follows the sum of squared
     document lengths, and is linear in N for a window.
+    deterministic=True (default): the backward gives bit-identical gradients run to run.
+    False: one backward kernel that adds dq with float32 atomics (fewer matmuls; dq's
+    last bits vary from run to run, within the same error bound).
     """
     check_inputs(q, k, v)
     check_masks(q, k, causal, document_ids, window)
     doc_bounds = None if document_ids is None else document_bounds(document_ids)
     window = 0 if window is None or window >= k.shape[1] else int(window)  # a window of every key: plain causal
-    args = (q, k, v, bool(causal), _softmax_scale(softmax_scale, q.shape[-1]), doc_bounds, window)
+    args = (q, k, v, bool(causal), _softmax_scale(softmax_scale, q.shape[-1]), doc_bounds, window,
+            _flag(deterministic, "deterministic"))
     out, lse = flash_attn_fwd(*args) if torch.compiler.is_compiling() else _EagerFlashAttention.apply(*args)
     return (out, lse) if return_lse else out
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _softmax_scale(softmax_scale, head_dim: int) -> float:
@@ -225,14 +272,14 @@ def _softmax_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None):
+def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, deterministic=True):
     """dq, dk, dv of flash_attention from a given output `out` and log-sum-exp `lse`.
 
     The backward kernels only need P = exp(S - lse) and rowsum(dO * O), so `out` and
     `lse` may come from attention over a longer key set than `k`, `v` (a ring's merged
     result): the gradients are then this key block's exact share, to be summed over
     blocks. Same layouts as flash_attention; lse (B, H, Nq) float32; dk, dv are summed
-    over each GQA group and shaped like k, v.
+    over each GQA group and shaped like k, v. deterministic as in flash_attention.
     """
     check_inputs(q, k, v)
     for name, t in (("dout", dout), ("out", out)):
@@ -244,4 +291,5 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scal
         raise ValueError(f"lse must be a float32 tensor of shape (batch, heads, seqlen) = {want} on {q.device}, "
                          f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
     launch = flash_attn_bwd if torch.compiler.is_compiling() else _launch_backward
-    return launch(dout, q, k, v, out, lse.contiguous(), bool(causal), _softmax_scale(softmax_scale, q.shape[-1]))
+    return launch(dout, q, k, v, out, lse.contiguous(), bool(causal), _softmax_scale(softmax_scale, q.shape[-1]),
+                  deterministic=_flag(deterministic, "deterministic"))

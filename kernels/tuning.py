@@ -45,6 +45,17 @@ _BWD_KV = {  # BLOCK_N keys owned x BLOCK_M queries streamed
 # H200 (benchmarks/attention_h200_training.md); pinned, the first entries ran the causal
 # backward past 128K at 0.8x the tuned rate (kernels/NOTES.md, "Long sequences").
 _BWD_KV_CAUSAL = {64: (64, 64, 4, 2), 128: (128, 64, 8, 2)}
+# The atomic dK/dV/dQ kernel (deterministic=False) holds a BLOCK_M x D float32 dQ tile on top of
+# dK/dV's registers: ptxas -v (triton 3.9, sm_90a, causal) spills 136 B at D = 64 with 128 x 32
+# (0 for dK/dV alone), 0 with 128 x 16 and 64 x 32 (8 warps); at D = 128 every shape spills,
+# least with 64 x 32 (480 B) and 128 x 16 (648 B). Each (key tile, query tile) pair adds a
+# BLOCK_M x D tile to dQ, so the atomic bytes per call fall as 1 / BLOCK_N: the pinned default
+# (past TUNE_MAX_TOKENS, causal or not) keeps 128 keys per program.
+_BWD_KV_DQ = {  # BLOCK_N keys owned x BLOCK_M queries streamed
+    64: [(128, 32, 8, 3), (128, 16, 8, 3), (64, 32, 8, 2), (128, 64, 8, 2)],
+    128: [(128, 32, 8, 3), (64, 32, 8, 2), (128, 16, 8, 3), (128, 64, 8, 2)],
+    256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2)],
+}
 _BWD_Q = {  # BLOCK_M queries owned x BLOCK_N keys streamed
     64: [(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
     128: [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
@@ -111,6 +122,14 @@ def bwd_kv_configs():
 
 def bwd_kv_prune():
     return {"early_config_prune": _for_head_dim(_BWD_KV, ("BLOCK_N", "BLOCK_M"), _BWD_KV_CAUSAL)}
+
+
+def bwd_kv_dq_configs():
+    return _configs(_BWD_KV_DQ, ("BLOCK_N", "BLOCK_M"))
+
+
+def bwd_kv_dq_prune():
+    return {"early_config_prune": _for_head_dim(_BWD_KV_DQ, ("BLOCK_N", "BLOCK_M"))}
 
 
 def bwd_q_configs():

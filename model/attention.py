@@ -9,6 +9,7 @@ only, so comparing implementations is a one-word config change.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -64,9 +65,15 @@ def _check_name(name: str) -> str:
     return name
 
 
-def get_attention(name: str) -> AttentionFn:
-    """The attention function registered as `name` (an already resolved name, not 'auto')."""
-    return ATTENTION[_check_name(name)]
+def get_attention(name: str, deterministic: bool = True) -> AttentionFn:
+    """The attention function registered as `name` (an already resolved name, not 'auto').
+    deterministic (config `attention.deterministic`) picks our kernel's backward: False is the
+    one that adds dQ with atomics. naive's backward is deterministic anyway; sdpa's is whatever
+    PyTorch's backend does, so the flag changes nothing for them."""
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"attention.deterministic must be true or false, got {deterministic!r}")
+    fn = ATTENTION[_check_name(name)]
+    return partial(fn, deterministic=False) if fn is flash_attention and not deterministic else fn
 
 
 def resolve_attention(name: str, device) -> str:

@@ -31,14 +31,15 @@ def document_positions(positions: torch.Tensor, document_ids: torch.Tensor) -> t
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, attention: str, window: int | None = None):
+    def __init__(self, config: GPTConfig, attention: str, window: int | None = None,
+                 deterministic: bool = True):
         super().__init__()
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"attention.window={window!r}: must be null or an integer >= 1")
         self.config = config
         self.attention_name = attention
         self.window = window   # each query sees the last `window` keys (Mistral's sliding window)
-        attention_fn = get_attention(attention)
+        attention_fn = get_attention(attention, deterministic)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.pos_emb == "learned" else None
         self.dropout = nn.Dropout(config.dropout)
@@ -158,8 +159,10 @@ class GPT(nn.Module):
         return tokens_per_s * self.flops_per_token(seq_len) / peak_flops
 
 
-def build_model(cfg_model, vocab_size: int, attention: str, window: int | None = None) -> GPT:
+def build_model(cfg_model, vocab_size: int, attention: str, window: int | None = None,
+                deterministic: bool = True) -> GPT:
     """GPT from the `model` config node, the tokenizer's vocabulary size, a resolved
-    attention name (naive | sdpa | flash) and `attention.window` (None: full causal attention);
-    raises ValueError naming a bad config value."""
-    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention, window)
+    attention name (naive | sdpa | flash), `attention.window` (None: full causal attention) and
+    `attention.deterministic` (which backward our kernel runs); raises ValueError naming a bad
+    config value."""
+    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention, window, deterministic)

@@ -5,6 +5,21 @@
     python scripts/bench_attention.py --quick    # two lengths, memory up to 32K (1-2 minutes)
     python scripts/bench_attention.py --long     # gpt2-small's heads, batch 1, N up to 256K
     python scripts/bench_attention.py --smoke    # CPU-sized plumbing check (not a benchmark)
+    python scripts/bench_attention.py --training # the shapes models train with (issue 11's table)
+
+--training with every backend (ours, ours-atomic, sdpa-default, sdpa-cudnn, flex) takes an
+estimated ~12-14 minutes on one H200 (Flex compiles each of the 21 shapes, ~8 s each; our
+autotuner compiles ~17 candidates per head dim and times each at 64K and 128K, where one
+32/8 x 128 call takes ~1 s; the 20 s sustained runs). Split in two lanes of ~6.5 minutes on a
+two-GPU host (the first without a sustained run: 12 x 64's is in the file from commit 22c954d),
+then merged:
+
+    CUDA_VISIBLE_DEVICES=0 python scripts/bench_attention.py --training --heads 12/12/64,16/16/128 \
+        --sustained '' --out lane1 &
+    CUDA_VISIBLE_DEVICES=1 python scripts/bench_attention.py --training --heads 32/8/128 \
+        --sustained 32/8/128/16384 --out lane2 &
+    wait; python scripts/bench_attention.py --merge-training lane1/attention_h200_training.json \
+        lane2/attention_h200_training.json --out benchmarks
 
 Throughput: forward, backward and forward+backward TFLOP/s for head dims 64 and 128, sequence
 lengths 1K-32K at 16K tokens per batch (B = 16384 / N; one sequence of 32K) and hidden size 2048
@@ -27,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -79,12 +95,15 @@ SWEEPS = {
 
 # ----------------------------------------------------------------------------- backends
 
-def _ours(causal: bool, seq_len: int, device: torch.device) -> Attention:
-    try:
-        from kernels import flash_attention
-    except ImportError as exc:
-        raise Unavailable(f"kernels.flash_attention not importable ({exc})") from exc
-    return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+def _ours(deterministic: bool):
+    """Our kernel with the deterministic backward (`ours`) or the one adding dQ with atomics."""
+    def make(causal: bool, seq_len: int, device: torch.device) -> Attention:
+        try:
+            from kernels import flash_attention
+        except ImportError as exc:
+            raise Unavailable(f"kernels.flash_attention not importable ({exc})") from exc
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, deterministic=deterministic)
+    return make
 
 
 def _sdpa(backend_name: str | None):
@@ -130,7 +149,8 @@ class Backend:
 
 
 BACKENDS = {
-    "ours": Backend("ours (Triton)", False, _ours),
+    "ours": Backend("ours (Triton)", False, _ours(True)),
+    "ours-atomic": Backend("ours (Triton), atomic-dQ backward (attention.deterministic=false)", False, _ours(False)),
     "sdpa-default": Backend("SDPA, its own choice of backend", True, _sdpa(None)),
     "sdpa-flash": Backend("SDPA flash (FA2)", True, _sdpa("FLASH_ATTENTION")),
     "sdpa-cudnn": Backend("SDPA cuDNN", True, _sdpa("CUDNN_ATTENTION")),
@@ -388,7 +408,7 @@ def print_shape(out, rows: list[dict]) -> None:
 # 2048-wide model with heads of 128, and the same with grouped-query attention (32 over 8).
 TRAINING_HEADS = ((12, 12, 64), (16, 16, 128), (32, 8, 128))
 TRAINING_LENGTHS = (1024, 2048, 4096, 8192, 16384, 65536, 131072)
-TRAINING_BACKENDS = ("ours", "sdpa-default", "sdpa-cudnn", "flex")
+TRAINING_BACKENDS = ("ours", "ours-atomic", "sdpa-default", "sdpa-cudnn", "flex")
 SUSTAINED_S = 20.0
 
 
@@ -501,22 +521,29 @@ def measure_training_shape(name: str, shape, device, bench, sustained: bool) -> 
 
 
 TRAINING_HEADERS = ["H/Hkv x D", "T", "B", "backend", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s",
-                    "ours/this fwd", "ours/this bwd", "ours/this fwd+bwd"]
+                    "ours/this fwd", "ours/this bwd", "ours/this fwd+bwd", "atomic/this bwd", "atomic/this fwd+bwd"]
 
 
 def training_rows(report: dict) -> list[list]:
+    """One row per measurement; 'ours/this' is this backend's time over ours (deterministic),
+    'atomic/this' over ours-atomic (its forward is ours', so only bwd and fwd+bwd)."""
     def key(r):
         return r["H"], r["Hkv"], r["D"], r["N"]
-    ours = {key(r): r for r in report["training"] if r["backend"] == "ours" and r["status"] == "ok"}
+
+    def by_key(name):
+        return {key(r): r for r in report["training"] if r["backend"] == name and r["status"] == "ok"}
+
+    ours, atomic = by_key("ours"), by_key("ours-atomic")
     rows = []
     for r in report["training"]:
         heads = f"{r['H']}/{r['Hkv']} x {r['D']}"
         label = r["backend"] + (f" ({r['picked']})" if "picked" in r else "")
         if r["status"] != "ok":
-            rows.append([heads, r["N"], r["B"], label, r["status"], "", "", "", "", "", ""])
+            rows.append([heads, r["N"], r["B"], label, r["status"]] + [""] * 8)
             continue
-        mine = ours.get(key(r))
-        ratios = [f"{r[p + '_ms'] / mine[p + '_ms']:.2f}" if mine and r is not mine else "-" for p in PASSES]
+        ratios = []
+        for mine, passes in ((ours.get(key(r)), PASSES), (atomic.get(key(r)), PASSES[1:])):
+            ratios += [f"{r[p + '_ms'] / mine[p + '_ms']:.2f}" if mine and r is not mine else "-" for p in passes]
         rows.append([heads, r["N"], r["B"], label, *(f"{r[p + '_ms']:.3f}" for p in PASSES),
                      f"{r['fwd+bwd_tflops']:.0f}", *ratios])
     return rows
@@ -542,7 +569,9 @@ def write_training_outputs(stem: Path, report: dict) -> None:
              "fused QKV projection as the model passes them, gradients taken w.r.t. that projection. "
              "Times are milliseconds (triton.testing.do_bench median, burst clocks); 'ours/this' is the "
              "other backend's time over ours: > 1 means ours is faster. sdpa-default is SDPA left to "
-             f"choose (the backend it ran is in brackets).{tuning_note(meta)}", "",
+             f"choose (the backend it ran is in brackets); ours-atomic is ours with attention.deterministic=false "
+             "(the same forward; the backward adds dQ with float32 atomics), 'atomic/this' its ratios."
+             f"{tuning_note(meta)}", "",
              markdown_table(TRAINING_HEADERS, training_rows(report))]
     sustained = sustained_rows(report)
     if sustained:
@@ -590,7 +619,7 @@ def run_training(out_dir: Path, names: list[str], device: torch.device, heads, l
             shape = (max(1, TOKENS // N), N, H, Hkv, D)
             out.print(f"[bold]H={H} Hkv={Hkv} D={D} T={N} B={shape[0]}[/]")
             for name in names:
-                sustained = (H, Hkv, D, N) in sustained_at and name in ("ours", "sdpa-default")
+                sustained = (H, Hkv, D, N) in sustained_at and name in ("ours", "ours-atomic", "sdpa-default")
                 row = measure_training_shape(name, shape, device, bench, sustained)
                 report["training"].append(row)
                 out.print(f"    {name:>12}{' (' + row['picked'] + ')' if 'picked' in row else ''}: " + (
@@ -600,6 +629,28 @@ def run_training(out_dir: Path, names: list[str], device: torch.device, heads, l
     print_table(f"Attention at training shapes, {report['metadata']['device']}", TRAINING_HEADERS,
                 training_rows(report))
     return report
+
+
+def merge_training(out_dir: Path, parts: list[Path]) -> dict:
+    """One training-shapes report from the lanes of a split run (e.g. --heads on two GPUs, each
+    writing its own --out): the first part's metadata, every part's command, all rows in order."""
+    reports = []
+    for part in parts:
+        try:
+            reports.append(json.loads(part.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--merge-training: cannot read {part}: {error_text(exc)}") from None
+        if reports[-1].get("settings", {}).get("mode") != "training":
+            raise ValueError(f"--merge-training: {part} is not a --training report")
+    merged = {**reports[0], "training": [row for r in reports for row in r["training"]]}
+    merged["metadata"] = {**reports[0]["metadata"], "command": " ; ".join(r["metadata"]["command"] for r in reports),
+                          "lanes": [{k: r["metadata"].get(k) for k in ("date", "command")} for r in reports]}
+    merged["backends"] = {name: info for r in reports for name, info in r["backends"].items()}
+    merged["settings"]["heads"] = [h for r in reports for h in r["settings"]["heads"]]
+    stem = out_dir / Path(parts[0]).stem
+    write_training_outputs(stem, merged)
+    console().print(f"wrote {stem}.json, .md from {len(parts)} parts")
+    return merged
 
 
 # ----------------------------------------------------------------------------- main
@@ -663,9 +714,13 @@ def main(argv: list[str] | None = None) -> dict:
                       help="gpt2-small's attention, batch 1, N from 16K to 256K (a few minutes)")
     size.add_argument("--training", action="store_const", dest="mode", const="training",
                       help="causal, the heads of trained models, strided fused-QKV inputs, T from 1K to "
-                           "128K, against SDPA's own choice (about 10 minutes with flex)")
+                           "128K, against SDPA's own choice (about 12 minutes with every backend on one "
+                           "H200; the module docstring gives a two-GPU split)")
     size.add_argument("--smoke", action="store_const", dest="mode", const="smoke",
                       help="CPU-sized shapes that only check the plumbing; not a benchmark")
+    size.add_argument("--merge-training", nargs="+", type=Path, metavar="JSON",
+                      help="combine the attention_<gpu>_training.json files of a run split into lanes "
+                           "(--heads per GPU, each with its own --out) into one report in --out")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
     parser.add_argument("--backends", default=None,
                         help=f"comma-separated subset of {','.join(BACKENDS)} (default: all; with --training "
@@ -676,6 +731,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sustained", default="12/12/64/16384,16/16/128/16384",
                         help="--training only: H/Hkv/D/T shapes also timed over 20 s back to back, with clocks")
     args = parser.parse_args(argv)
+    if args.merge_training:
+        return merge_training(args.out, args.merge_training)
     mode = args.mode or "full"
     names = [n for n in (args.backends or ",".join(TRAINING_BACKENDS if mode == "training" else BACKENDS)).split(",")
              if n]

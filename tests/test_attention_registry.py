@@ -82,8 +82,8 @@ def test_flash_on_cpu_without_interpreter_is_refused_up_front(monkeypatch):
 
 
 def test_flash_in_the_model_matches_naive():
-    """The registry's flash entry inside a real GPT: same loss and gradients as naive
-    (float32; on CPU through Triton's interpreter)."""
+    """The registry's flash entry inside a real GPT, with either backward: same loss and
+    gradients as naive (float32; on CPU through Triton's interpreter)."""
     from omegaconf import OmegaConf
     from model import build_model
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,15 +91,33 @@ def test_flash_in_the_model_matches_naive():
     cfg.merge_with({"n_layer": 2, "d_model": 64, "n_head": 4, "n_kv_head": 2})
     idx = torch.randint(0, 256, (2, 40), device=device)
     results = {}
-    for name in ("naive", "flash"):
+    for name, deterministic in (("naive", True), ("flash", True), ("flash", False)):
         torch.manual_seed(0)
-        model = build_model(cfg, vocab_size=256, attention=name).to(device)
+        model = build_model(cfg, vocab_size=256, attention=name, deterministic=deterministic).to(device)
         loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
-        results[name] = (loss.detach(), [p.grad for p in model.parameters()])
-    torch.testing.assert_close(results["flash"][0], results["naive"][0], rtol=1e-5, atol=1e-5)
-    for g_flash, g_naive in zip(results["flash"][1], results["naive"][1]):
-        torch.testing.assert_close(g_flash, g_naive, rtol=1e-4, atol=1e-5)
+        results[name, deterministic] = (loss.detach(), [p.grad for p in model.parameters()])
+    for flash in (("flash", True), ("flash", False)):
+        torch.testing.assert_close(results[flash][0], results["naive", True][0], rtol=1e-5, atol=1e-5)
+        for g_flash, g_naive in zip(results[flash][1], results["naive", True][1]):
+            torch.testing.assert_close(g_flash, g_naive, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_attention_deterministic_reaches_the_kernel(value):
+    """`attention.deterministic` (configs/attention/shared/keys.yaml) goes from the config to
+    the function every block calls."""
+    from training.config import compose
+    from training.trainer import model_from_config
+    cfg = compose(["attention=flash", f"attention.deterministic={str(value).lower()}", "run.dir=x"])
+    assert cfg.attention.deterministic is value
+    fn = model_from_config(cfg, vocab_size=256).blocks[0].attn.attention
+    assert fn is flash_attention if value else fn.keywords == {"deterministic": False}
+
+
+def test_attention_deterministic_must_be_a_bool():
+    with pytest.raises(ValueError, match="attention.deterministic must be true or false"):
+        get_attention("flash", "no")
 
 
 @pytest.mark.parametrize("bad", ["flsh", "auto", "Naive"])

@@ -107,3 +107,59 @@ def test_missing_kernel_is_reported_unavailable_never_substituted(tmp_path, monk
 def test_bad_backend_name_is_refused():
     with pytest.raises(ValueError, match="--backends: unknown fa3"):
         bench_attention.main(["--smoke", "--backends", "ours,fa3"])
+
+
+def test_training_table_gives_ratios_to_both_backwards():
+    """--training: each backend's time over ours (deterministic) and over ours-atomic."""
+    def row(backend, fwd, bwd, both, **extra):
+        r = {"backend": backend, "B": 4, "N": 4096, "H": 12, "Hkv": 12, "D": 64, "causal": True, "status": "ok",
+             "fwd_ms": fwd, "bwd_ms": bwd, "fwd+bwd_ms": both, "fwd+bwd_tflops": 100.0}
+        return {**r, **extra}
+    report = {"training": [row("ours", 1.0, 2.0, 3.0), row("ours-atomic", 1.0, 1.6, 2.5),
+                           row("sdpa-default", 0.5, 1.0, 2.0, picked="cuDNN"),
+                           {**row("flex", 0, 0, 0), "status": "out of memory"}]}
+    ours, atomic, sdpa, flex = bench_attention.training_rows(report)
+    assert ours[8:] == ["-", "-", "-", "1.25", "1.20"]
+    assert atomic[8:] == ["1.00", "0.80", "0.83", "-", "-"]
+    assert sdpa[3] == "sdpa-default (cuDNN)" and sdpa[8:] == ["0.50", "0.50", "0.67", "0.62", "0.80"]
+    assert flex[4] == "out of memory" and len(flex) == len(bench_attention.TRAINING_HEADERS)
+
+
+def test_lanes_of_a_split_training_run_merge_into_one_report(tmp_path):
+    def lane(name, heads, backends):
+        rows = [{"backend": b, "B": 1, "N": 16384, "H": heads[0], "Hkv": heads[1], "D": heads[2], "causal": True,
+                 "status": "ok", "fwd_ms": 1.0, "bwd_ms": 2.0, "fwd+bwd_ms": 3.0, "fwd+bwd_tflops": 1.0}
+                for b in backends]
+        report = {"metadata": {"device": "GPU", "date": name, "torch": "t", "triton": "t", "git_commit": "c",
+                               "command": f"bench_attention.py --heads {name}"},
+                  "settings": {"mode": "training", "heads": [heads]},
+                  "backends": {b: {"label": b} for b in backends}, "training": rows}
+        path = tmp_path / name / "attention_gpu_training.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(report))
+        return path
+    a = lane("a", (12, 12, 64), ("ours", "flex"))
+    b = lane("b", (32, 8, 128), ("ours", "ours-atomic"))
+    merged = bench_attention.main(["--merge-training", str(a), str(b), "--out", str(tmp_path)])
+    assert [(r["H"], r["backend"]) for r in merged["training"]] == [(12, "ours"), (12, "flex"), (32, "ours"),
+                                                                   (32, "ours-atomic")]
+    assert set(merged["backends"]) == {"ours", "flex", "ours-atomic"}
+    assert merged["metadata"]["command"] == "bench_attention.py --heads a ; bench_attention.py --heads b"
+    table = (tmp_path / "attention_gpu_training.md").read_text()
+    assert "| 32/8 x 128 | 16384 | 1 | ours-atomic |" in table and "| 12/12 x 64 | 16384 | 1 | flex |" in table
+    with pytest.raises(ValueError, match="cannot read"):
+        bench_attention.main(["--merge-training", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
+
+
+def test_host_overhead_tool_runs_with_stubbed_launches():
+    """scripts/bench_attention_host.py --stub (in its own process: it replaces the kernels' launches)."""
+    import subprocess
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_attention_host.py"
+    proc = subprocess.run([sys.executable, str(script), "--stub", "--profile", "0"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("deterministic:") and "flash_fwd_kernel, flash_bwd_q_kernel, flash_bwd_kv_kernel"
+               in line for line in lines), proc.stdout
+    assert any(line.startswith("atomic:") and "flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel" in line
+               for line in lines), proc.stdout

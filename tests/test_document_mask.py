@@ -43,12 +43,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
-def test_masks_match_float64_reference(case):
+def test_masks_match_float64_reference(case, deterministic):
     _, B, H, Hkv, D, docs, window, causal = case
     ids = None if docs is None else ids_from_lengths(*docs)
     n = ids.shape[1] if ids is not None else 70 * SCALE
-    check_against_reference(*make_inputs(B, n, n, H, Hkv, D, DTYPES[0]), causal, document_ids=ids, window=window)
+    check_against_reference(*make_inputs(B, n, n, H, Hkv, D, DTYPES[0]), causal, deterministic,
+                            document_ids=ids, window=window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
@@ -82,7 +84,8 @@ def test_single_token_documents_see_only_themselves():
     torch.testing.assert_close(lse.double(), own, atol=1e-2 if DTYPES[0] != torch.float32 else 1e-5, rtol=0)
 
 
-def test_tiles_outside_the_mask_are_never_read():
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_tiles_outside_the_mask_are_never_read(deterministic):
     """Keys of other documents (and past the window) are NaN. A kernel that visited their
     tiles, even masked, would turn them into NaN through 0 * NaN in P V, dP, dS; a
     skipping kernel gives the other document exactly what it gets alone. Documents are
@@ -93,8 +96,10 @@ def test_tiles_outside_the_mask_are_never_read():
     for t in (q, k, v, do):
         t[:, :n] = float("nan")
     for causal in (False, True):
-        out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal, document_ids=ids)
-        alone = forward_backward(flash_attention, *(t[:, n:] for t in (q, k, v, do)), causal)
+        out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal, document_ids=ids,
+                                                deterministic=deterministic)
+        alone = forward_backward(flash_attention, *(t[:, n:] for t in (q, k, v, do)), causal,
+                                 deterministic=deterministic)
         for name, masked, single in zip(NAMES, (out[:, n:], lse[..., n:], dq[:, n:], dk[:, n:], dv[:, n:]), alone):
             assert not torch.isnan(masked).any(), f"{name} of the second document read a skipped tile"
             # the same tiles in the same order: identical in the interpreter; on a GPU the

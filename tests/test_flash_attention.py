@@ -61,8 +61,9 @@ def forward_backward(fn, q, k, v, do, causal, **kw):
     return out, lse, dq, dk, dv
 
 
-def check_against_reference(q, k, v, do, causal, **kw):
-    ours = forward_backward(flash_attention, q, k, v, do, causal, **kw)
+def check_against_reference(q, k, v, do, causal, deterministic=True, **kw):
+    """deterministic=False: the backward that adds dq with atomics, held to the same bound."""
+    ours = forward_backward(flash_attention, q, k, v, do, causal, deterministic=deterministic, **kw)
     same_dtype = forward_backward(attention_reference, q, k, v, do, causal, **kw)
     exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), causal, **kw)
     for name, mine, plain, ref in zip(NAMES, ours, same_dtype, exact):
@@ -125,11 +126,15 @@ GPU_SHAPES = [
 SHAPES = GPU_SHAPES if HAS_CUDA else CPU_SHAPES
 
 
+DETERMINISTIC = pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+
+
+@DETERMINISTIC
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_q{}_k{}_H{}_kv{}_D{}".format(*s))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_matches_float64_reference(shape, causal, dtype):
-    check_against_reference(*make_inputs(*shape, dtype), causal)
+def test_matches_float64_reference(shape, causal, dtype, deterministic):
+    check_against_reference(*make_inputs(*shape, dtype), causal, deterministic)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -137,14 +142,15 @@ def test_custom_softmax_scale(dtype):
     check_against_reference(*make_inputs(1, 50, 50, 2, 2, 32, dtype), True, softmax_scale=0.3)
 
 
+@DETERMINISTIC
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_large_logits_stay_finite(causal):
+def test_large_logits_stay_finite(causal, deterministic):
     """Scores around 1e4 overflow a naive exp; the online softmax must not."""
     dtype = DTYPES[-1]  # float16 on both: the narrowest exponent range we support
     q, k, v, do = make_inputs(1, 64, 64, 2, 2, 32, dtype)
     q = (q / q.norm(dim=-1, keepdim=True) * 200).to(dtype)
     k = (k / k.norm(dim=-1, keepdim=True) * 200 * math.sqrt(32) / 4).to(dtype)
-    out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal)
+    out, lse, dq, dk, dv = forward_backward(flash_attention, q, k, v, do, causal, deterministic=deterministic)
     for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv)):
         assert torch.isfinite(t).all(), f"{name} not finite with large logits"
     assert lse.abs().max() > 1e3, "the test did not produce large logits"
@@ -152,7 +158,21 @@ def test_large_logits_stay_finite(causal):
     assert rel_err(out, ref) < 1e-2
 
 
-def test_strided_views_of_fused_qkv():
+@DETERMINISTIC
+def test_very_negative_scores_with_a_ragged_key_tile(deterministic):
+    """Every score ~ -160, so L ~ -160 and exp(0 - L) overflows: the zero-filled keys past n_k of a
+    ragged key tile must never reach dQ (the atomic kernel would add 0 * inf = NaN)."""
+    q, k, v, do = make_inputs(1, 40, 40, 2, 2, 32, DTYPES[0])
+    u = q[:, :1].float() / q[:, :1].float().norm(dim=-1, keepdim=True)   # one direction per head
+    q = (30 * u + 0.5 * q.float()).to(q.dtype)
+    k = (-30 * u + 0.5 * k.float()).to(k.dtype)
+    out, lse, *_ = forward_backward(flash_attention, q, k, v, do, False, deterministic=deterministic)
+    assert lse.max() < -100, "the test did not produce very negative scores"
+    check_against_reference(q, k, v, do, False, deterministic)
+
+
+@DETERMINISTIC
+def test_strided_views_of_fused_qkv(deterministic):
     """The model passes q, k, v as views of one projection; no copies are needed."""
     dtype = DTYPES[0]
     B, N, H, D = 2, 37, 4, 32
@@ -160,10 +180,10 @@ def test_strided_views_of_fused_qkv():
     q, k, v = qkv.unbind(2)
     assert not q.is_contiguous()
     do = torch.randn(B, N, H, D, device=DEVICE).to(dtype)
-    check_against_reference(q, k, v, do, True)
+    check_against_reference(q, k, v, do, True, deterministic)
     # (B, H, N, D) storage seen through a transpose
     q2, k2, v2 = (torch.randn(B, H, N, D, device=DEVICE).to(dtype).transpose(1, 2) for _ in range(3))
-    check_against_reference(q2, k2, v2, do, False)
+    check_against_reference(q2, k2, v2, do, False, deterministic)
 
 
 def test_backward_is_deterministic():
@@ -208,6 +228,25 @@ def test_eager_path_and_registered_op_give_identical_results():
         assert torch.equal(a, b)
 
 
+def test_registered_op_runs_the_atomic_backward():
+    """deterministic=False travels through the op torch.compile traces (its autograd formula calls
+    the backward op with it): same results as the eager path, bit for bit in the interpreter (which
+    runs programs one after another), within atomic reordering on a GPU."""
+    q, k, v, do = make_inputs(2, 40, 40, 4, 2, 32, DTYPES[0])
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    checks = ("test_schema", "test_autograd_registration") + (("test_faketensor",) if HAS_CUDA else ())
+    torch.library.opcheck(torch.ops.flashtrain.flash_attn_fwd.default, (q, k, v, True, 0.2, None, 0, False),
+                          test_utils=checks)
+
+    def through_op(q, k, v, causal, return_lse, **_):
+        return torch.ops.flashtrain.flash_attn_fwd(q, k, v, causal, 1 / math.sqrt(32), None, 0, False)
+
+    eager = forward_backward(flash_attention, q, k, v, do, causal=True, deterministic=False)
+    op = forward_backward(through_op, q, k, v, do, causal=True)
+    for a, b in zip(eager, op):
+        torch.testing.assert_close(a, b, atol=0 if not HAS_CUDA else 1e-2, rtol=0 if not HAS_CUDA else 1e-2)
+
+
 # ---- bad input: one clear ValueError naming the argument ------------------------------
 
 def _ok(n=8, D=32, dtype=None):
@@ -233,6 +272,11 @@ def test_bad_input_is_refused(mutate, match):
 def test_head_dim_over_256_is_refused():
     with pytest.raises(ValueError, match="head_dim 320"):
         flash_attention(*_ok(D=320))
+
+
+def test_non_bool_deterministic_is_refused():
+    with pytest.raises(ValueError, match="deterministic must be True or False"):
+        flash_attention(*_ok(), deterministic="false")
 
 
 def test_bad_softmax_scale_is_refused():
@@ -299,6 +343,22 @@ def assert_compiled_matches_eager(f, q, k, v, do):
 def test_torch_compile_fullgraph_matches_eager():
     q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
     assert_compiled_matches_eager(lambda q, k, v: flash_attention(q, k, v, causal=True) * 2, q, k, v, do)
+
+
+@requires_cuda
+def test_torch_compile_fullgraph_atomic_backward_matches_eager():
+    """The atomic backward under torch.compile (Inductor launches it, zeroing dQ as the autotuner
+    asks): as exact as eager against float64, dQ differing only by the order of its additions."""
+    q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
+    f = lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=False)  # noqa: E731
+    compiled = torch.compile(f, fullgraph=True)
+    exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), True)
+    plain = forward_backward(attention_reference, q, k, v, do, True)
+    for fn in (f, compiled):
+        out, _, dq, dk, dv = forward_backward(lambda *a, **kw: (fn(*a[:3]), None), q, k, v, do, True)
+        for name, mine, pl, ref in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (plain[0], *plain[2:]),
+                                       (exact[0], *exact[2:])):
+            assert_as_exact_as_plain(name, mine, pl, ref, do, v)
 
 
 @requires_cuda

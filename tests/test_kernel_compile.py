@@ -58,14 +58,34 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.slow
-def test_kernels_compile_for_sm90_with_inductor_signature():
+def compile_in_subprocess(script: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    uses_wgmma = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_with_inductor_signature():
+    uses_wgmma = compile_in_subprocess(SCRIPT)
     # the three matmul kernels must reach Hopper's tensor-core instructions
     assert uses_wgmma == {"fwd": True, "bwd_kv": True, "bwd_q": True, "fwd_masked": True, "bwd_kv_masked": True,
                           "bwd_q_masked": True, "delta": False}, uses_wgmma
+
+
+ATOMIC_SCRIPT = SCRIPT.split("results = {}")[0].replace('"dQ": "*bf16"', '"dQ": "*fp32"') + r"""
+from kernels.flash_bwd import flash_bwd_kv_dq_kernel
+results = {}
+for tag, masks in (("", dict(DOCS=False, WINDOW=False)), ("_masked", dict(DOCS=True, WINDOW=True))):
+    consts = dict(HEAD_DIM=96, BLOCK_D=128, CAUSAL=True, PRECISION="tf32", BLOCK_N=128, BLOCK_M=32, **masks)
+    results["bwd_kv_dq" + tag] = compile_for_hopper(flash_bwd_kv_dq_kernel, consts, 8, 3)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_atomic_backward_compiles_for_sm90_with_inductor_signature():
+    """The dK/dV kernel that adds dQ with float32 atomics (deterministic=False), plain and masked."""
+    assert compile_in_subprocess(ATOMIC_SCRIPT) == {"bwd_kv_dq": True, "bwd_kv_dq_masked": True}

@@ -63,3 +63,20 @@ def test_tuning_results_persist_where_triton_can(monkeypatch):
     assert tuning.persistent() == ({"cache_results": True} if supported else {})
     monkeypatch.setattr(tuning, "INTERPRET", True)
     assert tuning.persistent() == {}
+
+
+def test_atomic_backward_pins_128_keys_per_program(monkeypatch):
+    """Past the tuning limit the atomic dK/dV/dQ kernel keeps BLOCK_N = 128, causal or not: its
+    float32 atomic traffic per call falls as 1 / BLOCK_N."""
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    names = ("BLOCK_N", "BLOCK_M")
+    unique = dict.fromkeys(e for entries in tuning._BWD_KV_DQ.values() for e in entries)
+    candidates = [tuning._cfg(a, b, names, w, s) for a, b, w, s in unique]
+    hook = tuning.bwd_kv_dq_prune()["early_config_prune"]
+    for dim in (64, 128):
+        for causal in (False, True):
+            pinned = hook(candidates, {"seq_bucket": tuning.seq_bucket(1 << 20)}, BLOCK_D=dim, CAUSAL=causal)
+            assert [tuning._entry(c, names) for c in pinned] == [tuning._BWD_KV_DQ[dim][0]]
+            assert tuning._BWD_KV_DQ[dim][0][0] == 128
+        tuned = hook(candidates, {"seq_bucket": tuning.seq_bucket(4096)}, BLOCK_D=dim, CAUSAL=True)
+        assert [tuning._entry(c, names) for c in tuned] == tuning._BWD_KV_DQ[dim]

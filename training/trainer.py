@@ -72,7 +72,8 @@ def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = 
     sliding window of `cfg.attention.window`."""
     from model import build_model
     return build_model(cfg.model, vocab_size=vocab_size, attention=attention or cfg.attention.name,
-                       window=cfg.attention.get("window"))
+                       window=cfg.attention.get("window"),
+                       deterministic=cfg.attention.get("deterministic", True))  # absent in configs saved before it
 
 
 def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
