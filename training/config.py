@@ -36,6 +36,9 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()  # tests and scripts may compose repeatedly
+    if config_name != "train":  # a script's config: its schema extends train's (max_context < profile_step)
+        for root in schema.ROOTS:
+            schema.register(root)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return plain(hydra_compose(config_name=config_name, overrides=list(overrides or [])))
 
@@ -219,7 +222,8 @@ def validate_config(cfg: DictConfig, root: str = "train") -> None:
     groups = [g for g in schema.GROUPS if g in cfg]
     for group in groups:
         check_group(group, cfg[group])
-    top = {k: cfg[k] for k in cfg if k not in schema.GROUPS and not OmegaConf.is_missing(cfg, k)}
+    top = {k: cfg[k] for k in cfg if k not in schema.GROUPS and not OmegaConf.is_missing(cfg, k)
+           and not OmegaConf.is_interpolation(cfg, k)}  # an interpolated key is checked at its source
     check_fields(cls, top)
     _require(cfg.resume is None or cfg.resume != "", "resume", cfg.resume, "expected null, auto or a checkpoint path")
     seq_len, model = cfg.trainer.seq_len, cfg.model

@@ -227,17 +227,17 @@ class RunConfig:
 @dataclass
 class TrainConfig:
     """configs/train.yaml: what `python train.py` runs."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    model: ModelConfig = MISSING
+    attention: AttentionConfig = MISSING
+    data: DataConfig = MISSING
+    tokenizer: TokenizerConfig = MISSING
+    optim: OptimConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
     seed: int = 1337
     device: Device = Device.auto
     resume: Optional[str] = None       # null | auto | path/to/checkpoint
-    run: RunConfig = field(default_factory=RunConfig)
+    run: RunConfig = MISSING
 
 
 @dataclass
@@ -250,7 +250,6 @@ class MaxContextConfig(TrainConfig):
     granularity: int = ranged(1024, ge=1)
     cap: int = ranged(1_048_576, ge=1)
     memory_budget_mb: Optional[float] = ranged(None, gt=0)
-    out_name: Optional[str] = None
     extend: bool = False
     feature_sets: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
@@ -280,17 +279,19 @@ def schema_of(group: str, node: Any) -> type:
     return options.get(str(name), GROUPS[group]) if options else GROUPS[group]
 
 
-def register() -> None:
+def register(root: str = "train") -> None:
     """Put the schema into Hydra's ConfigStore: `schema: train` in configs/train.yaml's defaults
-    types the whole config, `/schema/<group>/<option>@_here_` types one option's file."""
+    types the whole config, `/schema/<group>_<option>@_here_` types one option's file. The
+    scripts' roots (max_context, profile_step) are registered by `training.config.compose` when
+    asked for: every entry in the store is copied each time `train.py --help` lists a group."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    for name, node in ROOTS.items():
-        store.store(group="schema", name=name, node=node)
-    for group, options in OPTIONS.items():
-        for name, node in options.items():
-            store.store(group=f"schema/{group}", name=name, node=node)
+    store.store(group="schema", name=root, node=ROOTS[root])
+    if root == "train":
+        for group, options in OPTIONS.items():
+            for name, node in options.items():
+                store.store(group="schema", name=f"{group}_{name}", node=node)
 
 
 register()
