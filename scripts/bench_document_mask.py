@@ -29,7 +29,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import (REPO_ROOT, console, device_slug, environment, error_text, markdown_table, print_table,
+from _common import (add_out_argument, console, device_slug, environment, error_text, markdown_table, print_table,
                      run_cli, tuning_note, write_json, write_text)
 
 WARMUP_MS, REP_MS = 25, 100
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="CPU-sized shapes that only check the plumbing")
     parser.add_argument("--length", type=int, default=65536, help="tokens per window (default 65536)")
     parser.add_argument("--heads", default="12/12/64", help="H/Hkv/D (default 12/12/64, gpt2-small)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
+    add_out_argument(parser, "bench_document_mask")
     args = parser.parse_args(argv)
     try:
         heads = tuple(int(x) for x in args.heads.split("/"))

@@ -30,7 +30,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import OmegaConf
 
-from _common import (REPO_ROOT, device_slug, environment, markdown_table, new_figure, run_cli, save_figure,
+from _common import (REPO_ROOT, add_out_argument, device_slug, environment, markdown_table, new_figure, run_cli, save_figure,
                      write_json, write_text)
 from training.loggers import MetricsFile
 
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs, as for train.py")
     parser.add_argument("--attention", nargs=2, default=["naive", "flash"], metavar=("BASE", "OTHER"))
     parser.add_argument("--work", type=Path, help="folder for the two run dirs (default outputs/loss_parity/<time>)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="folder for the results")
+    add_out_argument(parser, "compare_attention_losses")
     parser.add_argument("--name", help="file stem of the results (default loss_parity_<device>)")
     parser.add_argument("--redraw", type=Path, metavar="JSON", help="only rewrite the .md and .png beside a saved JSON")
     args = parser.parse_args(argv)

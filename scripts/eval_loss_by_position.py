@@ -6,7 +6,7 @@
 Windows come from the checkpoint's own data config (held-out documents, the same builders as
 training) at --seq-len (default: the training length). A loss that keeps falling with position
 means later tokens are predicted better thanks to earlier ones. Writes
-<out-dir>/loss_by_position_<name>.{json,md,png}.
+<out>/loss_by_position_<name>.{json,md,png}.
 """
 from __future__ import annotations
 
