@@ -165,3 +165,15 @@ def test_multirun_sweep_runs_every_job(tmp_path, cache_dir):
     assert losses(jobs[0]) != losses(jobs[1])  # the seeds really differ
     assert OmegaConf.load(jobs[1] / "config.yaml").seed == 2
     assert all(math.isfinite(loss) for j in jobs for _, loss, *_ in losses(j))
+
+
+def test_a_checkpoint_from_before_a_new_model_key_still_resumes():
+    """Checkpoints store the model config they were trained with; one written before a key joined
+    the schema (model.reset_positions, ...) compares as if it had held the key's default."""
+    from training.checkpoint import CheckpointError, check_model_config
+
+    current = OmegaConf.to_container(compose(["run.dir=x"]).model)
+    saved = {k: v for k, v in current.items() if k not in ("offload_activations", "block_chunk_size", "reset_positions")}
+    check_model_config("old.pt", saved, current)
+    with pytest.raises(CheckpointError, match="model.reset_positions=False in checkpoint, True now"):
+        check_model_config("old.pt", saved, {**current, "reset_positions": True})

@@ -243,7 +243,11 @@ def _describe_config_differences(saved: dict, current: dict, prefix: str = "mode
 
 def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
     """Refuse weights trained with another model config, even one with the same tensor shapes
-    (heads, norm, RoPE base, tied embeddings): they would load into a different function."""
+    (heads, norm, RoPE base, tied embeddings): they would load into a different function.
+    A key added to the schema since the checkpoint was written counts at its default."""
+    from training.config import check_group
+
+    saved = check_group("model", saved)
     ignore = set(_MODEL_KEYS_FREE_TO_CHANGE)
     if saved.get("pos_emb", "rope") == current.get("pos_emb") == "rope":
         ignore.add("max_seq_len")  # RoPE has no table: the longest length is a limit, not a weight
