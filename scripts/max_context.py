@@ -426,13 +426,17 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
-def parse_args(argv: list[str], script: str = "max_context", attention: str = ",".join(DEFAULT_ATTENTION)):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+def parse_args(argv: list[str], script: str = "max_context", attention: str = ",".join(DEFAULT_ATTENTION),
+               description: str = __doc__, writes: bool = True):
+    """max_context.py's options (profile_step.py, which prints its table and `writes` nothing,
+    shares them): --attention, --out, --name, key=value."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f"Search keys and memory-feature sets: configs/{script}.yaml")
     parser.add_argument("--attention", type=attention_list, default=attention_list(attention),
                         help=f"comma-separated attention implementations (default {attention})")
-    add_out_argument(parser, script)
-    parser.add_argument("--name", default=None, help="file stem (default max_context_<device>)")
+    if writes:
+        add_out_argument(parser, script)
+        parser.add_argument("--name", default=None, help="file stem (default max_context_<device>)")
     parser.add_argument("overrides", nargs="*", help="key=value: train.py's overrides and the search's keys")
     return parser.parse_intermixed_args(argv)
 

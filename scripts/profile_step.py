@@ -10,7 +10,6 @@ most GPU time is what to set beside a FLOP count and the rates of scripts/bench_
 """
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
@@ -21,7 +20,7 @@ from max_context import StepProbe, compose_config, parse_args, validate, with_fe
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv, script="profile_step", attention="flash")
+    args = parse_args(argv, script="profile_step", attention="flash", description=__doc__, writes=False)
     if len(args.attention) != 1:
         raise ValueError(f"--attention {','.join(args.attention)}: profile one implementation at a time")
     cfg = compose_config(args.overrides, args.attention, config_name="profile_step")

@@ -110,7 +110,7 @@ class StdlibData(DataConfig):
 
 @dataclass
 class FilesData(DataConfig):
-    paths: List[str] = MISSING
+    paths: Any = MISSING                               # a path or a list of paths (files or folders)
     text_field: str = "text"
     text_extensions: List[str] = _list(".txt", ".md", ".rst")
     max_bad_fraction: float = ranged(0.01, ge=0, le=1)
@@ -122,7 +122,7 @@ class HfData(DataConfig):
     config: Optional[str] = None
     split: str = "train"
     text_field: str = "text"
-    data_files: Optional[List[str]] = None
+    data_files: Any = None                             # null, a file or a list of files
     revision: Optional[str] = None
     streaming: bool = False
     max_docs: Optional[int] = ranged(None, ge=1)
