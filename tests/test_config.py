@@ -177,3 +177,21 @@ def test_a_checkpoint_from_before_a_new_model_key_still_resumes():
     check_model_config("old.pt", saved, current)
     with pytest.raises(CheckpointError, match="model.reset_positions=False in checkpoint, True now"):
         check_model_config("old.pt", saved, {**current, "reset_positions": True})
+
+
+def test_a_preset_with_a_misspelt_key_fails_composition(tmp_path, monkeypatch):
+    """Presets are checked against the schema too: a typo in a YAML file (here an experiment's
+    `trainer.eval_evry`) is refused while composing, instead of becoming a key no code reads."""
+    import shutil
+
+    import training.config
+
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, configs)
+    (configs / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  eval_evry: 10\n")
+    (configs / "data" / "typo.yaml").write_text("defaults:\n  - stdlib\n  - _self_\nmax_byte: 5\n")
+    monkeypatch.setattr(training.config, "CONFIG_DIR", configs)
+    for option, key in (("experiment/typo", "trainer.eval_evry"), ("data/typo", "data.max_byte")):
+        with pytest.raises(Exception) as info:
+            compose([option.replace("/", "="), "run.dir=x"])
+        assert config_error_line(info.value).startswith(f"unknown config key '{key}' in configs/{option}.yaml")

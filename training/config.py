@@ -106,14 +106,17 @@ def config_error_line(exc: BaseException) -> str:
     key, or a group typo with Hydra's list of valid options."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    cause = exc if isinstance(exc, (ValidationError, ConfigKeyError, ConfigAttributeError)) else exc.__cause__
+    cause = exc if isinstance(exc, (ValidationError, ConfigKeyError, ConfigAttributeError)) \
+        else exc.__cause__ or exc.__context__
+    preset = re.match(r"In '([^']+)': \w+ raised while composing config", str(exc))
+    where = f" in configs/{preset.group(1)}.yaml" if preset else ""   # a YAML preset, not the command line
     unknown = re.match(r"Could not override '([^']+)'\.\s+To append to your config use", str(exc))
     if unknown:  # Hydra's hint to append with `+` would make a key no code reads
         return f"unknown config key '{unknown.group(1)}' (`python train.py --cfg job` prints every valid key)"
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
-        return f"unknown config key '{cause.full_key}' (`python train.py --cfg job` prints every valid key)"
+        return f"unknown config key '{cause.full_key}'{where} (`python train.py --cfg job` prints every valid key)"
     if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):
-        return _bad_value(cause.full_key, cause.value, cause.object_type, cause.full_key.rsplit(".", 1)[-1])
+        return _bad_value(cause.full_key, cause.value, cause.object_type, cause.full_key.rsplit(".", 1)[-1]) + where
     text = str(exc).split("Config search path:")[0]
     line = ""
     for raw in text.splitlines():
