@@ -110,7 +110,7 @@ def test_split_is_by_document_and_independent_of_tokenizer(tmp_path, corpus):
     ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/empty.jsonl"]}, "empty"),
     ({"name": "files", "paths": ["{corpus}/blank"]}, "no documents"),
     ({"name": "files", "paths": ["{corpus}/txt/doc0.txt"]}, "single document"),
-    ({"name": "nosuch"}, "unknown data.name 'nosuch'"),
+    ({"name": "nosuch"}, "data.name='nosuch': expected one of stdlib, files, hf, passkey"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, corpus, data, message):
     (corpus / "empty.jsonl").write_text("")

@@ -88,7 +88,9 @@ BAD_INPUT = [
     ({"attention.name": "bogus"}, "attention 'bogus' is not registered"),
     ({"device": "tpu"}, "device='tpu': expected one of auto, cpu, cuda"),
     ({"logger.name": "tensorboard"}, "logger.name='tensorboard': expected one of none, wandb"),
-    ({"data.name": "files", "+data.paths": "[/nonexistent/corpus]"}, "/nonexistent/corpus does not exist"),
+    ({"data": "files", "data.max_bytes": None, "data.paths": "[/nonexistent/corpus]"}, "/nonexistent/corpus does not exist"),
+    ({"data.name": "files"}, "unknown config key 'data.max_bytes'"),   # stdlib's keys under files' name
+    ({"+trainer.foo": 1}, "unknown config key 'trainer.foo'"),        # appended past Hydra, refused by the check
     ({"resume": "/nonexistent/step_00000004.pt"}, "checkpoint /nonexistent/step_00000004.pt does not exist"),
 ]
 

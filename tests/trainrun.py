@@ -39,7 +39,7 @@ def tiny_overrides(run_dir, cache_dir, steps: int = 12, **extra) -> list[str]:
         "trainer.ckpt_every": 4, "trainer.progress": False, "optim.warmup_steps": 2,
     }
     values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return [f"{k}={v}" for k, v in values.items() if v is not None]   # None: leave the key out
 
 
 def run_in_process(overrides: list[str]) -> int:

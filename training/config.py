@@ -197,6 +197,9 @@ def check_fields(cls: type, node, prefix: str = "") -> DictConfig:
 def check_group(group: str, node) -> dict:
     """Check one group's node (types, ranges, the checks across its keys); returns its values
     as a plain dict, schema defaults filled in."""
+    options = schema.OPTIONS.get(group)
+    if options and node.get("name") not in options:  # the option's YAML file names it; a bare override may not
+        raise ValueError(f"{group}.name={node.get('name')!r}: expected one of {', '.join(options)}")
     typed = check_fields(schema.schema_of(group, node), node, f"{group}.")
     if group == "model":
         _check_model(typed)
