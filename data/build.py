@@ -1,14 +1,17 @@
 """`build_data`: config -> tokenizer + token cache + train sampler + validation batches."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from data.cache import CACHE_VERSION, TokenCache, load_or_build
 from data.sampler import ValidationWindows, WindowSampler
 from data.sources import build_source
-from data.stream import TokenStream, split_documents
+from data.stream import TokenStream, split_corpus
 from data.tokenizer import build_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -21,6 +24,7 @@ class DataBundle:
     cache: TokenCache
     train_tokens: int
     val_tokens: int
+    val_split: str = "documents"   # what is held out: whole "documents", or the corpus's last "tokens"
 
     def val_batches(self, batch_size: int, n_batches: int, return_doc_ids: bool = False) -> list:
         """The same list of (x, y) on every call: windows from the held-out documents."""
@@ -45,8 +49,12 @@ def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
     cache = load_or_build(cache_dir, source, tokenizer, verify=data["verify_cache"], progress=progress)
 
     val_fraction = data["val_fraction"]
-    is_val = split_documents(cache.offsets, cache.keys, val_fraction)
-    train = TokenStream(cache.tokens, cache.offsets, ~is_val)
+    offsets, is_val, val_split = split_corpus(cache.offsets, cache.keys, val_fraction)
+    if val_split == "tokens" and rank == 0:
+        log.info("%s has %d document(s), too few to hold out whole ones for data.val_fraction=%g: validation is "
+                 "the last %d of its %d tokens", source.fingerprint, cache.n_docs, val_fraction,
+                 int(offsets[-1] - offsets[:-1][is_val][0]), cache.n_tokens)
+    train = TokenStream(cache.tokens, offsets, ~is_val)
     if train.n_tokens < seq_len + 1:
         raise ValueError(
             f"seq_len={seq_len} is longer than the whole train split ({train.n_tokens:,} tokens in "
@@ -54,7 +62,7 @@ def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
         )
     validation = None
     if is_val.any():
-        val = TokenStream(cache.tokens, cache.offsets, is_val)
+        val = TokenStream(cache.tokens, offsets, is_val)
         if val.n_tokens < seq_len + 1:
             raise ValueError(
                 f"the validation split has {val.n_tokens:,} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
@@ -70,4 +78,5 @@ def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
         cache=cache,
         train_tokens=train.n_tokens,
         val_tokens=validation.stream.n_tokens if validation else 0,
+        val_split=val_split,
     )

@@ -1,4 +1,5 @@
-"""Train/validation token streams over a token cache, split by document.
+"""Train/validation token streams over a token cache, split by document (or, for a corpus of too
+few documents, by token: the last val_fraction of its tokens).
 
 A split is a set of documents; its stream is their tokens concatenated in cache order
 (each document already ends with the end-of-document id). Consecutive documents of one
@@ -10,12 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def split_documents(offsets: np.ndarray, keys: np.ndarray, val_fraction: float) -> np.ndarray:
-    """Boolean mask of validation documents: about `val_fraction` of the tokens.
+def split_documents(offsets: np.ndarray, keys: np.ndarray, val_fraction: float) -> np.ndarray | None:
+    """Boolean mask of validation documents: about `val_fraction` of the tokens; None when whole
+    documents cannot make such a split (see split_corpus).
 
     Documents are taken in the order of their name hashes (independent of the tokenizer and
     of the corpus order) whenever they still fit in the token budget; at least one document
-    goes to each side.
+    goes to each side. "Cannot": fewer than 2 documents, or the documents that fit hold less
+    than half the budget (one big file beside a few small ones).
     """
     n_docs = len(keys)
     is_val = np.zeros(n_docs, dtype=bool)
@@ -24,7 +27,7 @@ def split_documents(offsets: np.ndarray, keys: np.ndarray, val_fraction: float) 
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction={val_fraction} must be in [0, 1)")
     if n_docs < 2:
-        raise ValueError("the corpus has a single document; holding out validation by document needs at least 2")
+        return None
     lengths = np.diff(offsets)
     budget = val_fraction * offsets[-1]
     taken = 0
@@ -32,9 +35,23 @@ def split_documents(offsets: np.ndarray, keys: np.ndarray, val_fraction: float) 
         if taken + lengths[i] <= budget:
             is_val[i] = True
             taken += lengths[i]
-    if not is_val.any():
-        is_val[np.argmin(lengths)] = True
+    if taken < budget / 2 or is_val.all():
+        return None
     return is_val
+
+
+def split_corpus(offsets: np.ndarray, keys: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """(offsets, is_val, how): whole held-out documents where there are enough of them
+    (how = "documents"), else the last `val_fraction` of the corpus's tokens (how = "tokens"):
+    `offsets` then gains one boundary at the cut, so the two sides are two runs of the cache
+    (a document cut there continues in validation; its EOT still ends it for document masks)."""
+    is_val = split_documents(offsets, keys, val_fraction)
+    if is_val is not None:
+        return offsets, is_val, "documents"
+    total = int(offsets[-1])
+    cut = total - max(1, round(val_fraction * total))
+    offsets = np.unique(np.concatenate([offsets, [cut]])).astype(offsets.dtype)
+    return offsets, offsets[1:] > cut, "tokens"
 
 
 class TokenStream:

@@ -16,6 +16,7 @@ import numpy as np
 from data.digest import file_sha256
 
 EOT_TOKEN = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"   # the copy a run keeps in its run.dir
 BPE_VERSION = 1   # bump when train_bpe changes, so cached BPEs are retrained
 
 
@@ -118,6 +119,31 @@ def build_tokenizer(cfg, source, cache_dir: Path, progress: bool = True):
     if name == "bpe":
         return _cached_bpe(cfg, source, cache_dir, progress)
     raise ValueError(f"unknown tokenizer.name {name!r} (expected bytes, bpe or pretrained)")
+
+
+def save_tokenizer(tokenizer, folder: Path) -> Path | None:
+    """Keep the run's tokenizer.json in `folder` (run.dir), so evaluation and generation load the
+    model with no corpus and no re-tokenizing. The bytes tokenizer has no file: its name says it all."""
+    source = getattr(tokenizer, "path", None)
+    if source is None:
+        return None
+    dest = Path(folder) / TOKENIZER_FILE
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(Path(source).read_bytes())
+    os.replace(tmp, dest)
+    return dest
+
+
+def load_run_tokenizer(cfg, folders) -> "ByteTokenizer | JsonTokenizer | None":
+    """The tokenizer a run stored (save_tokenizer) in the first of `folders` holding one; the
+    bytes tokenizer from its name alone; None when the run kept no copy (runs older than this)."""
+    if cfg.name == "bytes":
+        return ByteTokenizer()
+    for folder in folders:
+        path = Path(folder) / TOKENIZER_FILE
+        if path.is_file():
+            return JsonTokenizer(path, cfg.name, cfg.get("eot_token") or EOT_TOKEN)
+    return None
 
 
 def _cached_bpe(cfg, source, cache_dir: Path, progress: bool) -> JsonTokenizer:

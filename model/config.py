@@ -40,10 +40,10 @@ class GPTConfig:
     init_std: float = 0.02
     activation_checkpointing: str = "none"
     loss_chunk_size: int = 0
+    reset_positions: bool = False       # positions restart at 0 at each document of a packed window
     init_from: Optional[str] = None     # a Hugging Face folder to start from (training/hf.py reads it)
     offload_activations: bool = False
     block_chunk_size: int = 0
-    reset_positions: bool = False
 
     @property
     def head_dim(self) -> int:

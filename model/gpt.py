@@ -1,7 +1,8 @@
 """A GPT-style decoder: embeddings -> pre-norm blocks -> final norm -> vocabulary head.
 
-``build_model(cfg.model, vocab_size, attention)`` is the one way the rest of the
-project makes a model; the attention name is already resolved (see model.attention).
+``build_model(cfg.model, vocab_size, attention, window=...)`` is the one way the rest of the
+project makes a model; the attention name is already resolved (see model.attention) and the
+sliding window (`attention.window`) is part of the function the weights are trained for.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.masks import document_bounds
 from model.attention import get_attention
 from model.config import GPTConfig
 from model.kv_cache import KVCache
@@ -19,11 +21,22 @@ from model.rope import rope_table
 IGNORE_INDEX = -100
 
 
+def document_positions(positions: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions counted from each token's document start: a packed document gets the
+    positions it would have alone. On the device (the kernels' document_bounds), no host sync."""
+    positions = positions.expand(document_ids.shape)
+    start = document_bounds(document_ids)[:, 0].long()
+    return positions - positions.gather(1, start)
+
+
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, attention: str):
+    def __init__(self, config: GPTConfig, attention: str, window: int | None = None):
         super().__init__()
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"attention.window={window!r}: must be null or an integer >= 1")
         self.config = config
         self.attention_name = attention
+        self.window = window   # each query sees the last `window` keys (Mistral's sliding window)
         attention_fn = get_attention(attention)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.pos_emb == "learned" else None
@@ -46,12 +59,17 @@ class GPT(nn.Module):
             init_linear_(self.lm_head, std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                document_ids: torch.Tensor | None = None,
                 positions: int | torch.Tensor | None = None, cache: KVCache | None = None,
                 logits_to_keep: int = 0) -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V); with targets (B, T) -> mean cross-entropy
         over the tokens whose target is not -100.
 
-        Keyword-only, for tokens that are not 0..T-1 and for generation:
+        Keyword-only, for packed windows, for tokens that are not 0..T-1 and for generation:
+        - document_ids: (B, T) integers, a packed window's per-token document ids (a document is a
+          run of equal ids, data/sampler.py's `return_doc_ids`); every token attends only to
+          earlier tokens of its own document, and with `model.reset_positions` its position
+          counts from its document's first token (computed on the device, no host sync);
         - positions: an int, the first token's position (default 0, or the cache's length), or a
           (T,) / (B, T) integer tensor of every token's true position (a context-parallel rank's
           chunks, model.context_parallel); RoPE and learned position embeddings use it;
@@ -61,6 +79,9 @@ class GPT(nn.Module):
           prompt's full logits would not fit).
         """
         seq_len = idx.shape[1]
+        if document_ids is not None and cache is not None:
+            raise ValueError("document_ids cannot be used with a KV cache: generation decodes one document "
+                             "(split a packed prompt into its documents)")
         if positions is None:
             positions = cache.length if cache is not None else 0
         if isinstance(positions, int):
@@ -73,6 +94,8 @@ class GPT(nn.Module):
                              f"per token of a {seq_len}-token sequence")
         else:
             positions = positions.to(idx.device)
+        if document_ids is not None and self.config.reset_positions:
+            positions = document_positions(positions, document_ids)
         x = self.tok_emb(idx)
         rope = None
         if self.pos_emb is None:
@@ -82,10 +105,10 @@ class GPT(nn.Module):
         x = self.dropout(x)
         if cache is None:
             for block in self.blocks:
-                x = block(x, rope)
+                x = block(x, rope, document_ids, self.window)
         else:
             for layer, block in enumerate(self.blocks):
-                x = block.forward_cached(x, rope, cache, layer)
+                x = block.forward_cached(x, rope, cache, layer, self.window)
             cache.advance(seq_len)
         x = self.norm_out(x)
         if targets is None:
@@ -132,7 +155,8 @@ class GPT(nn.Module):
         return tokens_per_s * self.flops_per_token(seq_len) / peak_flops
 
 
-def build_model(cfg_model, vocab_size: int, attention: str) -> GPT:
-    """GPT from the `model` config node, the tokenizer's vocabulary size and a resolved
-    attention name (naive | sdpa | flash); raises ValueError naming a bad config value."""
-    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention)
+def build_model(cfg_model, vocab_size: int, attention: str, window: int | None = None) -> GPT:
+    """GPT from the `model` config node, the tokenizer's vocabulary size, a resolved
+    attention name (naive | sdpa | flash) and `attention.window` (None: full causal attention);
+    raises ValueError naming a bad config value."""
+    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention, window)

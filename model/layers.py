@@ -94,24 +94,32 @@ class Block(nn.Module):
         x = x + self.dropout(self.attn.proj(y.flatten(2)))
         return x + self.dropout(self.mlp(self.norm_mlp(x)))
 
-    def _forward(self, x, rope):
-        return self.post_attention(x, self.attn.attention(*self.pre_attention(x, rope), causal=True))
+    def attend(self, q, k, v, document_ids=None, window=None, causal=True):
+        """The attention call; the masks are passed only when set (the ring takes none)."""
+        masks = {name: m for name, m in (("document_ids", document_ids), ("window", window)) if m is not None}
+        return self.attn.attention(q, k, v, causal=causal, **masks)
 
-    def forward_cached(self, x: torch.Tensor, rope, cache, layer: int) -> torch.Tensor:
+    def _forward(self, x, rope, document_ids=None, window=None):
+        return self.post_attention(x, self.attend(*self.pre_attention(x, rope), document_ids, window))
+
+    def forward_cached(self, x: torch.Tensor, rope, cache, layer: int, window=None) -> torch.Tensor:
         """The block for generation: x's keys and values join `cache`, queries attend to all of it.
-        One new token sees every cached key, so its attention needs no causal mask."""
+        One new token sees every cached key, so its attention needs no causal mask (a sliding
+        window is causal, aligned bottom-right: the new rows of the mask)."""
         q, k, v = self.pre_attention(x, rope)
         k, v = cache.append(layer, k, v)
-        return self.post_attention(x, self.attn.attention(q, k, v, causal=q.shape[1] > 1))
+        return self.post_attention(x, self.attend(q, k, v, window=window,
+                                                  causal=q.shape[1] > 1 or window is not None))
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, document_ids=None, window=None) -> torch.Tensor:
+        """document_ids (B, T) and window (int) as in kernels.flash_attention, None: not masked."""
         if self.checkpointing == "full":
-            return checkpoint(self._forward, x, rope, use_reentrant=False)
+            return checkpoint(self._forward, x, rope, document_ids, window, use_reentrant=False)
         if self.checkpointing == "selective":
             q, k, v = checkpoint(self.pre_attention, x, rope, use_reentrant=False)
-            y = self.attn.attention(q, k, v, causal=True)
+            y = self.attend(q, k, v, document_ids, window)
             return checkpoint(self.post_attention, x, y, use_reentrant=False)
-        return self._forward(x, rope)
+        return self._forward(x, rope, document_ids, window)
 
 
 def init_linear_(module: nn.Linear, std: float) -> None:

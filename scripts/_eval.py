@@ -40,12 +40,15 @@ def run_name(args: argparse.Namespace, path: Path) -> str:
 
 
 @torch.no_grad()
-def token_losses(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str) -> torch.Tensor:
-    """Cross-entropy of every position, (B, T) float32 on the CPU."""
+def token_losses(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, precision: str,
+                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of every position, (B, T) float32 on the CPU; with document_ids (B, T) each
+    token sees only its own document (the model's document mask)."""
     from training.device import autocast
 
+    masks = {} if document_ids is None else {"document_ids": document_ids.to(device)}
     with autocast(device, precision):
-        logits = model(x.to(device))
+        logits = model(x.to(device), **masks)
     y = y.to(device)
     out = torch.empty(y.shape, dtype=torch.float32)
     for s in range(0, y.shape[1], LOSS_CHUNK):

@@ -2,6 +2,7 @@
 
     python scripts/bench_document_mask.py           # H200: 64K windows, about 3 minutes (most of
                                                     # it compiling FlexAttention for each mask)
+    python scripts/bench_document_mask.py --cases window-4k   # one case; the file keeps the others
     python scripts/bench_document_mask.py --smoke   # CPU-sized plumbing check (not a benchmark)
 
 Cases, one sequence (B = 1) of T = 64K tokens, bf16, causal, 12 heads of 64 by default (--heads):
@@ -33,6 +34,7 @@ from _common import (add_out_argument, console, device_slug, environment, error_
                      run_cli, tuning_note, write_json, write_text)
 
 WARMUP_MS, REP_MS = 25, 100
+CASES = ("docs-2k", "docs-mixed", "window-4k")
 HEADERS = ["case", "T", "docs", "window", "pass", "ours masked ms", "Flex ms", "ours causal ms",
            "vs Flex", "vs causal", "ours TFLOP/s"]
 
@@ -157,15 +159,33 @@ def rows(report: dict) -> list[list]:
     return table
 
 
+def earlier_rows(path: Path, report: dict, rerun: list[str]) -> list[dict]:
+    """Rows of the cases not rerun, from an earlier results file of the same shapes (heads, T, dtype),
+    so one case can be measured on its own without losing the others."""
+    if not path.is_file():
+        return []
+    import json
+    old = json.loads(path.read_text())
+    if (old.get("heads"), old.get("dtype")) != (report["heads"], report["dtype"]):
+        return []
+    meta = old.get("metadata", {})
+    return [dict(r, measured=r.get("measured", {"date": meta.get("date"), "commit": meta.get("git_commit")}))
+            for r in old.get("results", []) if r["case"] not in rerun and r["T"] == report["T"]]
+
+
 def write_outputs(stem: Path, report: dict) -> None:
+    report["results"].sort(key=lambda r: CASES.index(r["case"]))
     write_json(stem.with_suffix(".json"), report)
     meta = report["metadata"]
+    older = sorted({f"{r['case']} (commit {r['measured']['commit']}, {r['measured']['date']})"
+                    for r in report["results"] if r["measured"]["commit"] != meta["git_commit"]})
     failed = [f"- {r['case']} {b}: {r[b]['status']}" for r in report["results"] for b in ("ours", "flex", "causal")
               if r[b]["status"] != "ok"]
     text = (f"# Document masks and sliding windows ({meta['device']})\n\n"
             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit']}, "
             f"`{meta['command']}`. Heads (H/Hkv/D) {report['heads']}, {report['dtype']}, B = 1, causal; timing: "
-            f"{report['timing']}.{tuning_note(meta)}\n\n"
+            f"{report['timing']}.{tuning_note(meta)}"
+            + (f" Rows measured by an earlier run: {'; '.join(older)}." if older else "") + "\n\n"
             + markdown_table(HEADERS, rows(report)) + "\n"
             + ("\nNot measured:\n" + "\n".join(failed) + "\n" if failed else ""))
     write_text(stem.with_suffix(".md"), text)
@@ -176,6 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="CPU-sized shapes that only check the plumbing")
     parser.add_argument("--length", type=int, default=65536, help="tokens per window (default 65536)")
     parser.add_argument("--heads", default="12/12/64", help="H/Hkv/D (default 12/12/64, gpt2-small)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated subset of {','.join(CASES)} (default all); the results file keeps "
+                             "the other cases' rows of an earlier run of the same shapes")
     add_out_argument(parser, "bench_document_mask")
     args = parser.parse_args(argv)
     try:
@@ -184,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--heads={args.heads!r}: expected H/Hkv/D integers") from None
     if len(heads) != 3 or min(heads) < 1 or heads[0] % heads[1]:
         raise ValueError(f"--heads={args.heads!r}: H/Hkv/D, positive, H a multiple of Hkv")
+    cases = [c for c in args.cases.split(",") if c]
+    if not cases or any(c not in CASES for c in cases):
+        raise ValueError(f"--cases={args.cases!r}: expected a comma-separated subset of {','.join(CASES)}")
     if args.length < 64:
         raise ValueError(f"--length={args.length}: at least 64 tokens")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,11 +226,13 @@ def main(argv: list[str] | None = None) -> dict:
     out = console()
     stem = args.out / f"document_mask_{device_slug(device)}"
     report = {"metadata": environment(device), "heads": "/".join(map(str, heads)), "results": [],
-              "dtype": str(dtype).replace("torch.", ""),
+              "dtype": str(dtype).replace("torch.", ""), "T": T,
               "timing": (f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms"
                          if device.type == "cuda" else "one CPU call (smoke run, not a benchmark)")}
+    report["results"] = earlier_rows(stem.with_suffix(".json"), report, cases)
+    measured = {"date": report["metadata"]["date"], "commit": report["metadata"]["git_commit"]}
     causal = time_backend(lambda: ours(None, False), heads, T, dtype, device, bench)
-    for name in ("docs-2k", "docs-mixed", "window-4k"):
+    for name in cases:
         case = make_case(name, T, device)
         if args.smoke and name == "docs-2k":  # 2K documents do not fit: documents of 32
             case = dict(case, lengths=[32] * (T // 32), ids=doc_ids([32] * (T // 32), device))
@@ -214,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
                "visible_pairs": visible_pairs(T, case["lengths"], case["window"]),
                "ours": time_backend(lambda: ours(case, True), heads, T, dtype, device, bench),
                "flex": time_backend(lambda: flex(case, device), heads, T, dtype, device, bench),
-               "causal": causal}
+               "causal": causal, "measured": measured}
         report["results"].append(row)
         out.print(f"{name}: ours {row['ours']}, flex {row['flex']}")
         write_outputs(stem, report)

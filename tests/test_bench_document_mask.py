@@ -44,7 +44,19 @@ def test_smoke_run_writes_results(tmp_path, monkeypatch):
     assert "ours masked ms" in md and "FlexAttention is timed on CUDA only" in md
     assert report["results"][0]["documents"] == 4
 
+    # one case on its own: the file keeps the other cases' rows, in the usual order
+    try:
+        bench_document_mask.main(["--smoke", "--out", str(tmp_path), "--cases", "window-4k"])
+    finally:
+        torch.set_num_threads(threads)
+    again = json.loads((tmp_path / "document_mask_cpu.json").read_text())
+    assert [r["case"] for r in again["results"]] == ["docs-2k", "docs-mixed", "window-4k"]
+    assert again["results"][:2] == data["results"][:2]
+    assert again["results"][2]["window"] == 32 and again["results"][2]["ours"]["status"] == "ok"
+
 
 def test_bad_heads_are_refused():
     with pytest.raises(ValueError, match="--heads"):
         bench_document_mask.main(["--smoke", "--heads", "12/5/64"])
+    with pytest.raises(ValueError, match="--cases"):
+        bench_document_mask.main(["--smoke", "--cases", "window-8k"])

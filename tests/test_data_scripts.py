@@ -48,6 +48,19 @@ def test_loss_by_position_table_and_plot(trained, tmp_path):
     assert (tmp_path / "loss_by_position_t.png").stat().st_size > 0 and (tmp_path / "loss_by_position_t.md").exists()
 
 
+def test_loss_by_position_with_and_without_the_document_mask(trained, tmp_path):
+    run_dir, _ = trained
+    common = [str(run_dir), "--device", "cpu", "--seq-len", "4096", "--batches", "4", "--buckets", "4",
+              "--out-dir", str(tmp_path)]
+    eval_loss_by_position.main(common + ["--document-mask"])
+    eval_loss_by_position.main(common)   # the run trained without the mask: its default
+    masked = json.loads((tmp_path / "loss_by_position_tiny_docmask.json").read_text())
+    plain = json.loads((tmp_path / "loss_by_position_tiny.json").read_text())
+    assert masked["document_mask"] is True and plain["document_mask"] is False
+    # some of these windows cross a document boundary: there the mask changes the context
+    assert any(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(masked["buckets"], plain["buckets"]))
+
+
 def test_passkey_grid_and_heatmap(trained, tmp_path):
     run_dir, _ = trained
     eval_passkey.main([str(run_dir / "checkpoints"/ "step_00000002.pt"), "--device", "cpu", "--lengths", "128", "256",

@@ -57,14 +57,14 @@ def test_files_jsonl_and_parquet_one_document_per_record(tmp_path, corpus):
     assert sorted(documents(b)) == sorted(expected)
 
 
-@pytest.mark.parametrize("streaming", [False, True])
-def test_hf_path_on_local_files_matches_files_source(tmp_path, corpus, streaming):
+@pytest.mark.parametrize("download", ["full", "lazy"])
+def test_hf_path_on_local_files_matches_files_source(tmp_path, corpus, download):
     hf = bundle_for(tmp_path, {"name": "hf", "dataset": "json", "data_files": [str(corpus / "records.jsonl")],
-                               "text_field": "body", "streaming": streaming, "split": "train"})
+                               "text_field": "body", "download": download, "split": "train"})
     files = bundle_for(tmp_path, {"name": "files", "paths": [str(corpus / "records.jsonl")], "text_field": "body"})
     assert documents(hf) == documents(files)
     capped = bundle_for(tmp_path, {"name": "hf", "dataset": "parquet", "data_files": str(corpus / "rows.parquet"),
-                                   "text_field": "body", "streaming": streaming, "max_docs": 3})
+                                   "text_field": "body", "download": download, "max_docs": 3})
     assert documents(capped) == [f"parquet row {i}. " * 30 for i in range(3)]
 
 
@@ -104,12 +104,13 @@ def test_split_is_by_document_and_independent_of_tokenizer(tmp_path, corpus):
     ({"name": "files", "paths": ["/nonexistent/corpus"]}, "does not exist"),
     ({"name": "files", "paths": []}, "needs data.paths"),
     ({"name": "files", "paths": ["{corpus}/rows.parquet"]}, r"text field 'text' not in .*columns are \['body', 'n'\]"),
-    ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/records.jsonl"], "text_field": "txt", "streaming": True},
+    ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/records.jsonl"], "text_field": "txt", "download": "lazy"},
      r"text field 'txt' not in .*columns are \['body', 'id'\]"),
     ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/missing.jsonl"]}, "does not exist"),
     ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/empty.jsonl"]}, "empty"),
     ({"name": "files", "paths": ["{corpus}/blank"]}, "no documents"),
-    ({"name": "files", "paths": ["{corpus}/txt/doc0.txt"]}, "single document"),
+    ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/records.jsonl"], "download": "stream"},
+     r"data.download='stream': expected one of full, lazy"),
     ({"name": "nosuch"}, "data.name='nosuch': expected one of stdlib, files, hf, passkey"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, corpus, data, message):

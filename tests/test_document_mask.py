@@ -187,8 +187,17 @@ def test_registered_op_with_masks_passes_opcheck():
 
 @requires_cuda
 def test_torch_compile_fullgraph_with_masks_matches_eager():
-    """The custom op carries the document bounds and the window through torch.compile."""
+    """The custom op carries the document bounds and the window through torch.compile: the same
+    bits as eager on the same tile shapes, and as exact as plain attention against float64."""
     ids = ids_from_lengths(lengths(10, 50, 10), lengths(70))
+    window = ids.shape[1] // 5   # shorter than the window of tokens, so it masks
     q, k, v, do = make_inputs(2, ids.shape[1], ids.shape[1], 8, 2, 64, torch.bfloat16)
     assert_compiled_matches_eager(
-        lambda q, k, v: flash_attention(q, k, v, causal=True, document_ids=ids, window=100) * 2, q, k, v, do)
+        lambda q, k, v: flash_attention(q, k, v, causal=True, document_ids=ids, window=window) * 2, q, k, v, do)
+    compiled = torch.compile(flash_attention, fullgraph=True)
+    ours = forward_backward(compiled, q, k, v, do, True, document_ids=ids, window=window)
+    same_dtype = forward_backward(attention_reference, q, k, v, do, True, document_ids=ids, window=window)
+    exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), True,
+                             document_ids=ids, window=window)
+    for name, mine, plain, ref in zip(NAMES, ours, same_dtype, exact):
+        assert_as_exact_as_plain(name, mine, plain, ref, do, v)

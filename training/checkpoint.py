@@ -241,6 +241,24 @@ def _describe_config_differences(saved: dict, current: dict, prefix: str = "mode
     return "; ".join(diffs)
 
 
+def check_unchanged(path: str | Path, saved_cfg: dict, cfg, defaults: dict) -> None:
+    """Refuse a resume that changes what the model computes outside the `model` group: the
+    "group.key" names of `defaults` (`data.document_mask`, `attention.window`), each at its
+    default where an older checkpoint or config lacks it."""
+    from omegaconf import OmegaConf
+
+    diffs = []
+    for key, default in defaults.items():
+        group, name = key.split(".")
+        old = saved_cfg.get(group, {}).get(name, default)
+        new = OmegaConf.select(cfg, key, default=default)
+        if old != new:
+            diffs.append(f"{key}={old!r} in checkpoint, {new!r} now")
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} was trained with {'; '.join(diffs)}: it changes what the model "
+                              f"computes (pass the checkpoint's values, or start a new run.dir)")
+
+
 def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
     """Refuse weights trained with another model config, even one with the same tensor shapes
     (heads, norm, RoPE base, tied embeddings): they would load into a different function.

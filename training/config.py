@@ -221,6 +221,17 @@ def _check_model(m) -> None:
         raise ValueError(f"RoPE needs an even head dim, got d_model/n_head={m.d_model // m.n_head}")
 
 
+def _check_masks(cfg: DictConfig) -> None:
+    """What `model.reset_positions`, `data.document_mask` and `attention.window` combine with."""
+    document_mask, window = cfg.data.document_mask, cfg.attention.window
+    _require(not cfg.model.reset_positions or document_mask, "model.reset_positions", True,
+             "needs data.document_mask=true (positions restart at the document starts the mask uses)")
+    cp = cfg.trainer.context_parallel
+    _require(cp == 1 or not (document_mask or window), "trainer.context_parallel", cp,
+             "ring attention has no document mask or sliding window yet: use data.document_mask=false "
+             "attention.window=null, or trainer.context_parallel=1")
+
+
 def validate_config(cfg: DictConfig, root: str = "train") -> None:
     """Every group of a composed config, its top-level keys, and the checks across groups; raises
     ValueError naming the first bad value. `root` names the config (train, max_context, ...)."""
@@ -228,6 +239,7 @@ def validate_config(cfg: DictConfig, root: str = "train") -> None:
     groups = [g for g in schema.GROUPS if g in cfg]
     for group in groups:
         check_group(group, cfg[group])
+    _check_masks(cfg)
     top = {k: cfg[k] for k in cfg if k not in schema.GROUPS and not OmegaConf.is_missing(cfg, k)
            and not OmegaConf.is_interpolation(cfg, k)}  # an interpolated key is checked at its source
     check_fields(cls, top)

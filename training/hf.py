@@ -166,6 +166,8 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
     arch = hf_architecture(model.config)   # refuse before writing anything
+    if getattr(model, "window", None) is not None:
+        _refuse("attention.window", model.window, "gpt2 and llama attend to every earlier token")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_text = tokenizer_json_text(tokenizer)

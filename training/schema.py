@@ -42,6 +42,7 @@ Checkpointing = _choice("Checkpointing", "none", "full", "selective")
 Optimizer = _choice("Optimizer", "adamw")
 Schedule = _choice("Schedule", "cosine", "constant")
 WandbMode = _choice("WandbMode", "online", "offline", "disabled")
+Download = _choice("Download", "full", "lazy")
 
 
 def ranged(default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
@@ -124,7 +125,7 @@ class HfData(DataConfig):
     text_field: str = "text"
     data_files: Any = None                             # null, a file or a list of files
     revision: Optional[str] = None
-    streaming: bool = False
+    download: Download = Download.full                 # full: prepare the split first; lazy: stream it
     max_docs: Optional[int] = ranged(None, ge=1)
     max_bad_fraction: float = ranged(0.01, ge=0, le=1)
 

@@ -21,8 +21,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from training.checkpoint import (CheckpointWriteError, checkpoint_dir, checkpoint_path, find_resume_checkpoint,
-                                 last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint)
+from data.tokenizer import save_tokenizer
+from training.checkpoint import (CheckpointWriteError, check_unchanged, checkpoint_dir, checkpoint_path,
+                                 find_resume_checkpoint, last_checkpoint_note, prune_checkpoints,
+                                 restore_training_state, save_checkpoint)
 from training.config import validate_config
 from training.device import autocast, resolve_device, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, env_world, init_distributed, is_sharded,
@@ -38,6 +40,8 @@ from training.runlock import RunDirLock
 from training.signals import StopRequest
 
 log = logging.getLogger("train")
+# Keys outside the `model` group that change what the model computes: a resume must keep them.
+MASK_DEFAULTS = {"data.document_mask": False, "attention.window": None}
 
 
 # ----------------------------------------------------------------------------- builders
@@ -62,9 +66,11 @@ def resolve_config(cfg: DictConfig) -> torch.device:
 
 
 def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = None):
-    """The GPT of `cfg.model` (attention: the resolved `cfg.attention.name` unless given)."""
+    """The GPT of `cfg.model` (attention: the resolved `cfg.attention.name` unless given) with the
+    sliding window of `cfg.attention.window`."""
     from model import build_model
-    return build_model(cfg.model, vocab_size=vocab_size, attention=attention or cfg.attention.name)
+    return build_model(cfg.model, vocab_size=vocab_size, attention=attention or cfg.attention.name,
+                       window=cfg.attention.get("window"))
 
 
 def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
@@ -113,11 +119,12 @@ class TrainStep:
         n, device = self.micro_steps, self.device
         loss = torch.zeros((), device=device)
         for i in range(n):
-            x, y = next_batch()
+            x, y, *doc_ids = next_batch()  # (x, y) or, with data.document_mask, (x, y, document ids)
+            masks = {"document_ids": doc_ids[0].to(device, non_blocking=True)} if doc_ids else {}
             if self.env.enabled:
                 set_gradient_sync(self.wrapped, i == n - 1)
             with autocast(device, self.precision):
-                micro_loss = self.forward(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                micro_loss = self.forward(x.to(device, non_blocking=True), y.to(device, non_blocking=True), **masks)
             (micro_loss / n).backward()
             loss += micro_loss.detach() / n
         grad_norm = clip_gradients(self.params, self.grad_clip)
@@ -221,6 +228,7 @@ class Trainer:
         optimizer_state = _DeferredOptimizerState()
         if resume:  # into the plain model, before DDP/FSDP wrapping
             path, state = resume
+            check_unchanged(path, state["config"], cfg, MASK_DEFAULTS)
             restore_training_state(path, state, model=model, optimizer=optimizer_state, sampler=self.data.train,
                                    data_fingerprint=self.data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model),
                                    allow_data_change=bool(cfg.data.get("allow_changed", False)),
@@ -231,7 +239,8 @@ class Trainer:
         self.train_step = TrainStep(self.model, cfg, device, self.env, micro_steps)
         if optimizer_state.state is not None:
             self.train_step.load_optimizer(optimizer_state.state)
-        self.val_batches = self.data.val_batches(t.batch_size, t.eval_batches)
+        self.document_mask = bool(cfg.data.get("document_mask", False))
+        self.val_batches = self.data.val_batches(t.batch_size, t.eval_batches, self.document_mask)
 
     @property
     def optimizer(self):
@@ -253,7 +262,7 @@ class Trainer:
         return result if self.env.local_rank == 0 else build()
 
     def next_batch(self) -> tuple:
-        return self.data.train.next_batch(self.cfg.trainer.batch_size)
+        return self.data.train.next_batch(self.cfg.trainer.batch_size, self.document_mask)
 
     def evaluate(self) -> float:
         """Mean validation loss; under several processes each evaluates its share of the batches."""
@@ -289,6 +298,7 @@ class Trainer:
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, self.run_dir / "config.yaml")
+            save_tokenizer(self.data.tokenizer, self.run_dir)  # evals and generation need no corpus
             loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id)
             log.info("%s: %s params, attention=%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
                      f"{cfg.run.num_params:,}", cfg.attention.name, self.device, t.precision,

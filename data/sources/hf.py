@@ -95,9 +95,12 @@ class HFSource:
         for f in data_files:
             if "://" not in str(f) and not any(c in str(f) for c in "*?[") and not Path(str(f)).expanduser().exists():
                 raise ValueError(f"data.data_files: {f} does not exist")
+        # download=lazy reads the records through datasets' streaming mode while the token cache is
+        # built: no prepared copy of the raw split on disk, but every record is still tokenized
+        # before training starts (the key stays "streaming" so existing caches keep their names).
         settings = dict(
             config=cfg.get("config"), split=str(cfg.get("split", "train")), data_files=data_files or None,
-            streaming=bool(cfg.get("streaming", False)), revision=cfg.get("revision"),
+            streaming=cfg.get("download", "full") == "lazy", revision=cfg.get("revision"),
         )
         self._ds = load_records(self.dataset_name, cache_dir=cache_dir / "hf", **settings)
         self.what = f"dataset {self.dataset_name!r} split {settings['split']!r}"
