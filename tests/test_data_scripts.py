@@ -51,7 +51,7 @@ def test_loss_by_position_table_and_plot(trained, tmp_path):
 def test_loss_by_position_with_and_without_the_document_mask(trained, tmp_path):
     run_dir, _ = trained
     common = [str(run_dir), "--device", "cpu", "--seq-len", "4096", "--batches", "4", "--buckets", "4",
-              "--out-dir", str(tmp_path)]
+              "--out", str(tmp_path)]
     eval_loss_by_position.main(common + ["--document-mask"])
     eval_loss_by_position.main(common)   # the run trained without the mask: its default
     masked = json.loads((tmp_path / "loss_by_position_tiny_docmask.json").read_text())

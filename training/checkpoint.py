@@ -265,7 +265,7 @@ def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
     A key added to the schema since the checkpoint was written counts at its default."""
     from training.config import check_group
 
-    saved = check_group("model", saved)
+    saved, current = check_group("model", saved), check_group("model", current)
     ignore = set(_MODEL_KEYS_FREE_TO_CHANGE)
     if saved.get("pos_emb", "rope") == current.get("pos_emb") == "rope":
         ignore.add("max_seq_len")  # RoPE has no table: the longest length is a limit, not a weight
