@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config import exit_on_config_error
+from training.config import exit_on_config_error, plain
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
@@ -55,7 +55,7 @@ def main(cfg: DictConfig) -> float | None:
     """One run; returns its final validation loss (what Hydra's sweepers, e.g. Optuna, minimise).
     In a multirun a failed job is reported and the sweep goes on; the process exits non-zero at the end."""
     outcome: dict = {}
-    status = train(cfg, outcome)
+    status = train(plain(cfg), outcome)
     if status and HydraConfig.get().mode == RunMode.MULTIRUN:
         FAILED_JOBS.append(status)
         logging.getLogger("train").error("job %d failed (exit status %d); the sweep goes on",

@@ -23,10 +23,10 @@ mc="env FLASHTRAIN_AUTOTUNE=0 python3 scripts/max_context.py $common"
 case "${1:-}" in
 million)
   step "naive: full checkpointing + chunked loss, then none"
-  run 60 $mc 'impls=[naive]' 'features=[ckpt+chunked]' out_dir=$OUT
-  run 40 $mc 'impls=[naive]' 'features=[plain]' extend=true out_dir=$OUT
+  run 60 $mc --attention naive 'features=[ckpt+chunked]' --out $OUT
+  run 40 $mc --attention naive 'features=[plain]' extend=true --out $OUT
   step "flash, same features as naive's first: one probe at 1,048,576 tokens, same report"
-  run 570 $mc 'impls=[flash]' 'features=[ckpt+chunked]' start=1048576 cap=1048576 extend=true out_dir=$OUT
+  run 570 $mc --attention flash 'features=[ckpt+chunked]' start=1048576 cap=1048576 extend=true --out $OUT
   ;;
 rest)
   # Three processes: a cold run is mostly compiling kernels, which is CPU-bound (one process
@@ -42,7 +42,7 @@ rest)
     trainer.log_every=10 run.dir=/tmp/run_flash_compile
   tail -n 2 /tmp/run_flash_compile/metrics.jsonl >>"$LOG" 2>&1
   step "max context without memory features: flash, sdpa (naive's is in part one's report)"
-  run 240 $mc 'impls=[flash,sdpa]' 'features=[plain]' cap=524288 extend=true out_dir=benchmarks
+  run 240 $mc --attention flash,sdpa 'features=[plain]' cap=524288 extend=true --out benchmarks
   cp benchmarks/max_context_h200* "$OUT"/
   step "loss parity: naive vs flash, tiny model, bf16"
   run 100 python3 scripts/compare_attention_losses.py --name loss_parity_h200 --out "$OUT" \
@@ -54,7 +54,7 @@ training)
     trainer.max_steps=40 optim.warmup_steps=10 trainer.eval_every=0 trainer.ckpt_every=0 \
     trainer.log_every=10 run.dir=/tmp/run16k
   tail -n 3 /tmp/run16k/metrics.jsonl >>"$LOG" 2>&1
-  run 45 python3 scripts/eval_loss_by_position.py /tmp/run16k --out-dir $OUT --batches 4
+  run 45 python3 scripts/eval_loss_by_position.py /tmp/run16k --out $OUT --batches 4
   step "gpt2-small, sdpa + compile, T=4096, 16K tokens/step"
   run 90 python3 train.py $common attention=sdpa trainer.seq_len=4096 trainer.batch_size=4 \
     trainer.compile=true trainer.max_steps=30 trainer.eval_every=0 trainer.ckpt_every=0 \

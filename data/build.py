@@ -12,7 +12,6 @@ from data.stream import TokenStream, split_corpus
 from data.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
-DOWNLOAD = ("full", "lazy")   # data=hf: prepare the whole split first, or read records while tokenizing
 
 
 @dataclass
@@ -34,32 +33,12 @@ class DataBundle:
         return self.validation.batches(batch_size, n_batches, return_doc_ids)
 
 
-def validate_data(data) -> None:
-    """Types and ranges of the `data` keys every source shares, one line naming the key."""
-    from training.config import is_number
-
-    def require(ok: bool, key: str, reason: str) -> None:
-        if not ok:
-            raise ValueError(f"data.{key}={data.get(key)!r}: {reason}")
-
-    fraction = data.get("val_fraction", 0.05)
-    require(is_number(fraction) and 0 <= fraction < 1, "val_fraction", "must be a number in [0, 1)")
-    for key in ("verify_cache", "allow_changed", "include_tests", "document_mask"):
-        require(isinstance(data.get(key, False), bool), key, "must be true or false")
-    require(data.get("download", "full") in DOWNLOAD, "download", f"expected one of {', '.join(DOWNLOAD)}")
-    bad = data.get("max_bad_fraction", 0.0)
-    require(is_number(bad) and 0 <= bad <= 1, "max_bad_fraction", "must be a number in [0, 1]")
-    for key in ("max_bytes", "max_docs"):
-        value = data.get(key)
-        require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0), key,
-                "must be null or a positive integer")
-
-
 def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1, progress: bool | None = None) -> DataBundle:
     """Everything the loop needs from `cfg.data` and `cfg.tokenizer`; tokenizes on first use."""
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be at least 1")
-    validate_data(cfg.data)
+    from training.config import check_group
+    data = check_group("data", cfg.data)  # types and ranges, schema defaults filled in (scripts build data directly)
     progress = rank == 0 if progress is None else progress
     from training.runlock import ensure_writable
 
@@ -67,9 +46,9 @@ def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
     source = build_source(cfg.data, cache_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, source, cache_dir, progress)
     source = source.for_tokenizer(tokenizer)
-    cache = load_or_build(cache_dir, source, tokenizer, verify=bool(cfg.data.get("verify_cache", True)), progress=progress)
+    cache = load_or_build(cache_dir, source, tokenizer, verify=data["verify_cache"], progress=progress)
 
-    val_fraction = cfg.data.get("val_fraction", 0.05)
+    val_fraction = data["val_fraction"]
     offsets, is_val, val_split = split_corpus(cache.offsets, cache.keys, val_fraction)
     if val_split == "tokens" and rank == 0:
         log.info("%s has %d document(s), too few to hold out whole ones for data.val_fraction=%g: validation is "

@@ -79,18 +79,39 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 def run_cli(main: Callable[[list[str]], Any]) -> None:
     """Call a script's main with its arguments. Bad input (a ValueError, a missing file, a bad
-    config key) becomes one line on stderr and exit status 2, as train.py does;
+    config key, value or type) becomes one line on stderr and exit status 2, as train.py does;
     FLASHTRAIN_TRACEBACK=1 shows the whole traceback instead."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from training.config import config_error_line, is_config_error
 
     try:
         main(sys.argv[1:])
-    except (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as exc:
-        if os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
+    except Exception as exc:  # noqa: BLE001 (only bad input is caught; anything else re-raised)
+        if not isinstance(exc, (ValueError, FileNotFoundError)) and not is_config_error(exc) \
+                or os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
             raise
-        print(f"error: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}", file=sys.stderr)
+        line = config_error_line(exc) if is_config_error(exc) else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+# One CLI for every tool: argparse options, the same names for the same idea, and train.py's own
+# `key=value` overrides as positional arguments wherever a tool builds from the training config.
+OUTPUTS = REPO_ROOT / "outputs"   # git-ignored; benchmarks/ holds committed results only
+
+
+def add_out_argument(parser, script: str, dest: str = "out") -> None:
+    """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored), so an ad-hoc
+    run never rewrites the committed results; `--out benchmarks` writes those, on purpose."""
+    parser.add_argument("--out", dest=dest, type=Path, default=OUTPUTS / script,
+                        help=f"folder for the results (default outputs/{script}/; committed results: --out benchmarks)")
+
+
+def attention_list(text: str) -> list[str]:
+    """`--attention a,b,c`: the attention implementation(s) a tool runs, comma-separated."""
+    names = [n for n in text.split(",") if n]
+    if not names:
+        raise ValueError(f"--attention {text!r}: name at least one implementation")
+    return names
 
 
 def tuning_note(meta: dict[str, Any]) -> str:

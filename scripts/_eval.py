@@ -16,7 +16,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run dir (its newest checkpoint)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--attention", default=None, help="naive | sdpa | flash (default: auto for the device)")
-    parser.add_argument("--out-dir", type=Path, default=_common.REPO_ROOT / "benchmarks")
+    _common.add_out_argument(parser, "eval", dest="out_dir")   # loss_by_position_<name>, passkey_<name>, ...
     parser.add_argument("--name", default=None, help="output file stem (default from the run dir)")
 
 

@@ -36,7 +36,9 @@ ours and naive (naive until it runs out of memory).
 A backend that cannot run here (our kernel not importable, a SDPA backend this GPU or build lacks)
 is reported as unavailable, never replaced by another. One failing measurement (out of memory, an
 unsupported shape) is recorded as such and the sweep goes on. Results are rewritten after each
-shape: <out>/attention_<gpu>.json (with metadata), .md (tables) and two PNGs.
+shape: <out>/attention_<gpu>.json (with metadata), .md (tables) and two PNGs; --out defaults to
+outputs/bench_attention/ (git-ignored), `--out benchmarks` writes the committed results.
+`--attention ours,sdpa-flash` picks the backends compared (default: all).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.nn.functional as F
 
-from _common import (REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
+from _common import (add_out_argument, console, device_slug, draw_safely, environment, error_text, human_bytes,
                      markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
                      save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
 from _memory import is_oom, peak_meter, release_memory
@@ -721,8 +723,8 @@ def main(argv: list[str] | None = None) -> dict:
     size.add_argument("--merge-training", nargs="+", type=Path, metavar="JSON",
                       help="combine the attention_<gpu>_training.json files of a run split into lanes "
                            "(--heads per GPU, each with its own --out) into one report in --out")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
-    parser.add_argument("--backends", default=None,
+    add_out_argument(parser, "bench_attention")
+    parser.add_argument("--attention", dest="backends", default=None,
                         help=f"comma-separated subset of {','.join(BACKENDS)} (default: all; with --training "
                              f"{','.join(TRAINING_BACKENDS)})")
     parser.add_argument("--lengths", default=None, help="--training only: comma-separated T (default: "
@@ -738,7 +740,7 @@ def main(argv: list[str] | None = None) -> dict:
              if n]
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
-        raise ValueError(f"--backends: unknown {', '.join(unknown)}; valid: {', '.join(BACKENDS)}")
+        raise ValueError(f"--attention: unknown {', '.join(unknown)}; valid: {', '.join(BACKENDS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         if mode != "smoke":

@@ -30,7 +30,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import (REPO_ROOT, console, device_slug, environment, error_text, markdown_table, print_table,
+from _common import (add_out_argument, console, device_slug, environment, error_text, markdown_table, print_table,
                      run_cli, tuning_note, write_json, write_text)
 
 WARMUP_MS, REP_MS = 25, 100
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated subset of {','.join(CASES)} (default all); the results file keeps "
                              "the other cases' rows of an earlier run of the same shapes")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
+    add_out_argument(parser, "bench_document_mask")
     args = parser.parse_args(argv)
     try:
         heads = tuple(int(x) for x in args.heads.split("/"))

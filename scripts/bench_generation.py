@@ -1,6 +1,7 @@
 """Generation speed: decoding tokens/s through the KV cache, and the prefill time of a long prompt.
 
     python scripts/bench_generation.py                 # GPU: gpt2-small, bf16 weights, random tokens
+    python scripts/bench_generation.py --attention flash model=gpt-1b    # one implementation, another model
     python scripts/bench_generation.py --smoke         # CPU-sized plumbing check (not a benchmark)
 
 Decoding: a batch of B random prompts of N tokens is prefilled into the cache, then greedy
@@ -9,7 +10,8 @@ decoding runs --warmup-steps untimed steps and --decode-steps timed ones (model.
 twice and the second is kept, so kernel compilation and autotuning are not timed. Prefill: one
 prompt of --prefill-len tokens through the cache (last position's logits only), median of
 --prefill-repeats after a warm-up. Random weights: speed does not depend on their values.
-Writes <out-dir>/generation_<device>.{json,md}, rewritten after every measurement.
+Writes <out>/generation_<device>.{json,md} (--out: default outputs/bench_generation/, committed
+results with --out benchmarks), rewritten after every measurement.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import (REPO_ROOT, device_slug, environment, error_text, markdown_table, print_table, run_cli,
+from _common import (add_out_argument, attention_list, device_slug, environment, error_text, markdown_table, print_table, run_cli,
                      tuning_note, write_json, write_text)
 
 SMOKE = dict(model=["model=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.n_kv_head=2"],
@@ -113,9 +115,11 @@ def write_results(path: Path, result: dict) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", nargs="+", default=["model=gpt2-small"], help="model overrides (Hydra)")
-    parser.add_argument("--attentions", nargs="+", default=["flash", "sdpa"])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="*", metavar="key=value",
+                        help="train.py's overrides for the model (default: model=gpt2-small)")
+    parser.add_argument("--attention", dest="attentions", type=attention_list, default=["flash", "sdpa"],
+                        help="comma-separated attention implementations (default flash,sdpa)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--prefill-len", type=int, default=131072)
@@ -123,9 +127,10 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--warmup-steps", type=int, default=8)
     parser.add_argument("--prefill-repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks")
+    add_out_argument(parser, "bench_generation", dest="out_dir")
     parser.add_argument("--smoke", action="store_true", help="tiny model and sizes: a CPU plumbing check")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    args.model = args.model or ["model=gpt2-small"]
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)

@@ -5,7 +5,8 @@
 
 The GPU must never wait on data: the result is set beside what a gpt2-small training step
 consumes on the H200 (a bare nanoGPT-style step with SDPA + compile: 419K tokens/s) and should be at least 10x it.
-Writes benchmarks/loader_<device>.json (or --out). Runs on CPU; `--device cuda` adds the
+Writes <out>/loader_<device>.json (--out: default outputs/bench_loader/; the committed one with
+--out benchmarks). Runs on CPU; `--device cuda` adds the
 pinned host-to-device copy to what is timed.
 """
 from __future__ import annotations
@@ -13,12 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import REPO_ROOT, device_slug, environment, print_table, run_cli, write_json
+from _common import add_out_argument, device_slug, environment, print_table, run_cli, write_json
 
 GPT2_SMALL_H200_TOKENS_PER_S = 419_000   # bare nanoGPT-style step on an H200: training consumption to stay ahead of
 
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/loader_<device>.json)")
+    add_out_argument(parser, "bench_loader")
     args = parser.parse_args(argv)
 
     from data import build_data
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
         ratio_to_gpt2_small_h200=result["tokens_per_s"] / GPT2_SMALL_H200_TOKENS_PER_S,
         environment=environment(device),
     )
-    out = args.out or REPO_ROOT / "benchmarks" / f"loader_{device_slug(device)}.json"
+    out = args.out / f"loader_{device_slug(device)}.json"
     write_json(out, result)
     print_table("loader throughput", ["data", "seq_len", "batch", "tokens/s", "x gpt2-small H200 step"],
                 [(bundle.fingerprint, args.seq_len, args.batch_size, f"{result['tokens_per_s']:,.0f}",

@@ -23,7 +23,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.distributed as dist
 
-from _common import (REPO_ROOT, device_slug, environment, error_text, human_bytes, markdown_table, run_cli,
+from _common import (add_out_argument, device_slug, environment, error_text, human_bytes, markdown_table, run_cli,
                      tokens_label, write_json, write_text)
 from _memory import is_oom, release_memory
 from kernels import attention_reference, flash_attention
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default=None, help="comma-separated whole-sequence token counts")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny lengths: plumbing only")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
+    add_out_argument(parser, "bench_ring_attention")
     args = parser.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
         raise ValueError("run under torchrun, e.g. torchrun --nproc-per-node 2 scripts/bench_ring_attention.py")

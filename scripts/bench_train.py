@@ -34,7 +34,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import (REPO_ROOT, console, device_slug, environment, markdown_table, print_table, run_cli,
+from _common import (REPO_ROOT, add_out_argument, console, device_slug, environment, markdown_table, print_table, run_cli,
                      write_json, write_text)
 
 GPT2 = ["model=gpt2-small", "logger=none", "trainer.progress=false"]
@@ -281,7 +281,7 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--first-step", action="store_true",
                         help="first step's time with empty compile caches, then warm (T = --ablation-len)")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run: checks the plumbing only")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="output folder")
+    add_out_argument(parser, "bench_train")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides (key=value)")
     args = parser.parse_args(argv)
     args.attention = [a for a in args.attention.split(",") if a]

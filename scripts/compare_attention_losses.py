@@ -2,7 +2,7 @@
 
     python scripts/compare_attention_losses.py trainer.max_steps=300 trainer.seq_len=64 trainer.batch_size=1 \
         trainer.eval_batches=4 logger=none      # naive vs flash: ~12 min on 2 CPU cores
-    python scripts/compare_attention_losses.py --attention sdpa flash --name loss_parity_h200 ...
+    python scripts/compare_attention_losses.py --attention sdpa,flash --name loss_parity_h200 ...
 
 Issue 3's end-to-end check: an exact kernel must train like the formula it replaces. Both runs get
 the same Hydra overrides (so the same seed, data order and initial weights) and differ only in
@@ -30,7 +30,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import OmegaConf
 
-from _common import (REPO_ROOT, device_slug, environment, markdown_table, new_figure, run_cli, save_figure,
+from _common import (REPO_ROOT, add_out_argument, attention_list, device_slug, environment, markdown_table, new_figure, run_cli, save_figure,
                      write_json, write_text)
 from training.loggers import MetricsFile
 
@@ -165,12 +165,15 @@ def write_outputs(result: dict, stem: Path) -> None:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs, as for train.py")
-    parser.add_argument("--attention", nargs=2, default=["naive", "flash"], metavar=("BASE", "OTHER"))
+    parser.add_argument("--attention", type=attention_list, default=["naive", "flash"], metavar="BASE,OTHER",
+                        help="the two implementations compared (default naive,flash)")
     parser.add_argument("--work", type=Path, help="folder for the two run dirs (default outputs/loss_parity/<time>)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks", help="folder for the results")
+    add_out_argument(parser, "compare_attention_losses")
     parser.add_argument("--name", help="file stem of the results (default loss_parity_<device>)")
     parser.add_argument("--redraw", type=Path, metavar="JSON", help="only rewrite the .md and .png beside a saved JSON")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if len(args.attention) != 2 or len(set(args.attention)) != 2:
+        raise ValueError(f"--attention {','.join(args.attention)}: name two different implementations, BASE,OTHER")
     if args.redraw:
         result = json.loads(args.redraw.read_text())
         write_text(args.redraw.with_suffix(".md"), summary_markdown(result))

@@ -9,7 +9,7 @@ training) at --seq-len (default: the training length). A loss that keeps falling
 means later tokens are predicted better thanks to earlier ones. --document-mask /
 --no-document-mask (default: what the run trained with, data.document_mask) evaluates with or
 without the document mask: with it, a token's context is only its own document's earlier tokens.
-Writes <out-dir>/loss_by_position_<name>.{json,md,png} (<name>_docmask with the mask).
+Writes <out>/loss_by_position_<name>.{json,md,png} (<name>_docmask with the mask).
 """
 from __future__ import annotations
 

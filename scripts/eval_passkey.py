@@ -5,7 +5,7 @@
 Each trial builds a prompt (data/passkey.py: filler, the key at the given depth, a question)
 with the checkpoint's tokenizer and scores it teacher-forced: the trial counts as correct when
 the model's most likely next token is right at every position of the key, which is exactly
-when greedy decoding would write the key. Writes <out-dir>/passkey_<name>.{json,md,png}.
+when greedy decoding would write the key. Writes <out>/passkey_<name>.{json,md,png}.
 """
 from __future__ import annotations
 

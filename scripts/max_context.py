@@ -1,9 +1,10 @@
 """How long a context can one training step take? Largest sequence per attention implementation.
 
-    python scripts/max_context.py model=gpt2-small impls=[naive,sdpa,flash] features=[plain,ckpt+chunked]
+    python scripts/max_context.py --attention naive,sdpa,flash model=gpt2-small features=[plain,ckpt+chunked]
 
 Takes the training config (configs/max_context.yaml adds the search's keys to train.yaml, so
-every model preset and override of train.py applies). For each memory-feature set and attention
+every model preset and override of train.py applies, as positional key=value arguments);
+`--attention` names the implementations compared (ratios are to naive). For each memory-feature set and attention
 implementation it builds the model once, then probes lengths: one full training step per probe
 (forward and loss inside the model, backward, clipping, optimizer step; bf16 autocast and fused
 AdamW on CUDA: train.py's own TrainStep), doubling from `start` until a step fails, then bisecting to
@@ -23,11 +24,13 @@ during the step is counted (live bytes, plus the model and optimizer state); a s
 passes the budget fails like an out-of-memory. That exercises the same search and outputs with a
 tiny model, but only CUDA runs give real figures, which the output says.
 
-Writes <out_dir>/<out_name>.json (after every probe), .md (the table) and two PNGs: peak memory
-against length, and the maximum per implementation.
+Writes <out>/<name>.json (after every probe), .md (the table) and two PNGs: peak memory
+against length, and the maximum per implementation; --out defaults to outputs/max_context/
+(git-ignored), `--out benchmarks` writes the committed results.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -39,7 +42,8 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from _common import (REPO_ROOT, console, device_slug, draw_safely, environment, error_text, human_bytes,
+from _common import (OUTPUTS, add_out_argument, attention_list, console, device_slug, draw_safely, environment,
+                     error_text, human_bytes,
                      markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
                      save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
 from _memory import allocated_bytes, is_oom, peak_meter, release_memory
@@ -204,9 +208,22 @@ class StepProbe:
 
 # ----------------------------------------------------------------------------- config
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    from training.config import compose
-    return compose(overrides, config_name="max_context")
+DEFAULT_ATTENTION = ["naive", "sdpa", "flash"]
+
+
+def compose_config(overrides: list[str], attention: list[str] = DEFAULT_ATTENTION, out: Path | None = None,
+                   name: str | None = None, config_name: str = "max_context") -> DictConfig:
+    """The search's config: configs/<config_name>.yaml with the overrides, checked against its
+    schema, plus what the options name (the implementations, where the results go)."""
+    from omegaconf import open_dict
+
+    from training.config import compose, validate_config
+
+    cfg = compose(overrides, config_name=config_name)
+    validate_config(cfg, config_name)
+    with open_dict(cfg):
+        cfg.impls, cfg.out_dir, cfg.out_name = list(attention), str(out or OUTPUTS / config_name), name
+    return cfg
 
 
 def with_features(cfg: DictConfig, name: str) -> DictConfig:
@@ -222,7 +239,7 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
 
     for impl in cfg.impls:
         if impl not in ATTENTION:
-            raise ValueError(f"impls: {impl!r} is not registered; valid: {', '.join(ATTENTION)}")
+            raise ValueError(f"--attention: {impl!r} is not registered; valid: {', '.join(ATTENTION)}")
     for name in cfg.features:
         if name not in cfg.feature_sets:
             raise ValueError(f"features: {name!r} is not in feature_sets ({', '.join(cfg.feature_sets)})")
@@ -233,12 +250,7 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
     for pair in cfg.skip:
         if pair not in pairs:
             raise ValueError(f"skip: {pair!r} is none of the runs ({', '.join(sorted(pairs))})")
-    if not (isinstance(cfg.batch_size, int) and cfg.batch_size > 0):
-        raise ValueError(f"batch_size={cfg.batch_size!r}: must be a positive integer")
     check_search_bounds(cfg.start, cfg.granularity, cfg.cap)
-    budget = cfg.memory_budget_mb
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
-        raise ValueError(f"memory_budget_mb={budget!r}: must be a positive number of MiB (or null on CUDA)")
     if cfg.model.vocab_size is None:
         raise ValueError("model.vocab_size is null: tokens here are random, so no tokenizer sets it; "
                          "pass model.vocab_size=<n>")
@@ -351,7 +363,7 @@ def earlier_results(path: Path, report: dict) -> list[dict]:
     """The completed searches in an earlier report, if it measured the same thing (extend=true)."""
     if not path.exists():
         raise ValueError(f"extend=true: {path} does not exist (run once without extend, "
-                         "with the same out_dir and out_name)")
+                         "with the same --out and --name)")
     earlier = json.loads(path.read_text())
     same = {"model": (earlier["model"], report["model"]),
             "batch_size": (earlier["settings"]["batch_size"], report["settings"]["batch_size"]),
@@ -446,7 +458,7 @@ def run(cfg: DictConfig) -> dict:
     device = resolve_device(cfg.device)
     validate(cfg, device)
     budget = None if cfg.memory_budget_mb is None else int(cfg.memory_budget_mb * 2**20)
-    stem = REPO_ROOT / cfg.out_dir / (cfg.out_name or f"max_context_{device_slug(device)}")
+    stem = Path(cfg.out_dir) / (cfg.out_name or f"max_context_{device_slug(device)}")
     settings = {key: OmegaConf.to_container(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key]
                 for key in ("impls", "features", "skip", "batch_size", "start", "granularity", "cap",
                             "memory_budget_mb", "feature_sets", "partial_step")}
@@ -490,12 +502,24 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
+def parse_args(argv: list[str], script: str = "max_context", attention: str = ",".join(DEFAULT_ATTENTION),
+               description: str = __doc__, writes: bool = True):
+    """max_context.py's options (profile_step.py, which prints its table and `writes` nothing,
+    shares them): --attention, --out, --name, key=value."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"Search keys and memory-feature sets: configs/{script}.yaml")
+    parser.add_argument("--attention", type=attention_list, default=attention_list(attention),
+                        help=f"comma-separated attention implementations (default {attention})")
+    if writes:
+        add_out_argument(parser, script)
+        parser.add_argument("--name", default=None, help="file stem (default max_context_<device>)")
+    parser.add_argument("overrides", nargs="*", help="key=value: train.py's overrides and the search's keys")
+    return parser.parse_intermixed_args(argv)
+
+
 def main(argv: list[str]) -> None:
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__)
-        print(Path(REPO_ROOT / "configs" / "max_context.yaml").read_text())
-        return
-    run(compose_config(argv))
+    args = parse_args(argv)
+    run(compose_config(args.overrides, args.attention, args.out, args.name))
 
 
 if __name__ == "__main__":

@@ -1,34 +1,31 @@
 """Where one long training step spends its GPU time: the kernels, summed by name.
 
-    python scripts/profile_step.py model=gpt2-small length=262144 'features=[ckpt+chunked]'
+    python scripts/profile_step.py --attention flash model=gpt2-small length=262144 'features=[ckpt+chunked]'
 
 The config is configs/profile_step.yaml: scripts/max_context.py's (so train.py's) plus
-`length`; the first of `impls` and of `features` is profiled. One step runs untimed
+`length`; `--attention` (one implementation) and the first of `features` are profiled. One step runs untimed
 (compiling the kernels), then one under torch.profiler. The table of the kernels that took
 most GPU time is what to set beside a FLOP count and the rates of scripts/bench_attention.py
 (kernels/NOTES.md does this for a million-token step).
 """
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 from _common import run_cli
-from max_context import StepProbe, validate, with_features
-from training.config import compose
+from max_context import StepProbe, compose_config, parse_args, validate, with_features
 
 
 def main(argv: list[str]) -> None:
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__)
-        return
-    cfg = compose(argv, config_name="profile_step")
-    if not (isinstance(cfg.length, int) and 0 < cfg.length <= cfg.model.max_seq_len):
-        raise ValueError(f"length={cfg.length!r}: must be a positive integer <= model.max_seq_len "
-                         f"({cfg.model.max_seq_len})")
+    args = parse_args(argv, script="profile_step", attention="flash", description=__doc__, writes=False)
+    if len(args.attention) != 1:
+        raise ValueError(f"--attention {','.join(args.attention)}: profile one implementation at a time")
+    cfg = compose_config(args.overrides, args.attention, config_name="profile_step")
+    if cfg.length > cfg.model.max_seq_len:
+        raise ValueError(f"length={cfg.length}: must be at most model.max_seq_len ({cfg.model.max_seq_len})")
     if not torch.cuda.is_available():
         raise ValueError("profile_step.py needs CUDA: it profiles GPU kernels")
     device = torch.device("cuda")

@@ -53,7 +53,7 @@ def test_smoke_sweep_writes_every_measurement(tmp_path, monkeypatch, restore_thr
     monkeypatch.setitem(BACKENDS, "ours", Backend("ours (test stand-in)", False, _stand_in_for_ours))
     monkeypatch.setitem(BACKENDS, "naive", Backend("naive PyTorch", False, _naive_out_of_memory_above_128))
     bench_attention.main(["--smoke", "--out", str(tmp_path),
-                          "--backends", "ours,naive,sdpa-flash,sdpa-cudnn"])
+                          "--attention", "ours,naive,sdpa-flash,sdpa-cudnn"])
     json_path = tmp_path / f"attention_{device_slug(DEVICE)}_smoke.json"
     report = json.loads(json_path.read_text())
 
@@ -93,7 +93,7 @@ def test_smoke_sweep_writes_every_measurement(tmp_path, monkeypatch, restore_thr
 
 def test_missing_kernel_is_reported_unavailable_never_substituted(tmp_path, monkeypatch, restore_threads):
     monkeypatch.delattr(kernels, "flash_attention")
-    report = bench_attention.main(["--smoke", "--out", str(tmp_path), "--backends", "ours,sdpa-flash"])
+    report = bench_attention.main(["--smoke", "--out", str(tmp_path), "--attention", "ours,sdpa-flash"])
     assert report["backends"]["ours"]["status"].startswith("unavailable: ")
     assert "kernels.flash_attention not importable" in report["backends"]["ours"]["status"]
     ours = [r for r in report["throughput"] if r["backend"] == "ours"]
@@ -105,8 +105,8 @@ def test_missing_kernel_is_reported_unavailable_never_substituted(tmp_path, monk
 
 
 def test_bad_backend_name_is_refused():
-    with pytest.raises(ValueError, match="--backends: unknown fa3"):
-        bench_attention.main(["--smoke", "--backends", "ours,fa3"])
+    with pytest.raises(ValueError, match="--attention: unknown fa3"):
+        bench_attention.main(["--smoke", "--attention", "ours,fa3"])
 
 
 def test_training_table_gives_ratios_to_both_backwards():

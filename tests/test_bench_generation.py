@@ -13,7 +13,7 @@ import bench_generation  # noqa: E402
 
 
 def test_smoke_run_writes_decoding_and_prefill(tmp_path):
-    result = bench_generation.main(["--smoke", "--attentions", "sdpa", "--device", "cpu", "--out-dir", str(tmp_path)])
+    result = bench_generation.main(["--smoke", "--attention", "sdpa", "--device", "cpu", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "generation_cpu.json").read_text())
     assert saved["decode"] == json.loads(json.dumps(result["decode"]))
     assert [(r["batch"], r["prompt_len"]) for r in saved["decode"]] == [(1, 64), (2, 64), (1, 128), (2, 128)]
@@ -28,4 +28,4 @@ def test_smoke_run_writes_decoding_and_prefill(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
 def test_real_sizes_need_a_gpu(tmp_path):
     with pytest.raises(ValueError, match="no CUDA device"):
-        bench_generation.main(["--out-dir", str(tmp_path)])
+        bench_generation.main(["--out", str(tmp_path)])

@@ -96,3 +96,11 @@ def test_existing_run_dir_stops_the_script_before_training(tmp_path):
     (tmp_path / "naive").mkdir()
     with pytest.raises(SystemExit, match="already exists"):
         cal.main(["--work", str(tmp_path), "trainer.max_steps=1"])
+
+
+def test_attention_takes_two_names_comma_separated():
+    """--attention BASE,OTHER: one spelling for the implementation(s) across the tools."""
+    with pytest.raises(ValueError, match="name two different implementations"):
+        cal.main(["--attention", "naive,flash,sdpa"])
+    with pytest.raises(ValueError, match="name two different implementations"):
+        cal.main(["--attention", "flash,flash"])

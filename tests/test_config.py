@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.trainrun import cache_dir, losses, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
-from training.config import CONFIG_DIR, compose, validate_trainer
-from training.optim import build_optimizer, lr_at, param_groups, validate_optim
+from training.config import CONFIG_DIR, compose, config_error_line, validate_config
+from training.optim import build_optimizer, lr_at, param_groups
 
 GROUPS = ["model", "attention", "data", "tokenizer", "optim", "trainer", "logger", "experiment"]
 PRESETS = [(group, path.stem) for group in GROUPS for path in sorted((CONFIG_DIR / group).glob("*.yaml"))]
@@ -31,8 +31,8 @@ def test_every_preset_composes_and_resolves(group, name):
         assert cfg.run.name == name
     elif group in ("model", "attention", "tokenizer", "optim", "logger"):
         assert cfg[group].name == name
-    validate_trainer(cfg.trainer)
-    validate_optim(cfg.optim)
+    if not OmegaConf.missing_keys(cfg):  # a preset whose user input is supplied is valid as a whole
+        validate_config(cfg)
 
 
 def test_command_line_wins_over_an_experiment():
@@ -46,29 +46,86 @@ def test_default_run_is_the_cpu_sized_job():
         "tiny", "auto", "stdlib", "auto", "none")
 
 
-@pytest.mark.parametrize("key,value,reason", [
-    ("eval_every", -1, "must be an integer >= 0"),
-    ("keep_ckpts", 0, "must be a positive integer"),
-    ("seq_len", 1.5, "must be a positive integer"),
-    ("precision", "fp8", "expected one of auto, bf16, fp32"),
-    ("compile", "yes", "must be true or false"),
-    ("peak_flops", -5, "must be null"),
-])
-def test_trainer_validation_names_key_and_reason(key, value, reason):
-    cfg = compose(["run.dir=x"])
-    cfg.trainer[key] = value
-    with pytest.raises(ValueError, match=rf"trainer\.{key}=.*{reason}"):
-        validate_trainer(cfg.trainer)
+COMPOSE_ERRORS = [  # checked by the schema (training/schema.py) while Hydra composes
+    ("trainer.seq_len=1.5", "trainer.seq_len=1.5: must be a positive integer"),
+    ("trainer.precision=fp8", "trainer.precision='fp8': expected one of auto, bf16, fp32"),
+    ("trainer.compile=maybe", "trainer.compile='maybe': must be true or false"),
+    ("optim.lr=abc", "optim.lr='abc': must be a number > 0"),
+    ("optim.schedule=linear", "optim.schedule='linear': expected one of cosine, constant"),
+    ("optim.name=sgd", "optim.name='sgd': expected one of adamw"),
+    ("optim.betas=0.9", "optim.betas=0.9: expected two values in [0, 1)"),
+    ("model.norm=batchnorm", "model.norm='batchnorm': expected one of rmsnorm, layernorm"),
+    ("logger.mode=online", "unknown config key 'logger.mode'"),          # logger=none has no mode
+    ("data.paths=[x]", "unknown config key 'data.paths'"),               # data=stdlib reads no paths
+    ("tokenizer=bpe tokenizer.vocab_size=many", "tokenizer.vocab_size='many': must be an integer >= 258"),
+    ("device=tpu", "device='tpu': expected one of auto, cpu, cuda"),
+]
 
 
-@pytest.mark.parametrize("key,value", [("lr", 0.0), ("betas", [0.9]), ("eps", 0), ("weight_decay", -0.1),
-                                       ("schedule", "linear"), ("grad_clip", -1), ("fused", "maybe"),
-                                       ("name", "sgd"), ("warmup_steps", -3)])
-def test_optim_validation_names_the_key(key, value):
+@pytest.mark.parametrize("overrides,line", COMPOSE_ERRORS, ids=[o for o, _ in COMPOSE_ERRORS])
+def test_types_keys_and_choices_are_checked_at_composition(overrides, line):
+    with pytest.raises(Exception) as info:
+        compose([*overrides.split(), "run.dir=x"])
+    assert config_error_line(info.value).startswith(line)
+
+
+RANGE_ERRORS = [  # checked by training.config.validate_config once the config is final
+    ("trainer.eval_every", -1, "trainer.eval_every=-1: must be an integer >= 0"),
+    ("trainer.keep_ckpts", 0, "trainer.keep_ckpts=0: must be a positive integer"),
+    ("trainer.peak_flops", -5, "trainer.peak_flops=-5.0: must be null or a number > 0"),
+    ("trainer.context_parallel", 0, "trainer.context_parallel=0: must be a positive integer"),
+    ("optim.lr", 0.0, "optim.lr=0.0: must be a number > 0"),
+    ("optim.min_lr", 0.5, "optim.min_lr=0.5: must lie in [0, optim.lr=0.001]"),
+    ("optim.betas", [0.9], "optim.betas=[0.9]: expected two values in [0, 1)"),
+    ("optim.eps", 0, "optim.eps=0.0: must be a number > 0"),
+    ("optim.weight_decay", -0.1, "optim.weight_decay=-0.1: must be a number >= 0"),
+    ("optim.grad_clip", -1, "optim.grad_clip=-1.0: must be a number >= 0"),
+    ("optim.fused", "maybe", "optim.fused='maybe': expected auto, true or false"),
+    ("optim.warmup_steps", -3, "optim.warmup_steps=-3: must be an integer >= 0"),
+    ("model.dropout", 1.0, "model.dropout=1.0: must be a number in [0, 1)"),
+    ("model.d_model", 30, "model.d_model=30 is not divisible by model.n_head=4"),
+    ("model.n_kv_head", 3, "model.n_head=4 is not divisible by model.n_kv_head=3"),
+    ("model.block_chunk_size", -1, "model.block_chunk_size=-1: must be an integer >= 0"),
+    ("attention.window", 0, "attention.window=0: must be null or a positive integer"),
+    ("data.val_fraction", 1.0, "data.val_fraction=1.0: must be a number in [0, 1)"),
+    ("data.max_bytes", 0, "data.max_bytes=0: must be null or a positive integer"),
+    ("resume", "", "resume='': expected null, auto or a checkpoint path"),
+    ("seed", "x", "seed='x': must be an integer"),
+]
+
+
+@pytest.mark.parametrize("key,value,line", RANGE_ERRORS, ids=[k for k, _, _ in RANGE_ERRORS])
+def test_ranges_and_cross_checks_name_the_key(key, value, line):
     cfg = compose(["run.dir=x"])
-    cfg.optim[key] = value
-    with pytest.raises(ValueError, match=rf"optim\.{key}="):
-        validate_optim(cfg.optim)
+    OmegaConf.update(cfg, key, value)
+    with pytest.raises(ValueError) as info:
+        validate_config(cfg)
+    assert str(info.value).startswith(line)
+
+
+def test_a_key_added_with_plus_is_still_unknown():
+    """`+trainer.foo=1` gets past composition (Hydra appends it); the check of the final config
+    refuses it, so no key reaches a run that no code reads."""
+    cfg = compose(["+trainer.foo=1", "run.dir=x"])
+    with pytest.raises(ValueError, match="unknown config key 'trainer.foo'"):
+        validate_config(cfg)
+
+
+def test_the_agreed_keys_are_in_the_schema_with_their_defaults():
+    cfg = compose(["run.dir=x"])
+    assert (cfg.trainer.context_parallel, cfg.model.offload_activations, cfg.model.block_chunk_size,
+            cfg.data.document_mask, cfg.model.reset_positions, cfg.attention.window,
+            cfg.attention.deterministic) == (1, False, 0, False, False, None, True)
+    for option in ("naive", "sdpa", "flash"):   # one declaration for every attention option
+        assert compose([f"attention={option}", "run.dir=x"]).attention.deterministic is True
+
+
+def test_the_composed_config_holds_plain_values():
+    """Choices are enums while composing; the config a run saves (config.yaml, checkpoints) holds
+    strings, which a weights_only torch.load and yaml read back."""
+    cfg = compose(["run.dir=x"])
+    container = OmegaConf.to_container(cfg)
+    assert type(container["trainer"]["precision"]) is str and type(container["model"]["pos_emb"]) is str
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -108,3 +165,33 @@ def test_multirun_sweep_runs_every_job(tmp_path, cache_dir):
     assert losses(jobs[0]) != losses(jobs[1])  # the seeds really differ
     assert OmegaConf.load(jobs[1] / "config.yaml").seed == 2
     assert all(math.isfinite(loss) for j in jobs for _, loss, *_ in losses(j))
+
+
+def test_a_checkpoint_from_before_a_new_model_key_still_resumes():
+    """Checkpoints store the model config they were trained with; one written before a key joined
+    the schema (model.reset_positions, ...) compares as if it had held the key's default."""
+    from training.checkpoint import CheckpointError, check_model_config
+
+    current = OmegaConf.to_container(compose(["run.dir=x"]).model)
+    saved = {k: v for k, v in current.items() if k not in ("offload_activations", "block_chunk_size", "reset_positions")}
+    check_model_config("old.pt", saved, current)
+    with pytest.raises(CheckpointError, match="model.reset_positions=False in checkpoint, True now"):
+        check_model_config("old.pt", saved, {**current, "reset_positions": True})
+
+
+def test_a_preset_with_a_misspelt_key_fails_composition(tmp_path, monkeypatch):
+    """Presets are checked against the schema too: a typo in a YAML file (here an experiment's
+    `trainer.eval_evry`) is refused while composing, instead of becoming a key no code reads."""
+    import shutil
+
+    import training.config
+
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, configs)
+    (configs / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  eval_evry: 10\n")
+    (configs / "data" / "typo.yaml").write_text("defaults:\n  - stdlib\n  - _self_\nmax_byte: 5\n")
+    monkeypatch.setattr(training.config, "CONFIG_DIR", configs)
+    for option, key in (("experiment/typo", "trainer.eval_evry"), ("data/typo", "data.max_byte")):
+        with pytest.raises(Exception) as info:
+            compose([option.replace("/", "="), "run.dir=x"])
+        assert config_error_line(info.value).startswith(f"unknown config key '{key}' in configs/{option}.yaml")

@@ -32,17 +32,16 @@ def test_data_stats_counts_the_cache(tmp_path):
 
 
 def test_bench_loader_writes_tokens_per_s(tmp_path):
-    out = tmp_path / "loader.json"
     bench_loader.main([f"data.cache_dir={tmp_path}", "data.max_bytes=1000000", "--seq-len", "4096",
-                       "--batches", "5", "--out", str(out)])
-    result = json.loads(out.read_text())
+                       "--batches", "5", "--out", str(tmp_path / "out")])   # --out is a folder, as for every tool
+    result = json.loads((tmp_path / "out" / "loader_cpu.json").read_text())
     assert result["tokens"] == 5 * 4 * 4096 and result["tokens_per_s"] > 0 and "environment" in result
 
 
 def test_loss_by_position_table_and_plot(trained, tmp_path):
     run_dir, _ = trained
     eval_loss_by_position.main([str(run_dir), "--device", "cpu", "--seq-len", "128", "--batches", "2",
-                                "--buckets", "4", "--out-dir", str(tmp_path), "--name", "t"])
+                                "--buckets", "4", "--out", str(tmp_path), "--name", "t"])
     result = json.loads((tmp_path / "loss_by_position_t.json").read_text())
     assert [(b["start"], b["end"]) for b in result["buckets"]] == [(0, 32), (32, 64), (64, 96), (96, 128)]
     assert all(0 < b["loss"] < 20 for b in result["buckets"])
@@ -52,7 +51,7 @@ def test_loss_by_position_table_and_plot(trained, tmp_path):
 def test_loss_by_position_with_and_without_the_document_mask(trained, tmp_path):
     run_dir, _ = trained
     common = [str(run_dir), "--device", "cpu", "--seq-len", "4096", "--batches", "4", "--buckets", "4",
-              "--out-dir", str(tmp_path)]
+              "--out", str(tmp_path)]
     eval_loss_by_position.main(common + ["--document-mask"])
     eval_loss_by_position.main(common)   # the run trained without the mask: its default
     masked = json.loads((tmp_path / "loss_by_position_tiny_docmask.json").read_text())
@@ -65,7 +64,7 @@ def test_loss_by_position_with_and_without_the_document_mask(trained, tmp_path):
 def test_passkey_grid_and_heatmap(trained, tmp_path):
     run_dir, _ = trained
     eval_passkey.main([str(run_dir / "checkpoints"/ "step_00000002.pt"), "--device", "cpu", "--lengths", "128", "256",
-                       "--depths", "0", "1", "--trials", "2", "--out-dir", str(tmp_path), "--name", "t"])
+                       "--depths", "0", "1", "--trials", "2", "--out", str(tmp_path), "--name", "t"])
     result = json.loads((tmp_path / "passkey_t.json").read_text())
     assert len(result["accuracy"]) == 2 and all(len(r) == 2 and all(0 <= a <= 1 for a in r) for r in result["accuracy"])
     assert (tmp_path / "passkey_t.png").stat().st_size > 0

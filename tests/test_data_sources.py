@@ -111,7 +111,7 @@ def test_split_is_by_document_and_independent_of_tokenizer(tmp_path, corpus):
     ({"name": "files", "paths": ["{corpus}/blank"]}, "no documents"),
     ({"name": "hf", "dataset": "json", "data_files": ["{corpus}/records.jsonl"], "download": "stream"},
      r"data.download='stream': expected one of full, lazy"),
-    ({"name": "nosuch"}, "unknown data.name 'nosuch'"),
+    ({"name": "nosuch"}, "data.name='nosuch': expected one of stdlib, files, hf, passkey"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, corpus, data, message):
     (corpus / "empty.jsonl").write_text("")

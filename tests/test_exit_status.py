@@ -31,7 +31,10 @@ def test_hydra_composition_errors_are_one_line_and_exit_2(tmp_path, overrides, l
 WRONG_TYPES = [
     ({"optim.lr": "abc"}, "optim.lr='abc': must be a number"),
     ({"optim.betas": 0.9}, "optim.betas=0.9: expected two values in [0, 1)"),
-    ({"model.n_layer": 2.5}, "model.n_layer=2.5: must be an integer"),
+    ({"model.n_layer": 2.5}, "model.n_layer=2.5: must be a positive integer"),
+    ({"trainer.precision": "fp8"}, "trainer.precision='fp8': expected one of auto, bf16, fp32"),
+    ({"trainer.keep_ckpts": 0}, "trainer.keep_ckpts=0: must be a positive integer"),
+    ({"attention.window": 0}, "attention.window=0: must be null or a positive integer"),
     ({"model.dropout": "abc"}, "model.dropout='abc': must be a number"),
     ({"model.tie_embeddings": "maybe"}, "model.tie_embeddings='maybe': must be true or false"),
     ({"data.val_fraction": "abc"}, "data.val_fraction='abc': must be a number in [0, 1)"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import _common  # noqa: E402
 import max_context  # noqa: E402
 from _memory import CudaPeak, LiveTensorMeter, is_oom, release_memory  # noqa: E402
 from max_context import Probe, find_max_length  # noqa: E402
@@ -104,14 +105,27 @@ def test_live_tensor_meter_counts_new_tensors_and_raises_like_an_allocator(singl
             torch.empty(mib, dtype=torch.uint8)
 
 
+def config_from_args(argv: list[str]):
+    """What `python scripts/max_context.py argv` runs on."""
+    args = max_context.parse_args(argv)
+    return max_context.compose_config(args.overrides, args.attention, args.out, args.name)
+
+
+def test_the_default_output_is_outside_the_committed_results():
+    """An ad-hoc search writes under outputs/ (git-ignored); benchmarks/ only with --out benchmarks."""
+    cfg = config_from_args(["model.vocab_size=256"])
+    assert Path(cfg.out_dir) == _common.REPO_ROOT / "outputs" / "max_context"
+    assert config_from_args(["--out", "benchmarks"]).out_dir == "benchmarks"
+
+
 def test_cpu_run_end_to_end(tmp_path, single_thread):
     """Tiny model on a budget: each implementation's search, the outputs, naive fitting least."""
     # 8 heads of width 8: naive's N x N scores dominate its memory, as they do at scale
     overrides = ["model.vocab_size=256", "model.n_layer=1", "model.d_model=64", "model.n_head=8",
-                 "model.n_kv_head=8", "impls=[naive,sdpa]", "features=[plain,ckpt+chunked]",
+                 "model.n_kv_head=8", "--attention", "naive,sdpa", "features=[plain,ckpt+chunked]",
                  "skip=[sdpa/ckpt+chunked]", "start=256", "granularity=256", "cap=8192",
-                 "memory_budget_mb=12", f"out_dir={tmp_path}", "out_name=mc", "device=cpu"]
-    report = max_context.run(max_context.compose_config(overrides))
+                 "memory_budget_mb=12", "--out", str(tmp_path), "--name", "mc", "device=cpu"]
+    report = max_context.run(config_from_args(overrides))
 
     saved = json.loads((tmp_path / "mc.json").read_text())
     assert saved["results"] == report["results"]
@@ -131,7 +145,7 @@ def test_cpu_run_end_to_end(tmp_path, single_thread):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
     # A second run extends the same files: completed searches are kept, the missing one is added.
-    extended = max_context.run(max_context.compose_config(
+    extended = max_context.run(config_from_args(
         [o for o in overrides if not o.startswith(("skip=", "features="))]
         + ["features=[ckpt+chunked]", "extend=true"]))
     pairs = [(r["impl"], r["features"]) for r in extended["results"]]
@@ -141,26 +155,26 @@ def test_cpu_run_end_to_end(tmp_path, single_thread):
     assert added["error"] is None and added["max_length"] >= found["sdpa", "plain"]["max_length"]
     assert (tmp_path / "mc.md").read_text().count("| ckpt+chunked |") == 2
     with pytest.raises(ValueError, match="different model"):
-        max_context.run(max_context.compose_config(overrides + ["extend=true", "model.d_model=32"]))
+        max_context.run(config_from_args(overrides + ["extend=true", "model.d_model=32"]))
 
 
 @pytest.mark.parametrize("override, message", [
-    ("impls=[naive,fast]", "'fast' is not registered"),
+    ("--attention naive,fast", "--attention: 'fast' is not registered"),
     ("features=[plain,turbo]", "'turbo' is not in feature_sets"),
     ("skip=[flash/plain]", "skip: 'flash/plain'"),
     ("cap=4194304", "model.max_seq_len"),
     ("memory_budget_mb=null", "memory_budget_mb is null"),
 ])
 def test_bad_settings_are_refused_before_any_model_is_built(override, message):
-    cfg = max_context.compose_config(["model.vocab_size=256", "impls=[naive]", "memory_budget_mb=8",
-                                      "device=cpu", override])
+    cfg = config_from_args(["model.vocab_size=256", "--attention", "naive", "memory_budget_mb=8",
+                            "device=cpu", *override.split()])
     with pytest.raises(ValueError, match=message):
         max_context.validate(cfg, torch.device("cpu"))
 
 
 def test_extend_needs_an_earlier_report(tmp_path):
-    cfg = max_context.compose_config(["model.vocab_size=256", "impls=[naive]", "memory_budget_mb=8",
-                                      "device=cpu", f"out_dir={tmp_path}", "extend=true"])
+    cfg = config_from_args(["model.vocab_size=256", "--attention", "naive", "memory_budget_mb=8",
+                            "device=cpu", "--out", str(tmp_path), "extend=true"])
     with pytest.raises(ValueError, match="max_context_cpu.json does not exist"):
         max_context.run(cfg)
 
@@ -208,10 +222,11 @@ def test_profile_step_config_and_refusals():
     """profile_step.py composes max_context's config plus `length`, and refuses bad input in one
     ValueError before building anything (it needs CUDA, so the CPU run ends at that refusal)."""
     import profile_step
-    from training.config import compose
 
-    cfg = compose(["model=tiny", "length=4096"], config_name="profile_step")
+    cfg = max_context.compose_config(["model=tiny", "length=4096"], ["flash"], config_name="profile_step")
     assert (cfg.length, cfg.cap, cfg.impls[0], cfg.features[0]) == (4096, 4096, "flash", "ckpt+chunked")
+    with pytest.raises(ValueError, match="profile one implementation at a time"):
+        profile_step.main(["--attention", "flash,sdpa", "model=tiny"])
     with pytest.raises(ValueError, match="length=0: must be a positive integer"):
         profile_step.main(["model=tiny", "length=0"])
     with pytest.raises(ValueError, match="model.max_seq_len"):

@@ -150,14 +150,14 @@ def test_gpt2_small_flops_near_nanogpt_estimate():
     ({"n_kv_head": 3}, "n_head=4 is not divisible by model.n_kv_head=3"),
     ({"d_model": 12, "n_head": 4, "n_kv_head": 4}, "RoPE needs an even head dim"),
     ({"vocab_size": 40}, "vocab_size=40 is smaller than the tokenizer's 50"),
-    ({"norm": "batchnorm"}, "model.norm='batchnorm'; valid: rmsnorm, layernorm"),
-    ({"mlp": "relu"}, "model.mlp='relu'; valid: swiglu, gelu"),
-    ({"pos_emb": "alibi"}, "model.pos_emb='alibi'; valid: rope, learned"),
-    ({"activation_checkpointing": "some"}, "activation_checkpointing='some'; valid: none, full, selective"),
-    ({"loss_chunk_size": -1}, "loss_chunk_size=-1 must be >= 0"),
-    ({"n_layer": 0}, "n_layer=0 must be positive"),
-    ({"dropout": 1.0}, "dropout=1.0 must be in"),
-    ({"n_layers": 2}, "unknown model config key(s): n_layers"),
+    ({"norm": "batchnorm"}, "model.norm='batchnorm': expected one of rmsnorm, layernorm"),
+    ({"mlp": "relu"}, "model.mlp='relu': expected one of swiglu, gelu"),
+    ({"pos_emb": "alibi"}, "model.pos_emb='alibi': expected one of rope, learned"),
+    ({"activation_checkpointing": "some"}, "activation_checkpointing='some': expected one of none, full, selective"),
+    ({"loss_chunk_size": -1}, "loss_chunk_size=-1: must be an integer >= 0"),
+    ({"n_layer": 0}, "n_layer=0: must be a positive integer"),
+    ({"dropout": 1.0}, "dropout=1.0: must be a number in"),
+    ({"n_layers": 2}, "unknown config key 'model.n_layers'"),
 ])
 def test_bad_config_is_one_clear_error(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -46,3 +46,18 @@ def test_train_runs_from_another_folder_despite_decoy_packages(tmp_path, cache_d
                           cwd=work, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_nothing_refers_outside_the_repository():
+    """Everything a user needs is in the checkout: no code, config, script or document points at a
+    design note, a bootstrap helper or wheel folders that are not in it. (Result JSONs record the
+    folders a measured run used; they are records, not instructions, and are not scanned.)"""
+    files = subprocess.run(["git", "ls-files", "*.py", "*.yaml", "*.md", "*.toml", "*.sh", "*.cfg", "*.txt"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    outside = ("DESIGN.md", "_bootstrap", "../shared", "/work/", ".whl/")
+    this = "tests/test_packaging.py"
+    found = [f"{name}: {word}" for name in files if name != this
+             for word in outside if word in (REPO / name).read_text(errors="replace")]
+    assert not found, found

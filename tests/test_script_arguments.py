@@ -40,13 +40,13 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("override,message", [
     ("start=0", "start=0: must be a positive integer"),
     ("granularity=1000", "start=1024 is not a multiple of granularity=1000"),
-    ("memory_budget_mb=-5", "memory_budget_mb=-5: must be a positive number of MiB"),
+    ("memory_budget_mb=-5", "memory_budget_mb=-5.0: must be null or a number > 0"),
 ])
 def test_max_context_refuses_bad_search_settings(tmp_path, monkeypatch, capsys, override, message):
     for suffix in (".json", ".md"):
         (tmp_path / f"mc{suffix}").write_text(SENTINEL)
-    line = run_script(max_context, ["model.vocab_size=256", "impls=[naive]", "memory_budget_mb=8", "device=cpu",
-                                    f"out_dir={tmp_path}", "out_name=mc", override], monkeypatch, capsys)
+    line = run_script(max_context, ["model.vocab_size=256", "--attention", "naive", "memory_budget_mb=8", "device=cpu",
+                                    "--out", str(tmp_path), "--name", "mc", override], monkeypatch, capsys)
     assert message in line, line
     assert all((tmp_path / f"mc{s}").read_text() == SENTINEL for s in (".json", ".md"))
 
@@ -62,7 +62,7 @@ def test_max_context_refuses_bad_search_settings(tmp_path, monkeypatch, capsys, 
 def test_eval_passkey_refuses_bad_arguments(trained, tmp_path, monkeypatch, capsys, args, message):
     out = tmp_path / "passkey_t.json"
     out.write_text(SENTINEL)
-    line = run_script(eval_passkey, [str(trained), "--device", "cpu", "--out-dir", str(tmp_path), "--name", "t",
+    line = run_script(eval_passkey, [str(trained), "--device", "cpu", "--out", str(tmp_path), "--name", "t",
                                      *args], monkeypatch, capsys)
     assert message in line, line
     assert out.read_text() == SENTINEL
@@ -72,7 +72,7 @@ def test_eval_passkey_refuses_bad_arguments(trained, tmp_path, monkeypatch, caps
 def test_eval_loss_by_position_refuses_zero_counts(trained, tmp_path, monkeypatch, capsys, flag):
     out = tmp_path / "loss_by_position_t.json"
     out.write_text(SENTINEL)
-    line = run_script(eval_loss_by_position, [str(trained), "--device", "cpu", "--out-dir", str(tmp_path),
+    line = run_script(eval_loss_by_position, [str(trained), "--device", "cpu", "--out", str(tmp_path),
                                               "--name", "t", flag, "0"], monkeypatch, capsys)
     assert line == f"error: {flag} 0: must be a positive integer"
     assert out.read_text() == SENTINEL

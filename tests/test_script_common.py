@@ -1,4 +1,5 @@
 """scripts/_common.py: result metadata names the code that produced it; bad input is one line."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ def test_commit_from_git_otherwise(monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["impls=[bogus]"], "error: impls: 'bogus' is not registered"),
+    (["--attention", "bogus"], "error: --attention: 'bogus' is not registered"),
+    (["impls=[naive]"], "error: unknown config key 'impls'"),   # the old name: one name, --attention, now
+    (["start=abc"], "error: start='abc': must be a positive integer"),
     (["model=nosuch"], "error: In 'train': Could not find 'model/nosuch'"),
 ])
 def test_bad_input_is_one_line_on_stderr(args, message):
@@ -31,3 +34,30 @@ def test_bad_input_is_one_line_on_stderr(args, message):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
     assert done.stderr.startswith(message)
+
+
+SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_no_tool_writes_into_the_committed_results_by_default(script):
+    """benchmarks/ holds committed results: a tool writes there only when told (`--out benchmarks`);
+    by default its results go to the git-ignored outputs/<tool>/ (_common.add_out_argument)."""
+    source = script.read_text()
+    assert not re.search(r"""REPO_ROOT\s*/\s*["']benchmarks""", source), script.name
+    assert not re.search(r"""^\s*out_dir:\s*benchmarks""", (script.parent.parent / "configs" / "max_context.yaml")
+                         .read_text(), re.M)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_one_name_per_idea_across_tools(script):
+    """One name for the attention implementation(s) (--attention) and the output folder (--out)."""
+    source = script.read_text()
+    for old in ("--backends", "--attentions", "--out-dir", "impls="):
+        assert old not in source, f"{script.name} still says {old}"
+
+
+def test_outputs_are_git_ignored():
+    ignored = (Path(__file__).resolve().parent.parent / ".gitignore").read_text().split()
+    assert "/outputs/" in ignored and "/benchmarks/" not in ignored
+    assert _common.OUTPUTS == _common.REPO_ROOT / "outputs"

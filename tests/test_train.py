@@ -88,7 +88,9 @@ BAD_INPUT = [
     ({"attention.name": "bogus"}, "attention 'bogus' is not registered"),
     ({"device": "tpu"}, "device='tpu': expected one of auto, cpu, cuda"),
     ({"logger.name": "tensorboard"}, "logger.name='tensorboard': expected one of none, wandb"),
-    ({"data.name": "files", "+data.paths": "[/nonexistent/corpus]"}, "/nonexistent/corpus does not exist"),
+    ({"data": "files", "data.max_bytes": None, "data.paths": "[/nonexistent/corpus]"}, "/nonexistent/corpus does not exist"),
+    ({"data.name": "files"}, "unknown config key 'data.max_bytes'"),   # stdlib's keys under files' name
+    ({"+trainer.foo": 1}, "unknown config key 'trainer.foo'"),        # appended past Hydra, refused by the check
     ({"resume": "/nonexistent/step_00000004.pt"}, "checkpoint /nonexistent/step_00000004.pt does not exist"),
 ]
 
@@ -145,7 +147,7 @@ def test_wandb_settings_defer_to_wandbs_environment(monkeypatch):
 def test_resume_auto_without_run_dir_is_refused(tmp_path, cache_dir):
     """Without run.dir every run gets a fresh folder: resume=auto would silently start from step 0."""
     overrides = [o for o in tiny_overrides(tmp_path, cache_dir) if not o.startswith("run.dir=")]
-    proc = run_subprocess([*overrides, "resume=auto"])
+    proc = run_subprocess([*overrides, "resume=auto", f"hydra.run.dir={tmp_path / 'hydra'}"])  # not in the checkout
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: resume=auto needs run.dir=")
 

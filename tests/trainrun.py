@@ -39,15 +39,22 @@ def tiny_overrides(run_dir, cache_dir, steps: int = 12, **extra) -> list[str]:
         "trainer.ckpt_every": 4, "trainer.progress": False, "optim.warmup_steps": 2,
     }
     values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return [f"{k}={v}" for k, v in values.items() if v is not None]   # None: leave the key out
 
 
 def run_in_process(overrides: list[str]) -> int:
     """train.py's work without a new interpreter: compose the same config, call train()."""
     import train
-    from training.config import compose
+    from training.config import compose, config_error_line, is_config_error
 
-    return train.train(compose(overrides))
+    try:
+        cfg = compose(overrides)
+    except Exception as exc:  # a composition error (unknown key, wrong type): train.py's one line, exit 2
+        if not is_config_error(exc):
+            raise
+        print(f"error: {config_error_line(exc)}", file=sys.stderr)
+        return 2
+    return train.train(cfg)
 
 
 def train_command(overrides: list[str]) -> list[str]:

@@ -242,15 +242,6 @@ def _describe_config_differences(saved: dict, current: dict, prefix: str = "mode
     return "; ".join(diffs)
 
 
-def _defaults_of_newer_keys(saved: dict, current: dict) -> dict:
-    """Model keys added after a checkpoint was written, at their defaults: the behaviour it was trained with."""
-    import dataclasses
-
-    from model.config import GPTConfig
-    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    return {k: defaults[k] for k in current if k not in saved and k in defaults}
-
-
 def check_unchanged(path: str | Path, saved_cfg: dict, cfg, defaults: dict) -> None:
     """Refuse a resume that changes what the model computes outside the `model` group: the
     "group.key" names of `defaults` (`data.document_mask`, `attention.window`), each at its
@@ -271,9 +262,12 @@ def check_unchanged(path: str | Path, saved_cfg: dict, cfg, defaults: dict) -> N
 
 def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
     """Refuse weights trained with another model config, even one with the same tensor shapes
-    (heads, norm, RoPE base, tied embeddings): they would load into a different function."""
+    (heads, norm, RoPE base, tied embeddings): they would load into a different function.
+    A key added to the schema since the checkpoint was written counts at its default."""
+    from training.config import check_group
+
+    saved, current = check_group("model", saved), check_group("model", current)
     ignore = set(_MODEL_KEYS_FREE_TO_CHANGE)
-    saved = {**_defaults_of_newer_keys(saved, current), **saved}
     if saved.get("pos_emb", "rope") == current.get("pos_emb") == "rope":
         ignore.add("max_seq_len")  # RoPE has no table: the longest length is a limit, not a weight
     diff = _describe_config_differences({k: v for k, v in saved.items() if k not in ignore},

@@ -12,17 +12,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-LOGGERS = ("none", "wandb")
-WANDB_MODES = ("online", "offline", "disabled")
-
-
-def validate_logger(logger: DictConfig) -> None:
-    if logger.name not in LOGGERS:
-        raise ValueError(f"logger.name={logger.name!r}: expected one of {', '.join(LOGGERS)}")
-    if logger.name == "wandb" and logger.mode is not None and logger.mode not in WANDB_MODES:
-        raise ValueError(f"logger.mode={logger.mode!r}: expected one of {', '.join(WANDB_MODES)}")
-
-
 class MetricsFile:
     """Append-only JSON lines, flushed per row so a killed run keeps what it logged."""
 

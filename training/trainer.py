@@ -25,16 +25,16 @@ from data.tokenizer import save_tokenizer
 from training.checkpoint import (CheckpointWriteError, check_unchanged, checkpoint_dir, checkpoint_path,
                                  find_resume_checkpoint, last_checkpoint_note, prune_checkpoints,
                                  restore_training_state, save_checkpoint)
-from training.config import validate_run
+from training.config import validate_config
 from training.device import autocast, resolve_device, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, env_world, init_distributed, is_sharded,
                                   local_grad_accum, set_gradient_sync, wrap_model)
 from training.evaluate import evaluate_loss
 from training.export import WEIGHTS_NAME, save_weights
 from training.hf import apply_init_from, load_hf_weights
-from training.loggers import Loggers, validate_logger
+from training.loggers import Loggers
 from training.metrics import Throughput, peak_flops
-from training.optim import build_optimizer, lr_at, validate_optim
+from training.optim import build_optimizer, lr_at
 from training.rng import rng_state, seed_everything
 from training.runlock import RunDirLock
 from training.signals import StopRequest
@@ -56,9 +56,7 @@ def resolve_config(cfg: DictConfig) -> torch.device:
     OmegaConf.resolve(cfg)
     if cfg.model.get("init_from"):
         apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones
-    validate_run(cfg)
-    validate_optim(cfg.optim)
-    validate_logger(cfg.logger)
+    validate_config(cfg)
     device = resolve_device(cfg.device)
     with open_dict(cfg):
         cfg.device = device.type

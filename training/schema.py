@@ -1,0 +1,299 @@
+"""The config's schema: one typed dataclass per config group, registered with Hydra's ConfigStore.
+
+Hydra merges every YAML file of configs/ into these classes when it composes the config, so an
+unknown key, a value of the wrong type or a value outside a choice (`trainer.precision=fp8`)
+fails at composition, before anything runs. The YAML files stay the presets users pick
+(`model=gpt2-small`); the range of each number is declared here as field metadata and checked
+by `training.config.check_group` (one place). Imports nothing heavy: `train.py --help` loads it.
+
+Where a group's options have different keys (data sources, tokenizers, loggers) each option has
+its own class, named in its YAML file's defaults list (`/schema/data/stdlib@_here_`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+class Choice(str, Enum):
+    """A config value from a fixed set; compares equal to (and prints as) its plain string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def _choice(name: str, *values: str) -> type[Choice]:
+    return Choice(name, [(v, v) for v in values])
+
+
+Precision = _choice("Precision", "auto", "bf16", "fp32")
+Device = _choice("Device", "auto", "cpu", "cuda")
+Parallel = _choice("Parallel", "ddp", "fsdp")          # training.distributed implements them
+PosEmb = _choice("PosEmb", "rope", "learned")
+Norm = _choice("Norm", "rmsnorm", "layernorm")
+Mlp = _choice("Mlp", "swiglu", "gelu")
+Checkpointing = _choice("Checkpointing", "none", "full", "selective")
+Optimizer = _choice("Optimizer", "adamw")
+Schedule = _choice("Schedule", "cosine", "constant")
+WandbMode = _choice("WandbMode", "online", "offline", "disabled")
+Download = _choice("Download", "full", "lazy")
+
+
+def ranged(default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
+           lt: float | None = None, le: float | None = None) -> Any:
+    """A field whose value must lie in a range (null passes where the type is Optional)."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}
+    return field(default=default, metadata={"range": bounds})
+
+
+def _list(*values: Any, expect: str | None = None) -> Any:
+    """A list field; `expect` words its error where the type alone would not say enough."""
+    return field(default_factory=lambda: list(values), metadata={"expect": expect} if expect else {})
+
+
+# ----------------------------------------------------------------------------- groups
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layer: int = ranged(4, ge=1)
+    n_head: int = ranged(4, ge=1)
+    n_kv_head: int = ranged(4, ge=1)
+    d_model: int = ranged(128, ge=1)
+    d_ff: Optional[int] = ranged(None, ge=1)          # null: 4*d_model (gelu) or 8/3*d_model (swiglu)
+    vocab_size: Optional[int] = ranged(None, ge=1)    # null: the tokenizer's size rounded up to 64
+    max_seq_len: int = ranged(1024, ge=1)
+    pos_emb: PosEmb = PosEmb.rope
+    rope_theta: float = ranged(10000.0, gt=0)
+    norm: Norm = Norm.rmsnorm
+    norm_eps: float = ranged(1e-5, gt=0)
+    mlp: Mlp = Mlp.swiglu
+    tie_embeddings: bool = True
+    bias: bool = False
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    init_std: float = ranged(0.02, gt=0)
+    init_from: Optional[str] = None
+    activation_checkpointing: Checkpointing = Checkpointing.none
+    loss_chunk_size: int = ranged(0, ge=0)
+    offload_activations: bool = False
+    block_chunk_size: int = ranged(0, ge=0)
+    reset_positions: bool = False
+
+
+@dataclass
+class AttentionConfig:
+    name: str = "auto"                                 # the YAML file: auto | flash | sdpa | naive
+    window: Optional[int] = ranged(None, ge=1)
+    deterministic: bool = True
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    val_fraction: float = ranged(0.05, ge=0, lt=1)
+    cache_dir: str = '${oc.env:FLASHTRAIN_CACHE,"~/.cache/flashtrain"}'
+    verify_cache: bool = True
+    allow_changed: bool = False
+    document_mask: bool = False
+
+
+@dataclass
+class StdlibData(DataConfig):
+    max_bytes: Optional[int] = ranged(None, ge=1)
+    include_tests: bool = True
+
+
+@dataclass
+class FilesData(DataConfig):
+    paths: Any = MISSING                               # a path or a list of paths (files or folders)
+    text_field: str = "text"
+    text_extensions: List[str] = _list(".txt", ".md", ".rst")
+    max_bad_fraction: float = ranged(0.01, ge=0, le=1)
+
+
+@dataclass
+class HfData(DataConfig):
+    dataset: str = MISSING
+    config: Optional[str] = None
+    split: str = "train"
+    text_field: str = "text"
+    data_files: Any = None                             # null, a file or a list of files
+    revision: Optional[str] = None
+    download: Download = Download.full                 # full: prepare the split first; lazy: stream it
+    max_docs: Optional[int] = ranged(None, ge=1)
+    max_bad_fraction: float = ranged(0.01, ge=0, le=1)
+
+
+@dataclass
+class PasskeyData(DataConfig):
+    num_docs: int = ranged(2000, ge=2)
+    length: int = ranged(1024, ge=1)
+    depths: Optional[List[float]] = None
+    key_digits: int = ranged(5, ge=1)
+    seed: int = 0
+
+
+@dataclass
+class TokenizerConfig:
+    name: str = MISSING
+
+
+@dataclass
+class BytesTokenizer(TokenizerConfig):
+    pass
+
+
+@dataclass
+class BpeTokenizer(TokenizerConfig):
+    vocab_size: int = ranged(8192, ge=258)             # the 256 bytes + <|endoftext|> + at least one merge
+    min_frequency: int = ranged(2, ge=1)
+    train_max_bytes: Optional[int] = ranged(10_000_000, ge=1)
+
+
+@dataclass
+class PretrainedTokenizer(TokenizerConfig):
+    path: str = MISSING
+    eot_token: str = "<|endoftext|>"
+
+
+BETAS = "expected two values in [0, 1), e.g. [0.9,0.95]"
+
+
+@dataclass
+class OptimConfig:
+    name: Optimizer = Optimizer.adamw
+    lr: float = ranged(1e-3, gt=0)
+    min_lr: float = ranged(1e-4, ge=0)                 # and <= lr (training.config)
+    betas: List[float] = _list(0.9, 0.95, expect=BETAS)
+    eps: float = ranged(1e-8, gt=0)
+    weight_decay: float = ranged(0.1, ge=0)
+    warmup_steps: int = ranged(20, ge=0)
+    schedule: Schedule = Schedule.cosine
+    grad_clip: float = ranged(1.0, ge=0)               # 0 disables
+    fused: Any = "auto"                                # auto | true | false
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = ranged(300, ge=1)
+    seq_len: int = ranged(256, ge=1)
+    batch_size: int = ranged(8, ge=1)
+    grad_accum: int = ranged(1, ge=1)
+    eval_every: int = ranged(100, ge=0)
+    eval_batches: int = ranged(8, ge=1)
+    ckpt_every: int = ranged(100, ge=0)
+    keep_ckpts: int = ranged(2, ge=1)
+    log_every: int = ranged(10, ge=1)
+    compile: bool = False
+    precision: Precision = Precision.auto
+    progress: bool = True
+    peak_flops: Optional[float] = ranged(None, gt=0)
+    parallel: Parallel = Parallel.ddp
+    dist_timeout_s: float = ranged(600.0, gt=0)
+    context_parallel: int = ranged(1, ge=1)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING
+
+
+@dataclass
+class NoLogger(LoggerConfig):
+    pass
+
+
+@dataclass
+class WandbLogger(LoggerConfig):
+    project: Optional[str] = None      # null: wandb's WANDB_PROJECT, else flashtrain
+    entity: Optional[str] = None
+    mode: Optional[WandbMode] = None   # null: wandb's WANDB_MODE, else offline
+    tags: List[str] = _list()
+
+
+@dataclass
+class RunConfig:
+    dir: str = "${hydra:runtime.output_dir}"
+    name: Optional[str] = None
+
+
+# ----------------------------------------------------------------------------- whole configs
+
+@dataclass
+class TrainConfig:
+    """configs/train.yaml: what `python train.py` runs."""
+    model: ModelConfig = MISSING
+    attention: AttentionConfig = MISSING
+    data: DataConfig = MISSING
+    tokenizer: TokenizerConfig = MISSING
+    optim: OptimConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+    seed: int = 1337
+    device: Device = Device.auto
+    resume: Optional[str] = None       # null | auto | path/to/checkpoint
+    run: RunConfig = MISSING
+
+
+@dataclass
+class MaxContextConfig(TrainConfig):
+    """configs/max_context.yaml: the training config plus scripts/max_context.py's search."""
+    features: List[str] = _list("plain")
+    skip: List[str] = _list()
+    batch_size: int = ranged(1, ge=1)
+    start: int = ranged(1024, ge=1)
+    granularity: int = ranged(1024, ge=1)
+    cap: int = ranged(1_048_576, ge=1)
+    memory_budget_mb: Optional[float] = ranged(None, gt=0)
+    extend: bool = False
+    partial_step: bool = False
+    feature_sets: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class ProfileStepConfig(MaxContextConfig):
+    """configs/profile_step.yaml: one step of max_context's at `length` tokens, profiled."""
+    length: int = ranged(65536, ge=1)
+
+
+# Per-option classes of the groups whose options differ in keys, by the option's `name`.
+OPTIONS: dict[str, dict[str, type]] = {
+    "data": {"stdlib": StdlibData, "files": FilesData, "hf": HfData, "passkey": PasskeyData},
+    "tokenizer": {"bytes": BytesTokenizer, "bpe": BpeTokenizer, "pretrained": PretrainedTokenizer},
+    "logger": {"none": NoLogger, "wandb": WandbLogger},
+}
+GROUPS: dict[str, type] = {"model": ModelConfig, "attention": AttentionConfig, "data": DataConfig,
+                           "tokenizer": TokenizerConfig, "optim": OptimConfig, "trainer": TrainerConfig,
+                           "logger": LoggerConfig}
+ROOTS: dict[str, type] = {"train": TrainConfig, "max_context": MaxContextConfig, "profile_step": ProfileStepConfig}
+
+
+def schema_of(group: str, node: Any) -> type:
+    """The class a group's node follows: its option's own class where the options differ."""
+    options = OPTIONS.get(group, {})
+    name = node.get("name") if hasattr(node, "get") else None
+    return options.get(str(name), GROUPS[group]) if options else GROUPS[group]
+
+
+def register(root: str = "train") -> None:
+    """Put the schema into Hydra's ConfigStore: `schema: train` in configs/train.yaml's defaults
+    types the whole config, `/schema/<group>_<option>@_here_` types one option's file. The
+    scripts' roots (max_context, profile_step) are registered by `training.config.compose` when
+    asked for: every entry in the store is copied each time `train.py --help` lists a group."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(group="schema", name=root, node=ROOTS[root])
+    if root == "train":
+        for group, options in OPTIONS.items():
+            for name, node in options.items():
+                store.store(group="schema", name=f"{group}_{name}", node=node)
+
+
+register()
