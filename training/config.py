@@ -101,7 +101,7 @@ def _non_negative_int(cfg: DictConfig, group: str, key: str) -> None:
 def validate_trainer(trainer: DictConfig) -> None:
     """Raise ValueError naming the first bad `trainer.*` value."""
     for key in ("max_steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "keep_ckpts",
-                "log_every"):
+                "log_every", "context_parallel"):
         _positive_int(trainer, "trainer", key)
     for key in ("eval_every", "ckpt_every"):
         _non_negative_int(trainer, "trainer", key)

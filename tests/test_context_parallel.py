@@ -1,0 +1,224 @@
+"""trainer.context_parallel on the CPU (gloo): the training step of C = 2 and C = 3 ranks (and
+DP 2 x CP 2 on 4) against the single-process step in float64, train.py under torchrun against
+one process (losses, validation loss, checkpoints both ways), and the refused combinations.
+
+The step cases use targets with -100 spread unevenly over the ranks, gradient accumulation,
+checkpointing with chunked loss, and FSDP2: the loss, every parameter gradient of both optimizer
+steps and the final weights and AdamW moments must equal the single process's to rounding.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.test_distributed import assert_states_close, free_port, torchrun_command
+from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401
+from training.checkpoint import load_checkpoint
+
+SEQ, BATCH, ACCUM, VOCAB = 24, 2, 2, 64   # 24 tokens: chunks of 6 with C = 2, of 4 with C = 3
+BASE = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", f"model.vocab_size={VOCAB}",
+        f"trainer.batch_size={BATCH}", f"trainer.grad_accum={ACCUM}", f"trainer.seq_len={SEQ}",
+        "trainer.precision=fp32", "optim.warmup_steps=0", "optim.grad_clip=0.05", "device=cpu", "attention=naive"]
+# name: (world size, context_parallel, extra overrides)
+STEP_CASES = {
+    "C2": (2, 2, []),
+    "C2-ckpt-chunked-loss": (2, 2, ["model.activation_checkpointing=full", "model.loss_chunk_size=10"]),
+    "C2-fsdp": (2, 2, ["trainer.parallel=fsdp"]),
+    "C3": (3, 3, ["model.pos_emb=learned", f"model.max_seq_len={SEQ}"]),
+    "DP2xC2": (4, 2, []),
+}
+
+
+def micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch of one optimizer step; ignored targets fall mostly on early tokens."""
+    g = torch.Generator().manual_seed(200 + step)
+    batches = []
+    for i in range(ACCUM):
+        x, y = (torch.randint(VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+        y[0, : 5 + 3 * i] = -100
+        y[1, -2:] = -100
+        batches.append((x, y))
+    return batches
+
+
+def run_steps(extra: list[str], env=None) -> dict:
+    """Two optimizer steps of a float64 tiny GPT through TrainStep: the loss (mean over ranks),
+    the gradients the optimizer saw (after clipping) and the final full state."""
+    import torch.distributed as dist
+
+    from training.config import compose
+    from training.trainer import TrainStep, model_from_config
+
+    cfg = compose(BASE + extra)
+    torch.manual_seed(0)
+    model = model_from_config(cfg, VOCAB, attention="naive").double()
+    step = TrainStep(model, cfg, torch.device("cpu"), env)
+    grads = []
+    step.optimizer.register_step_pre_hook(lambda *_: grads.append(
+        {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+         for n, p in model.named_parameters()}))
+    dp, dp_rank = (env.dp_size, env.dp_rank) if env else (1, 0)
+    result = {"loss": [], "grad_norm": []}
+    for s in range(2):
+        it = iter(micro_batches(s)[dp_rank::dp])
+        loss, norm = step(lambda: next(it))
+        if env:
+            dist.all_reduce(loss)
+            loss /= env.world_size
+        result["loss"].append(loss)
+        result["grad_norm"].append(norm)
+    result["grads"], result["state"] = grads, step.full_state()
+    return result
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from training.distributed import close_distributed, init_distributed
+
+    try:
+        for name, (case_world, size, extra) in STEP_CASES.items():
+            if case_world == world:
+                env = init_distributed("cpu", timeout_s=60, context_parallel=size)
+                result = run_steps(extra + [f"trainer.context_parallel={size}"], env)
+                if rank == 0:
+                    torch.save(result, f"{out}/{name}.pt")
+    finally:
+        close_distributed()
+
+
+@pytest.fixture(scope="module")
+def step_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp-steps")
+    for world in sorted({w for w, _, _ in STEP_CASES.values()}):
+        mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in STEP_CASES}
+
+
+@pytest.mark.parametrize("name", STEP_CASES)
+def test_context_parallel_step_equals_the_single_process_step(step_results, name):
+    extra = [o for o in STEP_CASES[name][2] if not o.startswith("trainer.parallel")]
+    single, got = run_steps(extra), step_results[name]
+    for key, rel in (("loss", 1e-6), ("grad_norm", 1e-12)):  # TrainStep accumulates the loss in float32
+        for a, b in zip(got[key], single[key]):
+            assert torch.isfinite(b) and a.item() == pytest.approx(b.item(), rel=rel), (key, a, b)
+    assert len(got["grads"]) == len(single["grads"]) == 2
+    for step_grads, ref_grads in zip(got["grads"], single["grads"]):
+        assert step_grads.keys() == ref_grads.keys()
+        for k, ref in ref_grads.items():
+            assert ref.abs().max() > 0, k  # every parameter takes part
+            torch.testing.assert_close(step_grads[k], ref, rtol=1e-12, atol=1e-15, msg=k)
+    assert_states_close(got["state"], single["state"])
+
+
+def test_summed_loss_over_chunks_equals_the_mean_times_the_count():
+    from model import build_model
+
+    torch.manual_seed(0)
+    idx, targets = torch.randint(VOCAB, (2, 12)), torch.randint(VOCAB, (2, 12))
+    targets[0, :5] = -100
+    for chunk in (0, 5):
+        model = build_model({"n_layer": 1, "loss_chunk_size": chunk}, VOCAB, "naive").double()
+        mean, total = model(idx, targets), model(idx, targets, reduction="sum")
+        assert total.item() == pytest.approx(mean.item() * 19, rel=1e-13)
+        grad_mean = torch.autograd.grad(mean, model.tok_emb.weight)[0]
+        grad_sum = torch.autograd.grad(model(idx, targets, reduction="sum"), model.tok_emb.weight)[0]
+        torch.testing.assert_close(grad_sum, grad_mean * 19, rtol=1e-12, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------- train.py under torchrun
+
+STEPS = 8
+
+
+def cp_overrides(run_dir, cache, **extra) -> list[str]:
+    return tiny_overrides(run_dir, cache, STEPS, **{"attention": "naive", "trainer.eval_every": 4,
+                                                    "trainer.keep_ckpts": 4, "trainer.grad_accum": 2, **extra})
+
+
+def torchrun(overrides: list[str], nproc: int = 2):
+    import subprocess
+    return subprocess.run(torchrun_command(overrides, nproc), cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=240)
+
+
+def assert_losses_close(a: list[tuple], b: list[tuple]) -> None:
+    """Same steps, lr and tokens; loss, val loss and grad norm to float32 rounding."""
+    assert [r[0] for r in a] == [r[0] for r in b] and [r[3:5] for r in a] == [r[3:5] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra[1] == pytest.approx(rb[1], rel=1e-5), (ra, rb)
+        assert ra[5] == pytest.approx(rb[5], rel=1e-4), (ra, rb)
+        assert (ra[2] is None) == (rb[2] is None) and (ra[2] is None or ra[2] == pytest.approx(rb[2], rel=1e-5))
+
+
+@pytest.fixture(scope="module")
+def single_cp_reference(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("single")
+    assert run_in_process(cp_overrides(run_dir, cache_dir)) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def cp_run(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("cp")
+    result = torchrun(cp_overrides(run_dir, cache_dir, **{"trainer.context_parallel": 2}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_train_py_with_context_parallel_trains_like_one_process(cp_run, single_cp_reference):
+    rows = losses(cp_run)
+    assert [r[0] for r in rows] == list(range(1, STEPS + 1))  # rank 0 alone writes
+    assert sum(r[2] is not None for r in rows) == 2
+    assert_losses_close(rows, losses(single_cp_reference))
+    state = load_checkpoint(cp_run / "checkpoints" / f"step_{STEPS:08d}.pt")
+    assert state["config"]["trainer"]["context_parallel"] == 2 and state["config"]["run"]["world_size"] == 2
+    single = load_checkpoint(single_cp_reference / "checkpoints" / f"step_{STEPS:08d}.pt")
+    assert state["sampler"] == {**single["sampler"], "world_size": 1}  # one DP rank read the same windows
+    for k, v in single["model"].items():
+        torch.testing.assert_close(state["model"][k], v, rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.slow
+def test_context_parallel_checkpoint_resumes_on_one_process(cp_run, tmp_path, cache_dir):
+    ckpt = cp_run / "checkpoints" / "step_00000004.pt"
+    assert run_in_process(cp_overrides(tmp_path, cache_dir, resume=str(ckpt))) == 0
+    assert_losses_close(losses(tmp_path), losses(cp_run)[4:])
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_resumes_with_context_parallel(single_cp_reference, tmp_path, cache_dir):
+    ckpt = single_cp_reference / "checkpoints" / "step_00000004.pt"
+    result = torchrun(cp_overrides(tmp_path, cache_dir, resume=str(ckpt), **{"trainer.context_parallel": 2}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_losses_close(losses(tmp_path), losses(single_cp_reference)[4:])
+
+
+# ----------------------------------------------------------------------------- refused before any work
+
+@pytest.mark.parametrize("world, extra, message", [
+    (1, {"trainer.context_parallel": 2}, "trainer.context_parallel=2 splits each sequence over 2 processes: start "
+                                         "a multiple of 2 of them with torchrun --nproc_per_node=N"),
+    (2, {"trainer.context_parallel": 3}, "trainer.context_parallel=3 does not divide the 2 processes"),
+    (2, {"trainer.context_parallel": 2, "trainer.seq_len": 62},
+     "trainer.seq_len=62 is not divisible by 2 x trainer.context_parallel = 4"),
+    (2, {"trainer.context_parallel": 2, "attention": "sdpa"}, "trainer.context_parallel=2 needs attention=flash or "
+                                                              "naive"),
+    (4, {"trainer.context_parallel": 2, "trainer.grad_accum": 3},
+     "trainer.grad_accum=3 is not divisible by the 2 data-parallel groups (4 processes / "
+     "trainer.context_parallel=2)"),
+    (2, {"trainer.context_parallel": 0}, "trainer.context_parallel=0: must be a positive integer"),
+])
+def test_unsupported_context_parallel_is_one_line_exit_2(tmp_path, cache_dir, capsys, monkeypatch, world, extra,
+                                                         message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    assert run_in_process(cp_overrides(tmp_path, cache_dir, **extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert not (tmp_path / "metrics.jsonl").exists()
