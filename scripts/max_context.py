@@ -224,7 +224,7 @@ def with_features(cfg: DictConfig, name: str) -> DictConfig:
 def validate(cfg: DictConfig, device: torch.device, world_size: int = 1) -> None:
     """Raise ValueError naming the first bad tool key before any model is built."""
     from model.attention import ATTENTION
-    from model.ring_attention import BLOCKS
+    from training.context_parallel import check_attention, check_processes
 
     for impl in cfg.impls:
         if impl not in ATTENTION:
@@ -243,17 +243,12 @@ def validate(cfg: DictConfig, device: torch.device, world_size: int = 1) -> None
         raise ValueError(f"batch_size={cfg.batch_size!r}: must be a positive integer")
     check_search_bounds(cfg.start, cfg.granularity, cfg.cap)
     size = cfg.trainer.context_parallel
-    if size > 1:
-        if world_size % size:
-            raise ValueError(f"trainer.context_parallel={size} needs torchrun with a multiple of {size} processes "
-                             f"(got {world_size})")
-        if cfg.granularity % (2 * size):
-            raise ValueError(f"granularity={cfg.granularity} is not a multiple of 2 x trainer.context_parallel = "
-                             f"{2 * size} (every probed length is split into {2 * size} equal chunks)")
-        for impl in cfg.impls:
-            if impl not in BLOCKS:
-                raise ValueError(f"impls: {impl!r} cannot run as a ring under trainer.context_parallel={size} "
-                                 f"(use {' or '.join(BLOCKS)})")
+    check_processes(size, world_size)
+    if cfg.granularity % (2 * size):
+        raise ValueError(f"granularity={cfg.granularity} is not a multiple of 2 x trainer.context_parallel = "
+                         f"{2 * size} (every probed length is split into {2 * size} equal chunks)")
+    for impl in cfg.impls:
+        check_attention(impl, size)
     budget = cfg.memory_budget_mb
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         raise ValueError(f"memory_budget_mb={budget!r}: must be a positive number of MiB (or null on CUDA)")

@@ -27,24 +27,34 @@ def context_parallel_size(cfg: DictConfig) -> int:
     return int(cfg.trainer.get("context_parallel", 1))
 
 
+def check_processes(size: int, world_size: int) -> None:
+    """C > 1 needs torchrun with a multiple of C processes."""
+    if size > 1 and world_size == 1:
+        raise ValueError(f"trainer.context_parallel={size} splits each sequence over {size} processes: start a "
+                         f"multiple of {size} of them with torchrun --nproc_per_node=N")
+    if world_size % size:
+        raise ValueError(f"trainer.context_parallel={size} does not divide the {world_size} processes "
+                         f"(the data-parallel size is processes / context_parallel)")
+
+
+def check_attention(name: str, size: int) -> None:
+    """The ring's per-block compute must return the log-sum-exp: flash or naive."""
+    if size > 1 and name not in BLOCKS:
+        raise ValueError(f"trainer.context_parallel={size} needs attention={' or '.join(BLOCKS)} (the ring merges "
+                         f"blocks by their log-sum-exp, which {name} does not return)")
+
+
 def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
     """Raise a one-line ValueError for a combination context parallelism does not support
     (before any process group, data or model is built). A no-op for C = 1."""
     size, t = context_parallel_size(cfg), cfg.trainer
     if size == 1:
         return
-    if world_size == 1:
-        raise ValueError(f"trainer.context_parallel={size} splits each sequence over {size} processes: start a "
-                         f"multiple of {size} of them with torchrun --nproc_per_node=N")
-    if world_size % size:
-        raise ValueError(f"trainer.context_parallel={size} does not divide the {world_size} processes "
-                         f"(the data-parallel size is processes / context_parallel)")
+    check_processes(size, world_size)
     if t.seq_len % (2 * size):
         raise ValueError(f"trainer.seq_len={t.seq_len} is not divisible by 2 x trainer.context_parallel = "
                          f"{2 * size} (each rank holds two equal chunks of every sequence)")
-    if cfg.attention.name not in BLOCKS:
-        raise ValueError(f"trainer.context_parallel={size} needs attention={' or '.join(BLOCKS)} (the ring merges "
-                         f"blocks by their log-sum-exp, which {cfg.attention.name} does not return)")
+    check_attention(cfg.attention.name, size)
     unsupported = {"data.document_mask": cfg.data.get("document_mask", False),
                    "model.reset_positions": cfg.model.get("reset_positions", False),
                    "attention.window": cfg.attention.get("window", None)}

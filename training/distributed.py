@@ -88,14 +88,12 @@ def local_grad_accum(grad_accum: int, world_size: int, context_parallel: int = 1
 def init_distributed(device_type: str, timeout_s: float, context_parallel: int = 1) -> DistEnv:
     """Join torchrun's process group (a no-op for a single process); CUDA ranks get their own GPU;
     with context_parallel = C > 1 also the (dp, cp) mesh and this rank's CP group."""
+    from training.context_parallel import check_processes
+
     rank, world, local = env_world()
+    check_processes(context_parallel, world)
     if world == 1:
-        if context_parallel > 1:
-            raise ValueError(f"trainer.context_parallel={context_parallel} needs torchrun with a multiple of "
-                             f"{context_parallel} processes")
         return DistEnv()
-    if world % context_parallel:
-        raise ValueError(f"trainer.context_parallel={context_parallel} does not divide the {world} processes")
     if device_type == "cuda":
         if local >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA device(s)")
