@@ -176,8 +176,9 @@ class StepProbe:
         try:
             with meter:
                 step_s = self.timed_step(length)
-                if step_s < RETIME_BELOW_S:
-                    step_s = self.timed_step(length)
+            step_s = self._slowest(step_s)
+            if step_s < RETIME_BELOW_S:  # on the slowest rank's time: every rank steps again or none
+                step_s = self._slowest(self.timed_step(length))
         except Exception as exc:  # noqa: BLE001 (anything but OOM is re-raised)
             if not is_oom(exc):
                 raise
@@ -190,6 +191,16 @@ class StepProbe:
             return Probe(length, fits=False, start_bytes=start_bytes, error=error or "out of memory on another rank")
         return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=peak, step_s=step_s,
                      tokens_per_s=self.env.dp_size * self.batch_size * length / step_s)
+
+    def _slowest(self, step_s: float) -> float:
+        """The slowest rank's step time under torchrun (this one's alone)."""
+        if not self.env.enabled:
+            return step_s
+        import torch.distributed as dist
+
+        value = torch.tensor([step_s], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.env.control)
+        return value.item()
 
     def _agree(self, fits: bool, peak, start_bytes: int, step_s):
         """Under torchrun: fits on every rank, the largest peak and start of any rank, the slowest
