@@ -4,8 +4,8 @@ one process (losses, validation loss, checkpoints both ways), and the refused co
 
 The step cases use targets with -100 spread unevenly over the ranks, gradient accumulation,
 checkpointing with chunked loss, FSDP2 and torch.compile (aot_eager, against the eager single
-process): the loss, every parameter gradient of both optimizer
-steps and the final weights and AdamW moments must equal the single process's to rounding.
+process): the loss, every parameter gradient of both optimizer steps and the final weights and
+AdamW moments must equal the single process's to rounding.
 """
 from __future__ import annotations
 
