@@ -63,7 +63,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 document_ids: torch.Tensor | None = None,
                 positions: int | torch.Tensor | None = None, cache: KVCache | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
+                logits_to_keep: int = 0, reduction: str = "mean") -> torch.Tensor:
         """idx (B, T) -> logits (B, T, V); with targets (B, T) -> mean cross-entropy
         over the tokens whose target is not -100.
 
@@ -78,7 +78,9 @@ class GPT(nn.Module):
         - cache: a KVCache; these tokens' keys and values are added to it and attention reads
           all cached tokens (the new ones are the last rows of the causal mask);
         - logits_to_keep: > 0 returns only the last that many positions' logits (a long
-          prompt's full logits would not fit).
+          prompt's full logits would not fit);
+        - reduction: "sum" returns the summed loss of the non-ignored tokens (a context-parallel
+          rank's share, normalised by the whole sequence's token count: training.context_parallel).
         """
         seq_len = idx.shape[1]
         if document_ids is not None and cache is not None:
@@ -119,10 +121,12 @@ class GPT(nn.Module):
             return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep > 0 else x)
         if self.config.loss_chunk_size > 0:
             return chunked_linear_cross_entropy(
-                x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.loss_chunk_size, IGNORE_INDEX
+                x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.loss_chunk_size, IGNORE_INDEX,
+                reduction
             )
         logits = self.lm_head(x)
-        return F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction=reduction)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (a tied matrix counted once). With exclude_embeddings, only the

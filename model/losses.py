@@ -30,8 +30,8 @@ def _chunk_logits_and_loss(hidden_chunk, weight, target_chunk, ignore_index):
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index):
-        count = (targets != ignore_index).sum()
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, reduction):
+        count = (targets != ignore_index).sum() if reduction == "mean" else torch.ones((), device=hidden.device)
         accumulate_dtype = torch.promote_types(hidden.dtype, torch.float32)
         loss = torch.zeros((), device=hidden.device, dtype=accumulate_dtype)
         grad_hidden = torch.empty_like(hidden)
@@ -59,23 +59,27 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_loss / count
         return (grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype),
-                None, None, None)
+                None, None, None, None)
 
 
-def chunked_linear_cross_entropy(hidden, weight, targets, chunk_size: int, ignore_index: int = -100):
-    """Mean cross-entropy of softmax(hidden @ weight.T) against targets, chunk_size tokens at a time.
+def chunked_linear_cross_entropy(hidden, weight, targets, chunk_size: int, ignore_index: int = -100,
+                                 reduction: str = "mean"):
+    """Mean (or with reduction="sum", summed) cross-entropy of softmax(hidden @ weight.T) against
+    targets, chunk_size tokens at a time.
 
     hidden (N, d), weight (V, d), targets (N,) int64; tokens whose target is ignore_index
-    are left out of the mean. Equal (loss and gradients) to
-    ``F.cross_entropy(at_least_float32(hidden @ weight.T), targets, ignore_index=ignore_index)``.
+    are left out. Equal (loss and gradients) to ``F.cross_entropy(at_least_float32(hidden @
+    weight.T), targets, ignore_index=ignore_index, reduction=reduction)``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         # No backward coming: skip the gradient matmuls.
         total = sum(
             _chunk_logits_and_loss(hidden[s:s + chunk_size], weight, targets[s:s + chunk_size], ignore_index)[-1]
             for s in range(0, hidden.shape[0], chunk_size)
         )
-        return total / (targets != ignore_index).sum()
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size, ignore_index)
+        return total / (targets != ignore_index).sum() if reduction == "mean" else total
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size, ignore_index, reduction)

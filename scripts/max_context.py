@@ -27,6 +27,19 @@ tiny model, but only CUDA runs give real figures, which the output says.
 Writes <out>/<name>.json (after every probe), .md (the table) and two PNGs: peak memory
 against length, and the maximum per implementation; --out defaults to outputs/max_context/
 (git-ignored), `--out benchmarks` writes the committed results.
+
+Several GPUs, one sequence split over them (README, Context parallelism):
+
+    torchrun --standalone --nproc_per_node=2 scripts/max_context.py model=gpt2-small --attention flash \
+        'features=[ckpt+chunked]' trainer.context_parallel=2
+
+Every rank runs the same step on its chunks (the training step of train.py under torchrun: the
+ring, DDP over all ranks); a probe fits when it fits on every rank, and records the largest peak
+of any one GPU and the slowest rank's step time. Lengths are multiples of `granularity`, which
+must be a multiple of 2 x C. Default file stem: max_context_<device>_x<N>_cp<C>. One step at one
+length, e.g. to time the million-token step on 1 and on 2 GPUs: start=cap=granularity=1048576.
+Under torchrun a probe that runs out of memory rebuilds the model and optimizer (DDP cannot go on
+after an interrupted backward); the ranks are symmetric, so they run out at the same allocation.
 """
 from __future__ import annotations
 
@@ -41,6 +54,7 @@ from typing import Callable
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
 
 from _common import (OUTPUTS, add_out_argument, attention_list, console, device_slug, draw_safely, environment,
                      error_text, human_bytes,
@@ -132,16 +146,18 @@ def _stop_when_differentiated(block, args) -> None:
 
 class StepProbe:
     """A model and optimizer built once; calling it with a length runs one training step, the
-    step train.py runs (training.trainer.TrainStep: autocast, compile, clipping, optimizer)."""
+    step train.py runs (training.trainer.TrainStep: autocast, compile, clipping, optimizer; under
+    torchrun (`env`) DDP/FSDP2 and the context-parallel ring too)."""
 
-    def __init__(self, cfg: DictConfig, impl: str, device: torch.device, budget_bytes: int | None):
+    def __init__(self, cfg: DictConfig, impl: str, device: torch.device, budget_bytes: int | None, env=None):
+        from training.distributed import DistEnv
         from training.trainer import TrainStep, model_from_config
 
         self.device, self.batch_size, self.budget = device, cfg.batch_size, budget_bytes
         self.partial = cfg.partial_step
-        self.vocab_size = cfg.model.vocab_size
+        self.vocab_size, self.env = cfg.model.vocab_size, env or DistEnv()
         self.model = model_from_config(cfg, self.vocab_size, attention=impl).to(device)
-        self.train_step = TrainStep(self.model, cfg, device, micro_steps=1)
+        self.train_step = TrainStep(self.model, cfg, device, self.env, micro_steps=1)
         self.optimizer = self.train_step.optimizer
         for p in self.model.parameters():  # allocate Adam's moments now: steady-state footprint
             p.grad = torch.zeros_like(p)
@@ -169,8 +185,9 @@ class StepProbe:
 
     def timed_step(self, length: int) -> float:
         shape = (self.batch_size, length)
-        idx = torch.randint(self.vocab_size, shape, device=self.device)
-        targets = torch.randint(self.vocab_size, shape, device=self.device)
+        g = torch.Generator(self.device).manual_seed(length)  # the same tokens on every rank of a CP group
+        idx = torch.randint(self.vocab_size, shape, device=self.device, generator=g)
+        targets = torch.randint(self.vocab_size, shape, device=self.device, generator=g)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         began = time.perf_counter()
@@ -186,20 +203,44 @@ class StepProbe:
         try:
             with meter:
                 step_s = self.timed_step(length)
-                if step_s < RETIME_BELOW_S and not self.partial:
-                    step_s = self.timed_step(length)
+            step_s = self._slowest(step_s)
+            if step_s < RETIME_BELOW_S and not self.partial:  # on the slowest rank's time: every rank steps again or none
+                step_s = self._slowest(self.timed_step(length))
         except Exception as exc:  # noqa: BLE001 (anything but OOM is re-raised)
             if not is_oom(exc):
                 raise
             error = error_text(exc)
         self.optimizer.zero_grad(set_to_none=True)
         release_memory(self.device)
-        if error:
-            return Probe(length, fits=False, start_bytes=start_bytes, error=error)
+        fits, peak, start_bytes, step_s = self._agree(error is None, meter.peak, start_bytes,
+                                                      None if error else step_s)
+        if not fits:
+            return Probe(length, fits=False, start_bytes=start_bytes, error=error or "out of memory on another rank")
         if self.partial:   # not a step's time
-            return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=meter.peak)
-        return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=meter.peak, step_s=step_s,
-                     tokens_per_s=self.batch_size * length / step_s)
+            return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=peak)
+        return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=peak, step_s=step_s,
+                     tokens_per_s=self.env.dp_size * self.batch_size * length / step_s)
+
+    def _slowest(self, step_s: float) -> float:
+        """The slowest rank's step time under torchrun (this one's alone)."""
+        if not self.env.enabled:
+            return step_s
+        import torch.distributed as dist
+
+        value = torch.tensor([step_s], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.env.control)
+        return value.item()
+
+    def _agree(self, fits: bool, peak, start_bytes: int, step_s):
+        """Under torchrun: fits on every rank, the largest peak and start of any rank, the slowest
+        rank's time (over the host-side control group, which an out-of-memory leaves usable)."""
+        if not self.env.enabled:
+            return fits, peak, start_bytes, step_s
+        import torch.distributed as dist
+
+        values = torch.tensor([-float(fits), peak or 0, start_bytes, step_s or 0], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.env.control)
+        return values[0].item() == -1, int(values[1]), int(values[2]), values[3].item()
 
     def close(self) -> None:
         del self.model, self.optimizer, self.train_step
@@ -233,9 +274,10 @@ def with_features(cfg: DictConfig, name: str) -> DictConfig:
     return run_cfg
 
 
-def validate(cfg: DictConfig, device: torch.device) -> None:
+def validate(cfg: DictConfig, device: torch.device, world_size: int = 1) -> None:
     """Raise ValueError naming the first bad tool key before any model is built."""
     from model.attention import ATTENTION
+    from training.context_parallel import check_attention, check_processes
 
     for impl in cfg.impls:
         if impl not in ATTENTION:
@@ -251,6 +293,13 @@ def validate(cfg: DictConfig, device: torch.device) -> None:
         if pair not in pairs:
             raise ValueError(f"skip: {pair!r} is none of the runs ({', '.join(sorted(pairs))})")
     check_search_bounds(cfg.start, cfg.granularity, cfg.cap)
+    size = cfg.trainer.context_parallel
+    check_processes(size, world_size)
+    if cfg.granularity % (2 * size):
+        raise ValueError(f"granularity={cfg.granularity} is not a multiple of 2 x trainer.context_parallel = "
+                         f"{2 * size} (every probed length is split into {2 * size} equal chunks)")
+    for impl in cfg.impls:
+        check_attention(impl, size)
     if cfg.model.vocab_size is None:
         raise ValueError("model.vocab_size is null: tokens here are random, so no tokenizer sets it; "
                          "pass model.vocab_size=<n>")
@@ -333,7 +382,9 @@ def write_outputs(stem: Path, report: dict) -> None:
     """<stem>.json (everything, every probe) and <stem>.md (the summary table)."""
     write_json(stem.with_suffix(".json"), report)
     meta, settings = report["metadata"], report["settings"]
-    lines = [f"# Longest training step: {report['model']['name']}, batch {settings['batch_size']}", "",
+    world, size = settings.get("world_size", 1), settings.get("context_parallel", 1)
+    lines = [f"# Longest training step: {report['model']['name']}, batch {settings['batch_size']}"
+             + (f", {world} GPUs, context_parallel={size}" if world > 1 else ""), "",
              f"{meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"commit {meta['git_commit']}.",
              f"One step = forward, backward, optimizer step; precision {settings['precision']}. Each length "
@@ -352,6 +403,9 @@ def write_outputs(stem: Path, report: dict) -> None:
                      "top block's was done, with every parameter's gradient allocated from the start. Under "
                      "activation checkpointing that is where a step's memory peaks (each block further down "
                      "holds one saved input fewer), so the peaks are those of whole steps; the times are not.")
+    if world > 1:
+        lines.append(f"{world} processes (torchrun), each sequence split over {size} of them: peak memory is the "
+                     "largest of any one GPU, the step time the slowest rank's, tokens/s counts all ranks.")
     if meta["device_type"] != "cuda":
         lines.append(f"CPU run against a {settings['memory_budget_mb']} MiB live-tensor budget: it exercises "
                      "the tool; only CUDA runs give real figures.")
@@ -369,6 +423,9 @@ def earlier_results(path: Path, report: dict) -> list[dict]:
             "batch_size": (earlier["settings"]["batch_size"], report["settings"]["batch_size"]),
             "precision": (earlier["settings"]["precision"], report["settings"]["precision"]),
             "partial_step": (earlier["settings"].get("partial_step", False), report["settings"]["partial_step"]),
+            "world size": (earlier["settings"].get("world_size", 1), report["settings"]["world_size"]),
+            "context_parallel": (earlier["settings"].get("context_parallel", 1),
+                                 report["settings"]["context_parallel"]),
             "device": (earlier["metadata"]["device"], report["metadata"]["device"])}
     for key, (then, now) in same.items():
         if then != now:
@@ -427,14 +484,18 @@ def plot(stem: Path, report: dict) -> None:
 
 # ----------------------------------------------------------------------------- main
 
-def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int | None, save, out) -> None:
+def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int | None, save, out, env) -> None:
     """Fill `record` with the search for one implementation under one feature set."""
     impl, name = record["impl"], record["features"]
-    prober = StepProbe(with_features(cfg, name), impl, device, budget)
+    prober = StepProbe(with_features(cfg, name), impl, device, budget, env)
 
     def probe(length: int) -> Probe:
+        nonlocal prober
         out.print(f"[bold]{impl}[/] · {name} · probing {length:,} tokens …")
         result = prober(length)
+        if not result.fits and env.enabled:  # DDP's reducer cannot continue after an interrupted backward
+            prober.close()
+            prober = StepProbe(with_features(cfg, name), impl, device, budget, env)
         record["probes"].append(asdict(result))
         save()
         out.print("    " + (f"fits: peak {human_bytes(result.peak_bytes)}"
@@ -452,24 +513,45 @@ def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int 
 
 
 def run(cfg: DictConfig) -> dict:
-    from training.device import resolve_device, resolve_precision
+    """The searches; under torchrun every rank runs them and rank 0 writes the results."""
+    from training.device import resolve_device
+    from training.distributed import close_distributed, env_world, init_distributed
 
-    out = console()
-    device = resolve_device(cfg.device)
-    validate(cfg, device)
+    device, world = resolve_device(cfg.device), env_world()[1]
+    validate(cfg, device, world)
+    env = init_distributed(device.type, cfg.trainer.dist_timeout_s, cfg.trainer.context_parallel)
+    try:
+        if device.type == "cuda" and env.enabled:
+            device = torch.device("cuda", env.local_rank)
+        return run_searches(cfg, device, env)
+    finally:
+        close_distributed()
+
+
+def run_searches(cfg: DictConfig, device: torch.device, env) -> dict:
+    from training.device import resolve_precision
+
+    out = console() if env.is_main else Console(quiet=True)
     budget = None if cfg.memory_budget_mb is None else int(cfg.memory_budget_mb * 2**20)
-    stem = Path(cfg.out_dir) / (cfg.out_name or f"max_context_{device_slug(device)}")
+    size = cfg.trainer.context_parallel
+    default_stem = f"max_context_{device_slug(device)}" + (f"_x{env.world_size}_cp{size}" if env.enabled else "")
+    stem = Path(cfg.out_dir) / (cfg.out_name or default_stem)
     settings = {key: OmegaConf.to_container(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key]
                 for key in ("impls", "features", "skip", "batch_size", "start", "granularity", "cap",
                             "memory_budget_mb", "feature_sets", "partial_step")}
     settings["precision"] = resolve_precision(cfg.trainer.precision, device)
+    settings.update(world_size=env.world_size, context_parallel=size, parallel=cfg.trainer.parallel)
     meta = environment(device)
     report = {"metadata": meta, "settings": settings,
               "model": OmegaConf.to_container(cfg.model, resolve=True), "results": []}
     if cfg.extend:
         report["results"] = earlier_results(stem.with_suffix(".json"), report)
     done = {(r["impl"], r["features"]) for r in report["results"]}
-    save = lambda: write_json(stem.with_suffix(".json"), report)  # noqa: E731
+    main = env.is_main  # every rank searches; rank 0 alone writes
+
+    def save() -> None:
+        if main:
+            write_json(stem.with_suffix(".json"), report)
 
     for name in cfg.features:
         for impl in (impl for impl in cfg.impls if f"{impl}/{name}" not in cfg.skip):
@@ -481,19 +563,23 @@ def run(cfg: DictConfig) -> dict:
                       "date": meta["date"], "git_commit": meta["git_commit"], "probes": []}
             report["results"].append(record)
             try:
-                search_one(cfg, record, device, budget, save, out)
+                search_one(cfg, record, device, budget, save, out, env)
             except Exception as exc:  # noqa: BLE001 (one failing implementation must not end the run)
                 record["error"] = error_text(exc)
                 out.print(f"[red]{impl} · {name}: {record['error']}[/]")
             try:
                 release_memory(device)
             except Exception as exc:  # noqa: BLE001 (a faulted GPU fails every later probe too)
-                write_outputs(stem, report)
+                if main:
+                    write_outputs(stem, report)
                 raise SystemExit(f"the device is unusable after {impl} · {name} ({error_text(exc)}); "
                                  f"results so far are in {stem}.json") from exc
-            write_outputs(stem, report)
-            draw_safely(out, plot, stem, report)  # after every search: a run cut short keeps its plots
+            if main:
+                write_outputs(stem, report)
+                draw_safely(out, plot, stem, report)  # after every search: a run cut short keeps its plots
 
+    if not main:
+        return report
     print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, {report['metadata']['device']}",
                 HEADERS, summary_rows(report["results"], memory_limit(report), cfg.batch_size))
     if device.type == "cpu":

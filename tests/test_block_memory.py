@@ -125,14 +125,14 @@ def test_mlp_hidden_never_spans_the_sequence(checkpointing):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"block_chunk_size": -1}, "model.block_chunk_size=-1 must be >= 0"),
+    ({"block_chunk_size": -1}, "model.block_chunk_size=-1: must be an integer >= 0"),
     ({"block_chunk_size": 8}, "model.block_chunk_size=8 needs model.activation_checkpointing=full or selective"),
     ({"block_chunk_size": 8, "activation_checkpointing": "full", "dropout": 0.1},
      "model.block_chunk_size=8 with model.dropout=0.1"),
     ({"block_chunk_size": 2.5}, "model.block_chunk_size=2.5: must be an integer"),
     ({"offload_activations": True}, "model.offload_activations=true needs model.activation_checkpointing=full"),
     ({"offload_activations": True, "activation_checkpointing": "selective"}, "got 'selective'"),
-    ({"offload_activations": "yes"}, "model.offload_activations='yes': must be true or false"),
+    ({"offload_activations": "maybe"}, "model.offload_activations='maybe': must be true or false"),
 ])
 def test_bad_memory_feature_config_is_one_clear_error(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

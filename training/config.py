@@ -227,7 +227,7 @@ def _check_model(m) -> None:
                          "chunks would draw other dropout masks than the whole sequence; use dropout=0")
     if m.offload_activations and m.activation_checkpointing != "full":
         raise ValueError("model.offload_activations=true needs model.activation_checkpointing=full (it moves "
-                         f"the block inputs that full checkpointing keeps), got {m.activation_checkpointing!r}")
+                         f"the block inputs that full checkpointing keeps), got '{m.activation_checkpointing}'")
 
 
 def _check_masks(cfg: DictConfig) -> None:

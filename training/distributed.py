@@ -11,6 +11,11 @@ those variables (or with WORLD_SIZE=1) the run is a single process and nothing h
 - `fsdp`: FSDP2 `fully_shard` on every block and at the root: parameters, gradients and optimizer
   moments are split across ranks and gathered block by block; with bf16 precision the gathered
   parameters are bf16 and gradients are reduced in float32.
+
+With `trainer.context_parallel=C` the N processes form a 2-D DeviceMesh (dp = N / C, cp = C;
+ranks dp_rank * C .. dp_rank * C + C - 1 are one CP group, neighbours on a node): each CP group
+splits its sequences over its C ranks (training.context_parallel) and both wrappers still reduce
+gradients over all N ranks (FSDP2 shards over all N: the flattened mesh).
 """
 from __future__ import annotations
 
@@ -32,10 +37,21 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
     control: object = None  # a gloo group for host-side agreement (stop requests); None when alone
+    cp_size: int = 1        # trainer.context_parallel: ranks that split one sequence
+    cp_group: object = None  # this rank's context-parallel process group (None when cp_size is 1)
 
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: groups of ranks that read different windows."""
+        return self.world_size // self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp_size
 
     @property
     def is_main(self) -> bool:
@@ -55,19 +71,27 @@ def env_world() -> tuple[int, int, int]:
     return rank, world, local
 
 
-def local_grad_accum(grad_accum: int, world_size: int) -> int:
+def local_grad_accum(grad_accum: int, world_size: int, context_parallel: int = 1) -> int:
     """Micro-batches per rank per optimizer step: the global batch (batch_size x grad_accum
-    sequences) stays what the config says, whatever the number of processes."""
-    if grad_accum % world_size:
-        raise ValueError(f"trainer.grad_accum={grad_accum} is not divisible by the {world_size} processes: "
+    sequences) stays what the config says, whatever the number of processes; the C ranks of a
+    context-parallel group share each of their micro-batches."""
+    dp = world_size // context_parallel
+    if grad_accum % dp:
+        who = (f"{world_size} processes" if context_parallel == 1 else
+               f"{dp} data-parallel groups ({world_size} processes / trainer.context_parallel={context_parallel})")
+        raise ValueError(f"trainer.grad_accum={grad_accum} is not divisible by the {who}: "
                          f"the global batch is trainer.batch_size x trainer.grad_accum sequences; set "
-                         f"trainer.grad_accum to a multiple of {world_size}")
-    return grad_accum // world_size
+                         f"trainer.grad_accum to a multiple of {dp}")
+    return grad_accum // dp
 
 
-def init_distributed(device_type: str, timeout_s: float) -> DistEnv:
-    """Join torchrun's process group (a no-op for a single process); CUDA ranks get their own GPU."""
+def init_distributed(device_type: str, timeout_s: float, context_parallel: int = 1) -> DistEnv:
+    """Join torchrun's process group (a no-op for a single process); CUDA ranks get their own GPU;
+    with context_parallel = C > 1 also the (dp, cp) mesh and this rank's CP group."""
+    from training.context_parallel import check_processes
+
     rank, world, local = env_world()
+    check_processes(context_parallel, world)
     if world == 1:
         return DistEnv()
     if device_type == "cuda":
@@ -80,7 +104,25 @@ def init_distributed(device_type: str, timeout_s: float) -> DistEnv:
         dist.init_process_group(backend=backend, timeout=timeout,
                                 device_id=torch.device("cuda", local) if device_type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else dist.group.WORLD
-    return DistEnv(rank, world, local, control)
+    cp_group = context_parallel_group(device_type, world, context_parallel, timeout) if context_parallel > 1 else None
+    return DistEnv(rank, world, local, control, context_parallel, cp_group)
+
+
+def context_parallel_group(device_type: str, world: int, size: int, timeout: datetime.timedelta):
+    """This rank's CP group, the `cp` dimension of a (dp, cp) DeviceMesh, with the run's timeout
+    (so a dead rank in the ring fails the others within trainer.dist_timeout_s as well)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    options = (dist.ProcessGroupNCCL.Options() if device_type == "cuda"
+               else torch._C._distributed_c10d.ProcessGroupGloo._Options())
+    options._timeout = timeout
+    mesh = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("dp", "cp"),
+                            backend_override={"cp": options})
+    group = mesh.get_group("cp")
+    if dist.get_rank(group) != dist.get_rank() % size:  # model.context_parallel's chunk order
+        raise RuntimeError(f"rank {dist.get_rank()} is rank {dist.get_rank(group)} of its CP group, expected "
+                           f"{dist.get_rank() % size}")
+    return group
 
 
 def close_distributed() -> None:

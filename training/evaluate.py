@@ -20,14 +20,17 @@ def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precisi
     """Mean loss over fixed validation batches (the same batches every call, so values compare);
     a batch (x, y, document_ids) is evaluated with the document mask.
 
-    Under several processes (`env`, a training.distributed.DistEnv) rank r evaluates batches
-    r, r + N, ... and the sums are added over ranks. An FSDP-sharded model gathers its weights in
-    every forward, so there each rank runs the same number of forwards (a short rank repeats a
-    batch and discards the result).
+    Under several processes (`env`, a training.distributed.DistEnv) data-parallel rank r
+    evaluates batches r, r + N, ... and the sums are added over ranks; under context parallelism
+    the C ranks of a group each add their share of every batch's mean (training.context_parallel).
+    An FSDP-sharded model gathers its weights in every forward, so there each rank runs the same
+    number of forwards (a short rank repeats a batch and discards the result).
     """
+    from training.context_parallel import context_parallel_loss
     from training.distributed import all_reduce, is_sharded
 
-    world, rank = (env.world_size, env.rank) if env is not None and env.enabled else (1, 0)
+    enabled = env is not None and env.enabled
+    world, rank = (env.dp_size, env.dp_rank) if enabled else (1, 0)
     own = batches[rank::world]
     rounds = -(-len(batches) // world) if world > 1 and is_sharded(model) else len(own)
     was_training = model.training
@@ -35,13 +38,17 @@ def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precisi
     total = torch.zeros((), device=device)
     for i in range(rounds):
         x, y, *doc_ids = own[i] if i < len(own) else batches[0]   # doc ids: data.document_mask
+        x, y = x.to(device), y.to(device)
         masks = {"document_ids": doc_ids[0].to(device)} if doc_ids else {}
         with autocast(device, precision):
-            loss = model(x.to(device), y.to(device), **masks).float()
+            if enabled and env.cp_size > 1:   # document masks are refused under context parallelism
+                loss = context_parallel_loss(model, x, y, env.cp_group).float()
+            else:
+                loss = model(x, y, **masks).float()
         if i < len(own):
             total += loss
     model.train(was_training)
-    if world > 1:
+    if enabled:
         all_reduce(total, env)
     return (total / len(batches)).item()
 

@@ -22,10 +22,12 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.tokenizer import save_tokenizer
+from model.context_parallel import use_context_parallel
 from training.checkpoint import (CheckpointWriteError, check_unchanged, checkpoint_dir, checkpoint_path,
                                  find_resume_checkpoint, last_checkpoint_note, prune_checkpoints,
                                  restore_training_state, save_checkpoint)
 from training.config import validate_config
+from training.context_parallel import check_context_parallel, context_parallel_loss, context_parallel_size
 from training.device import autocast, resolve_device, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, env_world, init_distributed, is_sharded,
                                   local_grad_accum, set_gradient_sync, wrap_model)
@@ -58,9 +60,12 @@ def resolve_config(cfg: DictConfig) -> torch.device:
         apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones
     validate_config(cfg)
     device = resolve_device(cfg.device)
+    attention = cfg.attention.name
+    if attention == "auto" and context_parallel_size(cfg) > 1:  # the ring needs a block that returns the lse
+        attention = "flash" if device.type == "cuda" else "naive"
     with open_dict(cfg):
         cfg.device = device.type
-        cfg.attention.name = resolve_attention(cfg.attention.name, device)
+        cfg.attention.name = resolve_attention(attention, device)
         cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
     return device
 
@@ -86,7 +91,10 @@ def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
 
 class TrainStep:
     """One optimizer step of `micro_steps` micro-batches: forward under autocast (compiled when
-    `trainer.compile`), backward, gradient reduction across ranks, clipping, optimizer.
+    `trainer.compile`), backward, gradient reduction across ranks, clipping, optimizer. With
+    context parallelism (`env.cp_size` > 1) the model's attention becomes the ring over the CP
+    group and each micro-batch of whole windows is cut into this rank's chunks
+    (training.context_parallel).
 
     `model` is the plain module (its state_dict is what checkpoints hold); the step calls
     `wrapped` (DDP, FSDP2-sharded, or the model itself), compiled or not. No host sync: the loss
@@ -97,11 +105,13 @@ class TrainStep:
                  micro_steps: int | None = None):
         t, self.env = cfg.trainer, env or DistEnv()
         self.model, self.device, self.precision = model, device, resolve_precision(t.precision, device)
+        if self.env.cp_size > 1:
+            use_context_parallel(model, self.env.cp_group)
         self.wrapped = wrap_model(model, t.get("parallel", "ddp"), self.env, device, self.precision)
         self.optimizer = build_optimizer(model, cfg.optim, device)  # after sharding: over the shards
         self.params = list(model.parameters())
         self.forward = self._compile(self.wrapped) if t.compile else self.wrapped
-        self.micro_steps = micro_steps or local_grad_accum(t.grad_accum, self.env.world_size)
+        self.micro_steps = micro_steps or local_grad_accum(t.grad_accum, self.env.world_size, self.env.cp_size)
         self.grad_clip = cfg.optim.grad_clip or float("inf")
 
     def _compile(self, wrapped):
@@ -113,12 +123,21 @@ class TrainStep:
             return wrapped
         return torch.compile(wrapped)  # DDP: compiled around the wrapper, so DDP's buckets split the graph
 
+    def micro_loss(self, idx: torch.Tensor, targets: torch.Tensor, **masks) -> torch.Tensor:
+        """The loss to back-propagate for one micro-batch: the model's mean, or under context
+        parallelism C x this rank's share of it (gradients are averaged over all ranks; document
+        masks are refused there by the config check)."""
+        if self.env.cp_size == 1:
+            return self.forward(idx, targets, **masks)
+        return self.env.cp_size * context_parallel_loss(self.forward, idx, targets, self.env.cp_group)
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def __call__(self, next_batch: Callable[[], tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean loss over this rank's micro-batches, total gradient norm), both device tensors."""
+        """(mean loss over this rank's micro-batches, total gradient norm), both device tensors;
+        the run's loss is the mean of the first over all ranks."""
         n, device = self.micro_steps, self.device
         loss = torch.zeros((), device=device)
         for i in range(n):
@@ -127,7 +146,8 @@ class TrainStep:
             if self.env.enabled:
                 set_gradient_sync(self.wrapped, i == n - 1)
             with autocast(device, self.precision):
-                micro_loss = self.forward(x.to(device, non_blocking=True), y.to(device, non_blocking=True), **masks)
+                micro_loss = self.micro_loss(x.to(device, non_blocking=True), y.to(device, non_blocking=True),
+                                             **masks)
             (micro_loss / n).backward()
             loss += micro_loss.detach() / n
         grad_norm = clip_gradients(self.params, self.grad_clip)
@@ -194,9 +214,10 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, env: DistEnv | None = None):
         device = resolve_config(cfg)
-        t = cfg.trainer
-        micro_steps = local_grad_accum(t.grad_accum, env.world_size if env else env_world()[1])  # before any work
-        self.env = env or init_distributed(device.type, t.dist_timeout_s)
+        t, world = cfg.trainer, env.world_size if env else env_world()[1]
+        check_context_parallel(cfg, world)  # before any work
+        micro_steps = local_grad_accum(t.grad_accum, world, context_parallel_size(cfg))
+        self.env = env or init_distributed(device.type, t.dist_timeout_s, context_parallel_size(cfg))
         if not self.env.enabled and t.parallel == "fsdp":
             log.warning("trainer.parallel=fsdp has no effect in a single process (start several with torchrun)")
         if device.type == "cuda" and self.env.enabled:
@@ -217,8 +238,8 @@ class Trainer:
         t = cfg.trainer
         resume = find_resume_checkpoint(cfg.resume, self.run_dir)
         seed_everything(cfg.seed)
-        self.data = self._on_local_rank0_first(lambda: build_data(
-            cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.rank, world_size=self.env.world_size))
+        self.data = self._on_local_rank0_first(lambda: build_data(  # a CP group's ranks read the same windows
+            cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.dp_rank, world_size=self.env.dp_size))
         model = model_from_config(cfg, self.data.vocab_size)
         if cfg.model.get("init_from") and not resume:  # a resumed run's weights come from its checkpoint
             load_hf_weights(model, cfg.model.init_from)
@@ -306,7 +327,8 @@ class Trainer:
             log.info("%s: %s params, attention=%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
                      f"{cfg.run.num_params:,}", cfg.attention.name, self.device, t.precision,
                      cfg.run.data_fingerprint,
-                     f", {env.world_size} processes ({t.parallel})" if env.enabled else "",
+                     f", {env.world_size} processes ({t.parallel}"
+                     f"{f', context_parallel={env.cp_size}' if env.cp_size > 1 else ''})" if env.enabled else "",
                      f", resumed from {self.resumed_from} (step {self.step})" if self.resumed_from else "")
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum  # over all ranks: as configured
         peak = peak_flops(self.device, t.peak_flops)

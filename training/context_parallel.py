@@ -1,0 +1,74 @@
+"""Context parallelism in training (`trainer.context_parallel=C`): what is allowed, and the loss.
+
+Under torchrun with N processes the ranks form a 2-D mesh (dp = N / C, cp = C; see
+training.distributed.init_distributed): the C ranks of a CP group receive the same windows from
+the sampler (sharded by DP rank only), each keeps its two chunks of every sequence
+(model.context_parallel: chunks i and 2C-1-i, at their true positions) and the attention layers
+run the ring (model.ring_attention) over the CP group.
+
+The loss of a CP rank is the sum of its own tokens' losses divided by the count of non-ignored
+targets in the whole micro-batch (known on every rank: each holds the whole windows), so the C
+shares add up to the single-process mean exactly, however unevenly -100 targets fall on the
+ranks. Gradients are reduced over all N ranks (DDP or FSDP2 average over the world), so the
+training step scales each share by C: the average over N of C x share is the mean over the DP
+groups of the micro-batch means, the single-process loss and gradient.
+"""
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from model.context_parallel import context_parallel_batch
+from model.gpt import IGNORE_INDEX
+from model.ring_attention import BLOCKS
+
+
+def context_parallel_size(cfg: DictConfig) -> int:
+    return int(cfg.trainer.get("context_parallel", 1))
+
+
+def check_processes(size: int, world_size: int) -> None:
+    """C > 1 needs torchrun with a multiple of C processes."""
+    if size > 1 and world_size == 1:
+        raise ValueError(f"trainer.context_parallel={size} splits each sequence over {size} processes: start a "
+                         f"multiple of {size} of them with torchrun --nproc_per_node=N")
+    if world_size % size:
+        raise ValueError(f"trainer.context_parallel={size} does not divide the {world_size} processes "
+                         f"(the data-parallel size is processes / context_parallel)")
+
+
+def check_attention(name: str, size: int) -> None:
+    """The ring's per-block compute must return the log-sum-exp: flash or naive."""
+    if size > 1 and name not in BLOCKS:
+        raise ValueError(f"trainer.context_parallel={size} needs attention={' or '.join(BLOCKS)} (the ring merges "
+                         f"blocks by their log-sum-exp, which {name} does not return)")
+
+
+def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
+    """Raise a one-line ValueError for a combination context parallelism does not support
+    (before any process group, data or model is built). A no-op for C = 1."""
+    size, t = context_parallel_size(cfg), cfg.trainer
+    if size == 1:
+        return
+    check_processes(size, world_size)
+    if t.seq_len % (2 * size):
+        raise ValueError(f"trainer.seq_len={t.seq_len} is not divisible by 2 x trainer.context_parallel = "
+                         f"{2 * size} (each rank holds two equal chunks of every sequence)")
+    check_attention(cfg.attention.name, size)
+    unsupported = {"data.document_mask": cfg.data.get("document_mask", False),
+                   "model.reset_positions": cfg.model.get("reset_positions", False),
+                   "attention.window": cfg.attention.get("window", None)}
+    for key, value in unsupported.items():
+        if value not in (None, False):
+            raise ValueError(f"{key}={value} is not supported with trainer.context_parallel={size} "
+                             "(the ring attends over whole causal sequences)")
+
+
+def context_parallel_loss(forward, idx: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    """This CP rank's share of the micro-batch's mean loss: `forward` (the model, wrapped or
+    compiled) on the rank's chunks of the whole windows `idx`, `targets`, summed over its tokens
+    and divided by the whole micro-batch's count of non-ignored targets. Adding the shares of
+    the CP group gives the single-process mean loss, and their gradients its gradients."""
+    count = (targets != IGNORE_INDEX).sum()
+    idx, targets, positions = context_parallel_batch(idx, targets, group)
+    return forward(idx, targets, positions=positions, reduction="sum") / count
