@@ -155,13 +155,13 @@ def test_max_context_runs_the_new_feature_sets_on_a_cpu_budget(tmp_path):
     import max_context
 
     overrides = ["model.vocab_size=256", "model.n_layer=2", "model.d_model=32", "model.n_head=4",
-                 "model.n_kv_head=4", "model.mlp=gelu", "model.d_ff=512", "impls=[sdpa]",
+                 "model.n_kv_head=4", "model.mlp=gelu", "model.d_ff=512",
                  "features=[ckpt+chunked,ckpt+chunked+blockchunk]",
                  "start=256", "granularity=256", "cap=2048", "memory_budget_mb=6",
-                 f"out_dir={tmp_path}", "out_name=mc", "device=cpu"]
+                 "device=cpu"]
     torch.set_num_threads(1)
     try:
-        cfg = max_context.compose_config(overrides)
+        cfg = max_context.compose_config(overrides, ["sdpa"], tmp_path, "mc")
         for features in cfg.features:   # CPU-sized chunks
             cfg.feature_sets[features].loss_chunk_size = 64
             if "block_chunk_size" in cfg.feature_sets[features]:
@@ -287,9 +287,8 @@ def test_partial_steps_measure_the_peak_of_whole_steps(tmp_path):
     for partial in (False, True):
         cfg = max_context.compose_config([
             "model.vocab_size=256", "model.n_layer=3", "model.d_model=32", "model.n_head=4", "model.n_kv_head=4",
-            "impls=[sdpa]", "features=[ckpt+chunked,ckpt+chunked+blockchunk]", "start=256", "granularity=256",
-            "cap=512", "memory_budget_mb=100", f"out_dir={tmp_path}", f"out_name=p{partial}", "device=cpu",
-            f"partial_step={partial}"])
+            "features=[ckpt+chunked,ckpt+chunked+blockchunk]", "start=256", "granularity=256",
+            "cap=512", "memory_budget_mb=100", "device=cpu", f"partial_step={partial}"], ["sdpa"], tmp_path, f"p{partial}")
         cfg.feature_sets["ckpt+chunked+blockchunk"].block_chunk_size = 128
         report = max_context.run(cfg)
         peaks[partial] = [p["peak_bytes"] for r in report["results"] for p in r["probes"]]
@@ -307,7 +306,7 @@ def test_partial_steps_measure_the_peak_of_whole_steps(tmp_path):
 def test_partial_step_refusals(override, message):
     import max_context
 
-    cfg = max_context.compose_config(["model.vocab_size=256", "impls=[sdpa]", "memory_budget_mb=8", "device=cpu",
-                                      "features=[ckpt+chunked]", "partial_step=true", override])
+    cfg = max_context.compose_config(["model.vocab_size=256", "memory_budget_mb=8", "device=cpu",
+                                      "features=[ckpt+chunked]", "partial_step=true", override], ["sdpa"])
     with pytest.raises(ValueError, match=message):
         max_context.validate(cfg, torch.device("cpu"))
