@@ -215,6 +215,8 @@ def test_single_process_checkpoint_resumes_with_context_parallel(single_cp_refer
      "trainer.grad_accum=3 is not divisible by the 2 data-parallel groups (4 processes / "
      "trainer.context_parallel=2)"),
     (2, {"trainer.context_parallel": 0}, "trainer.context_parallel=0: must be a positive integer"),
+    (2, {"trainer.context_parallel": 2, "attention.deterministic": False},
+     "trainer.context_parallel=2: the ring runs our kernel's deterministic backward only"),
 ])
 def test_unsupported_context_parallel_is_one_line_exit_2(tmp_path, cache_dir, capsys, monkeypatch, world, extra,
                                                          message):
