@@ -56,8 +56,8 @@ def test_nothing_refers_outside_the_repository():
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     if not files:
         pytest.skip("not a git checkout")
-    outside = ("DESIGN.md", "_bootstrap", "../shared", "/work/", ".whl/")
-    this = "tests/test_packaging.py"
-    found = [f"{name}: {word}" for name in files if name != this
+    # Spelled in pieces, so that this test is not itself a file that names them.
+    outside = ("DESIGN" + ".md", "_boot" + "strap", "../" + "shared", "/" + "work/", ".w" + "hl/")
+    found = [f"{name}: {word}" for name in files
              for word in outside if word in (REPO / name).read_text(errors="replace")]
     assert not found, found
