@@ -242,15 +242,18 @@ def _describe_config_differences(saved: dict, current: dict, prefix: str = "mode
     return "; ".join(diffs)
 
 
-def check_unchanged(path: str | Path, saved_cfg: dict, cfg, defaults: dict) -> None:
+def check_unchanged(path: str | Path, saved_cfg: dict, cfg, keys: tuple[str, ...]) -> None:
     """Refuse a resume that changes what the model computes outside the `model` group: the
-    "group.key" names of `defaults` (`data.document_mask`, `attention.window`), each at its
+    "group.key" names in `keys` (`data.document_mask`, `attention.window`), each at the schema's
     default where an older checkpoint or config lacks it."""
     from omegaconf import OmegaConf
 
+    from training.schema import default_of
+
     diffs = []
-    for key, default in defaults.items():
+    for key in keys:
         group, name = key.split(".")
+        default = default_of(key)
         old = saved_cfg.get(group, {}).get(name, default)
         new = OmegaConf.select(cfg, key, default=default)
         if old != new:

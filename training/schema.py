@@ -11,7 +11,7 @@ its own class, named in its YAML file's defaults list (`/schema/data/stdlib@_her
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
@@ -272,6 +272,12 @@ GROUPS: dict[str, type] = {"model": ModelConfig, "attention": AttentionConfig, "
                            "tokenizer": TokenizerConfig, "optim": OptimConfig, "trainer": TrainerConfig,
                            "logger": LoggerConfig}
 ROOTS: dict[str, type] = {"train": TrainConfig, "max_context": MaxContextConfig, "profile_step": ProfileStepConfig}
+
+
+def default_of(key: str) -> Any:
+    """The schema's default of a "group.key" name (e.g. `attention.window`)."""
+    group, name = key.split(".")
+    return {f.name: f.default for f in fields(GROUPS[group])}[name]
 
 
 def schema_of(group: str, node: Any) -> type:

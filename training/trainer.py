@@ -43,7 +43,7 @@ from training.signals import StopRequest
 
 log = logging.getLogger("train")
 # Keys outside the `model` group that change what the model computes: a resume must keep them.
-MASK_DEFAULTS = {"data.document_mask": False, "attention.window": None}
+COMPUTE_KEYS = ("data.document_mask", "attention.window")
 
 
 # ----------------------------------------------------------------------------- builders
@@ -252,7 +252,7 @@ class Trainer:
         optimizer_state = _DeferredOptimizerState()
         if resume:  # into the plain model, before DDP/FSDP wrapping
             path, state = resume
-            check_unchanged(path, state["config"], cfg, MASK_DEFAULTS)
+            check_unchanged(path, state["config"], cfg, COMPUTE_KEYS)
             restore_training_state(path, state, model=model, optimizer=optimizer_state, sampler=self.data.train,
                                    data_fingerprint=self.data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model),
                                    allow_data_change=bool(cfg.data.get("allow_changed", False)),
