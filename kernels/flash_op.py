@@ -149,7 +149,8 @@ def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
     dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=v.device)
     inputs = (q, k, v, dout, lse, delta, docs, dk, dv)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride())
+    qkv_strides = (*q.stride(), *k.stride(), *v.stride())
+    strides = (*qkv_strides, *dout.stride(), *dk.stride(), *dv.stride())
     sizes = (H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window)
 
     def kv_grid(meta):
@@ -164,7 +165,7 @@ def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
 
         _launch(flash_bwd_q_kernel, q_grid, (
             q, k, v, out, dout, lse, delta, docs, dq,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *dout.stride(), *dq.stride(),
+            *qkv_strides, *out.stride(), *dout.stride(), *dq.stride(),
             H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window), consts, wrap, key)
         _launch(flash_bwd_kv_kernel, kv_grid, inputs + strides + sizes, consts, wrap, key)
         return dq, dk, dv

@@ -217,6 +217,10 @@ def test_single_process_checkpoint_resumes_with_context_parallel(single_cp_refer
     (2, {"trainer.context_parallel": 0}, "trainer.context_parallel=0: must be a positive integer"),
     (2, {"trainer.context_parallel": 2, "attention.deterministic": False},
      "trainer.context_parallel=2: the ring runs our kernel's deterministic backward only"),
+    (2, {"trainer.context_parallel": 2, "data.document_mask": True},
+     "trainer.context_parallel=2: ring attention has no document mask or sliding window yet"),
+    (2, {"trainer.context_parallel": 2, "attention.window": 16},
+     "trainer.context_parallel=2: ring attention has no document mask or sliding window yet"),
 ])
 def test_unsupported_context_parallel_is_one_line_exit_2(tmp_path, cache_dir, capsys, monkeypatch, world, extra,
                                                          message):

@@ -46,7 +46,9 @@ def check_attention(name: str, size: int) -> None:
 
 def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
     """Raise a one-line ValueError for a combination context parallelism does not support
-    (before any process group, data or model is built). A no-op for C = 1."""
+    (before any process group, data or model is built). A no-op for C = 1. What the ring cannot
+    combine with in the config alone (document masks, windows, the atomic backward) is checked
+    with the other cross-key checks in training.config."""
     size, t = context_parallel_size(cfg), cfg.trainer
     if size == 1:
         return
@@ -55,13 +57,6 @@ def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
         raise ValueError(f"trainer.seq_len={t.seq_len} is not divisible by 2 x trainer.context_parallel = "
                          f"{2 * size} (each rank holds two equal chunks of every sequence)")
     check_attention(cfg.attention.name, size)
-    unsupported = {"data.document_mask": cfg.data.get("document_mask", False),
-                   "model.reset_positions": cfg.model.get("reset_positions", False),
-                   "attention.window": cfg.attention.get("window", None)}
-    for key, value in unsupported.items():
-        if value not in (None, False):
-            raise ValueError(f"{key}={value} is not supported with trainer.context_parallel={size} "
-                             "(the ring attends over whole causal sequences)")
 
 
 def context_parallel_loss(forward, idx: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
