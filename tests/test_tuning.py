@@ -40,17 +40,23 @@ def test_length_bands():
     assert tuning.seq_bucket(1 << 20) == tuning.seq_bucket(1 << 22) == 2 * tuning.TUNE_MAX_TOKENS
 
 
+def _kept(table: dict, prune, dim: int, causal: bool, tokens: int = 1 << 20) -> list:
+    """(BLOCK_N, BLOCK_M, warps, stages) entries a dK/dV kernel's prune hook keeps at `tokens`
+    (default 1M, past the tuning limit), out of every candidate in its table."""
+    names = ("BLOCK_N", "BLOCK_M")
+    unique = dict.fromkeys(e for entries in table.values() for e in entries)
+    candidates = [tuning._cfg(a, b, names, w, s) for a, b, w, s in unique]
+    kept = prune()["early_config_prune"](candidates, {"seq_bucket": tuning.seq_bucket(tokens)},
+                                         BLOCK_D=dim, CAUSAL=causal)
+    return [tuning._entry(c, names) for c in kept]
+
+
 def test_causal_backward_pins_its_own_default(monkeypatch):
     """Past the tuning limit the causal dK/dV kernel runs the shape the tuner picks for causal."""
     monkeypatch.setattr(tuning, "INTERPRET", False)
-    names = ("BLOCK_N", "BLOCK_M")
-    unique = dict.fromkeys(e for entries in tuning._BWD_KV.values() for e in entries)
-    candidates = [tuning._cfg(a, b, names, w, s) for a, b, w, s in unique]
-    hook = tuning.bwd_kv_prune()["early_config_prune"]
     for dim in (64, 128):
-        args = ({"seq_bucket": tuning.seq_bucket(1 << 20)},)
-        causal = [tuning._entry(c, names) for c in hook(candidates, *args, BLOCK_D=dim, CAUSAL=True)]
-        plain = [tuning._entry(c, names) for c in hook(candidates, *args, BLOCK_D=dim, CAUSAL=False)]
+        causal = _kept(tuning._BWD_KV, tuning.bwd_kv_prune, dim, True)
+        plain = _kept(tuning._BWD_KV, tuning.bwd_kv_prune, dim, False)
         assert causal == [tuning._BWD_KV_CAUSAL[dim]] and tuning._BWD_KV_CAUSAL[dim] in tuning._BWD_KV[dim]
         assert plain == tuning._BWD_KV[dim][:1]
 
@@ -69,14 +75,10 @@ def test_atomic_backward_pins_128_keys_per_program(monkeypatch):
     """Past the tuning limit the atomic dK/dV/dQ kernel keeps BLOCK_N = 128, causal or not: its
     float32 atomic traffic per call falls as 1 / BLOCK_N."""
     monkeypatch.setattr(tuning, "INTERPRET", False)
-    names = ("BLOCK_N", "BLOCK_M")
-    unique = dict.fromkeys(e for entries in tuning._BWD_KV_DQ.values() for e in entries)
-    candidates = [tuning._cfg(a, b, names, w, s) for a, b, w, s in unique]
-    hook = tuning.bwd_kv_dq_prune()["early_config_prune"]
     for dim in (64, 128):
         for causal in (False, True):
-            pinned = hook(candidates, {"seq_bucket": tuning.seq_bucket(1 << 20)}, BLOCK_D=dim, CAUSAL=causal)
-            assert [tuning._entry(c, names) for c in pinned] == [tuning._BWD_KV_DQ[dim][0]]
+            pinned = _kept(tuning._BWD_KV_DQ, tuning.bwd_kv_dq_prune, dim, causal)
+            assert pinned == [tuning._BWD_KV_DQ[dim][0]]
             assert tuning._BWD_KV_DQ[dim][0][0] == 128
-        tuned = hook(candidates, {"seq_bucket": tuning.seq_bucket(4096)}, BLOCK_D=dim, CAUSAL=True)
-        assert [tuning._entry(c, names) for c in tuned] == tuning._BWD_KV_DQ[dim]
+        tuned = _kept(tuning._BWD_KV_DQ, tuning.bwd_kv_dq_prune, dim, True, tokens=4096)
+        assert tuned == tuning._BWD_KV_DQ[dim]
