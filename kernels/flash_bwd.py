@@ -37,8 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import (key_ranges, load_tile, query_heads, query_ranges, row_key_bounds, store_tile,
-                           tile_offsets, visible)
+from kernels.tiles import (key_ranges, load_tile, query_heads, query_ranges, query_tile_longest_first, row_key_bounds,
+                           store_tile, tile_offsets, visible)
 from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_configs, bwd_kv_dq_prune, bwd_kv_prune, bwd_q_configs,
                             bwd_q_prune, persistent)
 
@@ -296,7 +296,7 @@ def flash_bwd_q_kernel(
     flash_bwd_kv_kernel launched after it (one launch fewer than a separate Delta kernel)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
-    pid_m = tl.program_id(0)
+    pid_m = query_tile_longest_first()
     b, h, h_kv = query_heads(tl.program_id(1), n_heads, kv_group)
     start_m = pid_m * BLOCK_M
     rows_m = tl.arange(0, BLOCK_M)

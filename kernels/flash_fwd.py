@@ -37,7 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import key_ranges, load_tile, query_heads, row_key_bounds, store_tile, tile_offsets, visible
+from kernels.tiles import (key_ranges, load_tile, query_heads, query_tile_longest_first, row_key_bounds, store_tile,
+                          tile_offsets, visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
 
 LOG2E = 1.4426950408889634
@@ -91,7 +92,7 @@ def flash_fwd_kernel(
     read when WINDOW."""
     # torch.compile passes Python floats as fp64; keep every score in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
-    pid_m = tl.program_id(0)
+    pid_m = query_tile_longest_first()
     b, h, h_kv = query_heads(tl.program_id(1), n_heads, kv_group)
     start_m = pid_m * BLOCK_M
     rows_m = tl.arange(0, BLOCK_M)

@@ -24,6 +24,19 @@ def query_heads(pid_bh, n_heads, kv_group):
 
 
 @triton.jit
+def query_tile_longest_first():
+    """The query tile of a program in a (cdiv(n_q, BLOCK_M), B * H) grid, last tile first.
+
+    Under a causal mask query tile i visits i + 1 key tiles, and the GPU dispatches programs
+    in grid order; taking the tiles of each head from the last (the longest) down leaves the
+    shortest programs for the end, so the SMs finish together instead of waiting on the
+    longest tiles of the last heads (list scheduling, longest first). Heads stay in order,
+    so the programs resident at once share the K/V of one or two heads in L2.
+    """
+    return tl.num_programs(0) - 1 - tl.program_id(0)
+
+
+@triton.jit
 def tile_offsets(rows, cols, row_stride, col_stride):
     return rows[:, None] * row_stride + cols[None, :] * col_stride
 
