@@ -8,6 +8,7 @@ or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun wit
 """
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -29,6 +30,7 @@ def train(cfg: DictConfig, outcome: dict | None = None) -> int:
     from training.distributed import close_distributed  # torch: imported only once a run starts,
     from training.trainer import Trainer                # so `--help` answers at once
 
+    trainer = None
     try:
         try:
             trainer = Trainer(cfg)
@@ -47,6 +49,12 @@ def train(cfg: DictConfig, outcome: dict | None = None) -> int:
                 outcome["val_loss"] = trainer.val_loss
             return status
     finally:
+        # The trainer goes first, while the process group is alive: DDP's reducer holds a reference
+        # to the group, and if the garbage collector frees it after destroy_process_group, the
+        # gloo group's destructor runs there and can deadlock joining its threads (seen at exit
+        # under torchrun on CPU). Freed here, the group's last reference goes in destroy_process_group.
+        trainer = None
+        gc.collect()
         close_distributed()
 
 
