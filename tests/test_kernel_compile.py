@@ -19,31 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+sys.path.insert(0, "scripts")
+from kernel_report import compile_for_hopper as compile_kernel
 from kernels.flash_fwd import flash_fwd_kernel
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 
-POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "dOut": "*bf16", "dQ": "*bf16",
-            "dK": "*bf16", "dV": "*bf16", "Lse": "*fp32", "Delta": "*fp32", "Docs": "*i32"}
-FLOATS = {"qk_scale", "sm_scale"}
-
-def compile_for_hopper(kernel, constexprs, warps, stages):
-    while not isinstance(kernel, JITFunction):
-        kernel = kernel.fn
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in POINTERS:
-            signature[name] = POINTERS[name]
-        else:
-            signature[name] = "fp64" if name in FLOATS else "i32"   # as Inductor passes them
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+def compile_for_hopper(kernel, constexprs, warps, stages, pointers=None):
+    # Inductor's signature: every int an unspecialised i32, Python floats fp64
+    compiled = compile_kernel(kernel, constexprs, warps, stages, values=None, pointers=pointers)
     return "wgmma.mma_async" in compiled.asm["ptx"]
 
 results = {}
@@ -75,12 +58,12 @@ def test_kernels_compile_for_sm90_with_inductor_signature():
                           "bwd_q_masked": True, "delta": False}, uses_wgmma
 
 
-ATOMIC_SCRIPT = SCRIPT.split("results = {}")[0].replace('"dQ": "*bf16"', '"dQ": "*fp32"') + r"""
+ATOMIC_SCRIPT = SCRIPT.split("results = {}")[0] + r"""
 from kernels.flash_bwd import flash_bwd_kv_dq_kernel
 results = {}
 for tag, masks in (("", dict(DOCS=False, WINDOW=False)), ("_masked", dict(DOCS=True, WINDOW=True))):
     consts = dict(HEAD_DIM=96, BLOCK_D=128, CAUSAL=True, PRECISION="tf32", BLOCK_N=128, BLOCK_M=32, **masks)
-    results["bwd_kv_dq" + tag] = compile_for_hopper(flash_bwd_kv_dq_kernel, consts, 8, 3)
+    results["bwd_kv_dq" + tag] = compile_for_hopper(flash_bwd_kv_dq_kernel, consts, 8, 3, {"dQ": "*fp32"})
 print(json.dumps(results))
 """
 
@@ -89,3 +72,20 @@ print(json.dumps(results))
 def test_atomic_backward_compiles_for_sm90_with_inductor_signature():
     """The dK/dV kernel that adds dQ with float32 atomics (deterministic=False), plain and masked."""
     assert compile_in_subprocess(ATOMIC_SCRIPT) == {"bwd_kv_dq": True, "bwd_kv_dq_masked": True}
+
+
+@pytest.mark.slow
+def test_pinned_tiles_compile_pipelined_and_spill_free(tmp_path):
+    """Compiled as a launch specialises them (scripts/kernel_report.py: strides of 1 constant,
+    multiples of 16 divisible), the pinned tile shapes of the forward, dQ and dK/dV kernels stream
+    their loop tiles through cp.async and spill no registers, at head dims 64 and 128. A change that
+    leaves a loop load unpipelined or pushes a kernel into local memory fails here, before any GPU run."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--kernels", "fwd,q,kv", "--limit", "1",
+                           "--json", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "kernel_report.json").read_text())["rows"]
+    assert {(r["kernel"], r["head_dim"]) for r in rows} == {(k, d) for k in ("fwd", "q", "kv") for d in (64, 128)}
+    for row in rows:
+        assert row["async_copies"] > 0 and row["spill_bytes"] == 0, row
