@@ -74,13 +74,14 @@ def compile_for_hopper(kernel, constexprs: dict, warps: int, stages: int, values
         kernel = kernel.fn
     pointers = {**POINTERS, **(pointers or {})}
     signature, consts, attrs = {}, dict(constexprs), {}
+    int_args = launch_values(1, 16, 1, 1, 16).keys()
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in FLOATS:
             signature[name] = "fp64" if values is None else "fp32"
-        elif name.startswith("stride_") or name in launch_values(1, 16, 1, 1, 16):
-            value = None if values is None else values[name]
+        elif name.startswith("stride_") or name in int_args:
+            value = None if values is None else values.get(name)   # unknown: left unspecialised
             if value == 1:
                 signature[name], consts[name] = "constexpr", 1
             else:
