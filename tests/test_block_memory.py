@@ -218,7 +218,8 @@ def test_train_runs_with_both_features(tmp_path, cache_dir):
     assert len(runs["plain"]) == 3
     for plain, both in zip(runs["plain"], runs["both"]):
         assert plain[0] == both[0]
-        assert both[1:] == pytest.approx(plain[1:], rel=1e-5)
+        # val_loss is None on steps without an evaluation, in both runs alike
+        assert both[1:] == tuple(x if x is None else pytest.approx(x, rel=1e-5) for x in plain[1:])
 
 
 def test_compiling_with_offload_compiles_each_block():
