@@ -8,7 +8,6 @@ or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun wit
 """
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 
@@ -49,13 +48,8 @@ def train(cfg: DictConfig, outcome: dict | None = None) -> int:
                 outcome["val_loss"] = trainer.val_loss
             return status
     finally:
-        # The trainer goes first, while the process group is alive: DDP's reducer holds a reference
-        # to the group, and if the garbage collector frees it after destroy_process_group, the
-        # gloo group's destructor runs there and can deadlock joining its threads (seen at exit
-        # under torchrun on CPU). Freed here, the group's last reference goes in destroy_process_group.
-        trainer = None
-        gc.collect()
-        close_distributed()
+        trainer = None      # let go of the model (DDP/FSDP hold the group) before leaving the group,
+        close_distributed()  # which collects it first (see its docstring)
 
 
 @hydra.main(config_path="configs", config_name="train", version_base=None)

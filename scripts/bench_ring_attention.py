@@ -28,6 +28,7 @@ from _common import (add_out_argument, device_slug, environment, error_text, hum
 from _memory import is_oom, release_memory
 from kernels import attention_reference, flash_attention
 from model.ring_attention import ring_attention
+from training.distributed import close_distributed
 
 HEADS, HEAD_DIM = 12, 64
 LENGTHS = (131072, 262144, 524288, 1048576)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(report["rows"][-1], flush=True)
         return report
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from model import build_model
 from model.context_parallel import (context_parallel_batch, context_parallel_positions, gather_from_context_parallel,
                                     merge_context_parallel, split_for_context_parallel, use_context_parallel)
 from model.ring_attention import ring_attention
+from training.distributed import close_distributed
 
 CHUNK, BATCH, HEAD_DIM = 4, 2, 16
 # name: (block, dtype, causal, heads, kv heads)
@@ -73,7 +74,7 @@ def _worker(rank, size, port, path):
         if rank == 0:
             torch.save(results, path)
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 # name: model config overrides (GQA throughout; RoPE and learned positions; checkpointing;
@@ -239,7 +240,7 @@ def _gpu_worker(rank, size, port, path):
         if rank == 0:
             torch.save(results, path)
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 def attention_and_grads(inputs, dtype, causal):

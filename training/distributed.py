@@ -20,6 +20,7 @@ gradients over all N ranks (FSDP2 shards over all N: the flattened mesh).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -126,8 +127,17 @@ def context_parallel_group(device_type: str, world: int, size: int, timeout: dat
 
 
 def close_distributed() -> None:
-    """Leave the process group, if this process joined one."""
+    """Leave the process group, if this process joined one.
+
+    Garbage is collected first. A DDP or FSDP2 model that its caller has let go of can still be
+    alive in a reference cycle (FSDP2's states and parameter groups always are), and it holds the
+    process group and, on gloo, work objects whose tensors refer back to Python. Collected here,
+    they go while the group is alive; left to a later GC pass, they went after the group's
+    destruction or during interpreter shutdown, where gloo's teardown aborted the process now and
+    then (`terminate called without an active exception`, SIGABRT, seen in the CPU tests).
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
