@@ -197,11 +197,14 @@ def solo_window(run: Run, others: list[Run], seconds: float, settle: float = 0.7
     finally:
         for o in others:
             o.signal(signal.SIGCONT)
-    if len(window) < 2 or window[-1][1] == window[0][1]:
-        return {"run": run.spec.name, "error": "no steps in the window"}
+    paces = sorted((t1 - t0) / (s1 - s0) for (t0, s0), (t1, s1) in zip(window, window[1:]) if s1 > s0)
+    if len(paces) < 3:
+        return {"run": run.spec.name, "error": "too few steps in the window"}
+    # The median interval between step lines: an evaluation inside the window does not count.
     (t0, s0), (t1, s1) = window[0], window[-1]
-    return {"run": run.spec.name, "steps": s1 - s0, "seconds": t1 - t0,
-            "tokens_per_s": (s1 - s0) * run.tokens_per_step / (t1 - t0), "paused": [o.spec.name for o in others]}
+    return {"run": run.spec.name, "steps": s1 - s0, "seconds": t1 - t0, "intervals": len(paces),
+            "tokens_per_s": run.tokens_per_step / paces[len(paces) // 2],
+            "tokens_per_s_mean": (s1 - s0) * run.tokens_per_step / (t1 - t0), "paused": [o.spec.name for o in others]}
 
 
 def gpu_state() -> dict:
