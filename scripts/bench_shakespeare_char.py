@@ -46,7 +46,7 @@ REPO = SCRIPTS.parent
 PACK = "shakespeare_char_runs.tar.gz"
 STEPS = 5000
 TOKENS_PER_STEP = 64 * 256
-NANOGPT_ARCH = ["model.pos_emb=learned", "model.norm=layernorm", "model.mlp=gelu"]
+DEFAULT_ARCH = ["model.pos_emb=rope", "model.norm=rmsnorm", "model.mlp=swiglu"]   # the experiment has nanoGPT's
 
 
 @dataclass
@@ -62,15 +62,15 @@ class RunSpec:
 
 RUNS = [
     RunSpec("nanogpt", "nanoGPT, its own code", timed=True),
-    RunSpec("ours-nanogpt-arch", "ours, nanoGPT's architecture", NANOGPT_ARCH, timed=True),
-    RunSpec("ours-default-arch", "ours, default architecture (RoPE, RMSNorm, SwiGLU)", [], rank="best", timed=True),
+    RunSpec("ours-nanogpt-arch", "ours, nanoGPT's architecture", [], timed=True),
+    RunSpec("ours-default-arch", "ours, default architecture (RoPE, RMSNorm, SwiGLU)", DEFAULT_ARCH, rank="best",
+            timed=True),
     RunSpec("fixed-windows", "nanoGPT's architecture, fixed windows (data.windows=fixed)",
-            NANOGPT_ARCH + ["data.windows=fixed"], rank="ablation", kill_order=0, compiled=False),
+            ["data.windows=fixed"], rank="ablation", kill_order=0, compiled=False),
     RunSpec("no-embedding-decay", "nanoGPT's architecture, embeddings not decayed (optim.decay_embeddings=false)",
-            NANOGPT_ARCH + ["optim.decay_embeddings=false"], rank="ablation", kill_order=1, compiled=False),
+            ["optim.decay_embeddings=false"], rank="ablation", kill_order=1, compiled=False),
     RunSpec("no-attention-dropout", "nanoGPT's architecture, attention=flash without attention dropout",
-            NANOGPT_ARCH + ["attention=flash", "model.attention_dropout=0"], rank="ablation", kill_order=2,
-            compiled=False),
+            ["attention=flash", "model.attention_dropout=0"], rank="ablation", kill_order=2, compiled=False),
 ]
 BY_NAME = {r.name: r for r in RUNS}
 
@@ -387,11 +387,66 @@ def run_result(name: str, info: dict, files: dict, steps: int, solo: dict) -> di
         train_mode = next((r["loss"] for r in rows if r["step"] == steps), None)
         train_at_end = json.loads(files["train_loss.json"])["train_loss_eval_mode"] if "train_loss.json" in files else None
     best = min(curve, key=lambda sv: sv[1]) if curve else (None, None)
-    return {"name": name, **info, "val_curve": curve, "best_val": best[1], "best_step": best[0],
+    return {"name": name, **info, "settings": settings_of(files.get("config.yaml")), "val_curve": curve, "best_val": best[1], "best_step": best[0],
             "val_at_end": next((v for s, v in curve if s == steps), None),
             "last_eval_step": curve[-1][0] if curve else None, "last_val": curve[-1][1] if curve else None,
             "train_loss_at_end_eval_mode": train_at_end, "train_loss_at_end_training_mode": train_mode,
             "tokens_per_s_solo": solo.get(name, {}).get("tokens_per_s")}
+
+
+# nanoGPT's model.py and train.py read beside ours, line by line: what differed before issue 24,
+# and what the experiment does now. The ablation rows of the report measure the differences kept
+# as settings; the others are the same in both or too small to matter at this size.
+COMPARISON = [
+    ("training windows", "random start per window, every batch", "fixed cut at multiples of 256 (3,921 windows)",
+     "`data.windows=moving` (default): offset per epoch; ablation `fixed-windows`"),
+    ("attention dropout", "0.2 on the attention probabilities (SDPA dropout_p)", "none",
+     "`model.attention_dropout=0.2` through SDPA; ablation `no-attention-dropout` (flash, none)"),
+    ("weight-decay groups", "every 2-D tensor, tied token table and position table included",
+     "matrices only, embeddings exempt", "`optim.decay_embeddings=true` (default); ablation `no-embedding-decay`"),
+    ("embedding / residual dropout", "on tok+pos, after each c_proj (attention, MLP)", "same", "same"),
+    ("init", "N(0, 0.02); c_proj 0.02/sqrt(2 n_layer); biases 0", "same", "same"),
+    ("bias, LayerNorm eps", "no biases (train.py), eps 1e-5", "same with model.bias=false, norm_eps 1e-5", "same"),
+    ("GELU", "exact (erf)", "tanh approximation", "kept: activations differ by ~1e-3, not measured"),
+    ("vocabulary", "65 characters", "256 bytes + EOT (257 ids), head padded to 320", "kept: the byte ids of an ASCII text"),
+    ("lr schedule", "(it+1)/(warmup+1) warmup, cosine to min_lr at lr_decay_iters = max_iters", "same formula", "same"),
+    ("AdamW, clipping", "eps 1e-8, fused on CUDA; clip_grad_norm 1.0", "same", "same (betas 0.9/0.99 in the experiment)"),
+    ("loss under grad_accum", "loss / accum per micro-batch", "same", "same (accum 1 in this recipe)"),
+    ("precision", "bf16 autocast, tf32 matmuls", "bf16 autocast", "same"),
+    ("evaluation", "eval_iters random batches per split, eval mode", "fixed windows evenly spread, eval mode",
+     "7 x 64 windows: the whole held-out split"),
+]
+REFERENCE = "ours-nanogpt-arch"   # the run the ablations each change one setting of
+
+
+def ablation_table(results: list[dict], markdown_table) -> str:
+    """Validation loss of each ablation at the steps it reached, beside the reference run's."""
+    ref = next((r for r in results if r["name"] == REFERENCE), None)
+    ablations = [r for r in results if r["rank"] == "ablation" and r["val_curve"]]
+    if ref is None or not ablations:
+        return ""
+    reached = max(r["last_eval_step"] for r in ablations)
+    steps = [s for s, _ in ref["val_curve"] if 1000 <= s <= reached]
+    val = lambda r, s: dict(r["val_curve"]).get(s)  # noqa: E731
+    rows = [[ref["label"], *(fmt(val(ref, s)) for s in steps)]]
+    for r in ablations:
+        rows.append([r["label"], *("-" if val(r, s) is None else f"{val(r, s):.3f} ({val(r, s) - val(ref, s):+.3f})"
+                                   for s in steps)])
+    return ("## Ablations: one setting of ours undone, validation loss (difference to the first row)\n\n"
+            + markdown_table(["run", *(f"step {s}" for s in steps)], rows) + "\n")
+
+
+def settings_of(config_yaml: str | None) -> str | None:
+    """What a run of ours trained with, from the config.yaml it saved (whatever the experiment
+    file said at the time): architecture, attention and its dropout, windows, decay groups."""
+    if not config_yaml:
+        return None
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.create(config_yaml)
+    return (f"{c.model.pos_emb} positions, {c.model.norm}, {c.model.mlp}; attention={c.attention.name}, "
+            f"attention_dropout={c.model.get('attention_dropout', 0.0)}; data.windows={c.data.get('windows')}; "
+            f"optim.decay_embeddings={c.optim.get('decay_embeddings')}; compile={c.trainer.compile}")
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -403,6 +458,9 @@ def report(args) -> None:
 
     events, files = read_pack(args.pack)
     steps, env = events["steps"], events["environment"]
+    # The machine's own folders say nothing about the result: name the inputs by what they are.
+    env = {**env, "command": re.sub(r"--nanogpt \S+", "--nanogpt nanoGPT",
+                                    re.sub(r"--text \S+", "--text input.txt", env["command"]))}
     solo = {s["run"]: s for s in events["solo"] if "tokens_per_s" in s}
     results = [run_result(name, info, files.get(name, {}), steps, solo) for name, info in events["runs"].items()]
     slug = "cpu_smoke" if env["device_type"] != "cuda" else name_slug(env["device"])
@@ -423,8 +481,11 @@ def report(args) -> None:
              status(r)] for r in results]
     headers = ["run", "best val (step)", f"val at {steps}", "last val (step)", f"train at {steps}, eval mode",
                f"train at {steps}, training mode", "tokens/s alone", "status"]
-    overrides = "\n".join(f"- {r['label']}: `{' '.join(r['overrides']) or '(the experiment as it is)'}`"
+    overrides = "\n".join(f"- {r['label']}: `{' '.join(r['overrides']) or '(none)'}`; trained with {r['settings']}"
                           for r in results if r["name"] != "nanogpt")
+    solo_rows = [[s["run"], f"{s['tokens_per_s'] / 1e6:.2f}M", f"{s['tokens_per_s_mean'] / 1e6:.2f}M",
+                  f"{s['steps']} in {s['seconds']:.2f} s", f"{s['gpu'].get('sm_mhz', '-')} MHz, "
+                  f"{s['gpu'].get('power_w', '-')} W"] for s in events["solo"] if "tokens_per_s" in s]
     text = (f"# shakespeare-char: nanoGPT's own run and ours, same GPU, same call\n\n"
             f"{env['date']}, {env['device']}, torch {env['torch']}, triton {env['triton']}, "
             f"commit {env['git_commit']}. `{env['command']}`\n\n"
@@ -435,9 +496,20 @@ def report(args) -> None:
             f"the whole held-out split (7 batches of 64 windows) every 250 steps. The runs shared the GPU "
             f"(separate processes); tokens/s is each timed run alone on it for a few seconds, the others paused.\n\n"
             + markdown_table(headers, rows) + "\n"
-            f"Our runs: `python train.py experiment=shakespeare-char data.paths=[input.txt]` plus\n\n{overrides}\n\n"
+            f"Our runs: `python train.py experiment=shakespeare-char data.paths=[input.txt]` (the experiment file of "
+            f"the commit above) with these overrides; what each trained with is read from its saved config.yaml:"
+            f"\n\n{overrides}\n\n"
             f"Runs the device time did not let finish were stopped by the script (`scripts/bench_shakespeare_char.py`: "
-            f"the must-finish runs go first); their curves up to there are in the JSON and the plot.\n")
+            f"the must-finish runs go first); their curves up to there are in the JSON and the plot.\n\n"
+            + ablation_table(results, markdown_table)
+            + "## Throughput, each timed run alone on the GPU (the others paused)\n\n"
+            + markdown_table(["run", "tokens/s (median interval)", "tokens/s (mean over the window)", "steps",
+                              "GPU during the window"], solo_rows)
+            + "\nThe median of the intervals between step lines leaves out an evaluation that falls in the "
+              "window (nanoGPT's takes 2 x eval_iters forward passes); both implementations are timed the same "
+              "way, in the same call, so their ratio is the comparison.\n\n"
+            + "## nanoGPT's code against ours\n\n"
+            + markdown_table(["", "nanoGPT", "ours before issue 24", "ours now"], COMPARISON))
     write_text(stem.with_suffix(".md"), text)
 
     def draw() -> None:
@@ -449,6 +521,7 @@ def report(args) -> None:
                 ax.plot(s, v, marker="o" if r["name"] == "nanogpt" else ".", ms=3, label=r["label"],
                         lw=2.2 if r["name"] in ("nanogpt", "ours-nanogpt-arch", "ours-default-arch") else 1.0)
         ax.axhline(1.4697, color="grey", ls=":", lw=1, label="nanoGPT README: 1.4697")
+        ax.set_ylim(1.4, 2.1)
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss")
         ax.set_title(f"shakespeare-char on {env['device']}: validation loss")

@@ -41,6 +41,7 @@ def test_the_recipe_runs_on_a_local_text_file_with_nanogpts_split(run_dir, text_
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
     assert (cfg.attention.name, cfg.model.dropout, cfg.model.attention_dropout) == ("sdpa", 0.2, 0.2)
+    assert (cfg.model.pos_emb, cfg.model.norm, cfg.model.mlp) == ("learned", "layernorm", "gelu")   # nanoGPT's
     assert (cfg.data.windows, cfg.optim.betas, cfg.optim.warmup_steps) == ("moving", [0.9, 0.99], 100)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
