@@ -24,8 +24,9 @@ from kernels.tuning import INTERPRET
 AttentionFn = Callable[..., torch.Tensor]
 
 
-def sdpa_attention(q, k, v, causal=False, softmax_scale=None, *, document_ids=None, window=None):
-    """torch's scaled_dot_product_attention on (B, N, H, D) tensors.
+def sdpa_attention(q, k, v, causal=False, softmax_scale=None, *, document_ids=None, window=None, dropout_p=0.0):
+    """torch's scaled_dot_product_attention on (B, N, H, D) tensors; `dropout_p` drops attention
+    probabilities (the model passes it in training only: `model.attention_dropout`).
 
     SDPA wants (B, H, N, D): transposed views are enough (no copies), and `enable_gqa`
     lets it read the shared K/V heads without materialising them H / Hkv times. It is
@@ -46,7 +47,7 @@ def sdpa_attention(q, k, v, causal=False, softmax_scale=None, *, document_ids=No
         mask = causal_lower_right(n_q, n_k) if causal and n_q != n_k else None
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,
-        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+        dropout_p=dropout_p, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 
@@ -57,6 +58,19 @@ ATTENTION: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
     "flash": flash_attention,       # our Triton kernel (kernels/)
 }
+
+
+# The entries that drop attention probabilities (a `dropout_p` keyword): the others compute exact
+# attention, and our kernel has no dropout in its tiles.
+ATTENTION_DROPOUT = ("sdpa",)
+
+
+def check_attention_dropout(name: str, attention_dropout: float) -> None:
+    """Refuse to train with attention dropout through an entry that would ignore it."""
+    if attention_dropout and name not in ATTENTION_DROPOUT:
+        raise ValueError(f"model.attention_dropout={attention_dropout} needs attention={' or '.join(ATTENTION_DROPOUT)} "
+                         f"to train (attention={name} computes attention without dropout); "
+                         f"set model.attention_dropout=0 to train with {name}")
 
 
 def _check_name(name: str) -> str:
@@ -76,12 +90,13 @@ def get_attention(name: str, deterministic: bool = True) -> AttentionFn:
     return partial(fn, deterministic=False) if fn is flash_attention and not deterministic else fn
 
 
-def resolve_attention(name: str, device) -> str:
+def resolve_attention(name: str, device, attention_dropout: float = 0.0) -> str:
     """Turn the config's attention name into a registered one: 'auto' means our flash
-    kernel on CUDA and SDPA elsewhere; any other name must be registered as given."""
+    kernel on CUDA and SDPA elsewhere, or when training drops attention probabilities
+    (`attention_dropout` > 0, which only SDPA does); any other name must be registered as given."""
     on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "flash" if on_cuda else "sdpa"
+        name = "flash" if on_cuda and not attention_dropout else "sdpa"
     if name == "flash" and not on_cuda and not INTERPRET:
         raise ValueError(f"attention=flash needs a CUDA device (got device={device}); use attention=sdpa "
                          "or naive on CPU, or set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter")

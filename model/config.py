@@ -36,7 +36,8 @@ class GPTConfig:
     mlp: str = "swiglu"
     tie_embeddings: bool = True
     bias: bool = False
-    dropout: float = 0.0
+    dropout: float = 0.0                # embeddings' sum and each residual branch's output
+    attention_dropout: float = 0.0      # attention probabilities (SDPA's dropout_p): needs attention=sdpa
     init_std: float = 0.02
     activation_checkpointing: str = "none"
     loss_chunk_size: int = 0

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.masks import document_bounds
-from model.attention import get_attention
+from model.attention import ATTENTION_DROPOUT, check_attention_dropout, get_attention
 from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.layers import Block, init_block_, init_linear_, make_norm
@@ -38,6 +38,8 @@ class GPT(nn.Module):
             raise ValueError(f"attention.window={window!r}: must be null or an integer >= 1")
         self.config = config
         self.attention_name = attention
+        # Attention dropout acts in training only, so evals and generation may use any backend.
+        self.drops_attention = config.attention_dropout > 0 and attention in ATTENTION_DROPOUT
         self.window = window   # each query sees the last `window` keys (Mistral's sliding window)
         attention_fn = get_attention(attention, deterministic)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
@@ -83,6 +85,8 @@ class GPT(nn.Module):
           rank's share, normalised by the whole sequence's token count: training.context_parallel).
         """
         seq_len = idx.shape[1]
+        if self.training:
+            check_attention_dropout(self.attention_name, self.config.attention_dropout)
         if document_ids is not None and cache is not None:
             raise ValueError("document_ids cannot be used with a KV cache: generation decodes one document "
                              "(split a packed prompt into its documents)")
@@ -111,7 +115,7 @@ class GPT(nn.Module):
             offload = block_offload(self.config.offload_activations, x, len(self.blocks))
             for i, block in enumerate(self.blocks):
                 with offload(i, x):
-                    x = block(x, rope, document_ids, self.window)
+                    x = block(x, rope, document_ids, self.window, self.drops_attention and self.training)
         else:
             for layer, block in enumerate(self.blocks):
                 x = block.forward_cached(x, rope, cache, layer, self.window)

@@ -73,7 +73,8 @@ class CausalSelfAttention(nn.Module):
 
     q, k and v are strided views into the projection's output, handed to the attention
     function as they are (it accepts any strides); only RoPE makes new q and k tensors.
-    Attention probabilities are not dropped out: the kernels compute exact attention.
+    Attention probabilities are dropped out (`model.attention_dropout`) only through SDPA:
+    our kernels compute exact attention.
     """
 
     def __init__(self, config: GPTConfig, attention: AttentionFn):
@@ -134,6 +135,7 @@ class Block(nn.Module):
         self.norm_mlp = make_norm(config)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
+        self.attention_dropout = config.attention_dropout
         self.checkpointing = config.activation_checkpointing
         self.chunk_size = config.block_chunk_size
 
@@ -144,9 +146,12 @@ class Block(nn.Module):
         x = x + self.dropout(self.attn.proj(y.flatten(2)))
         return x + self.dropout(self.mlp(self.norm_mlp(x)))
 
-    def attend(self, q, k, v, document_ids=None, window=None, causal=True):
-        """The attention call; the masks are passed only when set (the ring takes none)."""
+    def attend(self, q, k, v, document_ids=None, window=None, causal=True, drop=False):
+        """The attention call; the masks are passed only when set (the ring takes none), and the
+        attention dropout only when `drop` (training through SDPA: GPT.drops_attention)."""
         masks = {name: m for name, m in (("document_ids", document_ids), ("window", window)) if m is not None}
+        if drop:
+            masks["dropout_p"] = self.attention_dropout
         return self.attn.attention(q, k, v, causal=causal, **masks)
 
     def _stage(self, fn, *args):
@@ -157,8 +162,8 @@ class Block(nn.Module):
         """A per-token stage recomputed in backward: checkpointed per chunk or as a whole."""
         return self._stage(fn, *args) if self.chunk_size else checkpoint(fn, *args, use_reentrant=False)
 
-    def _forward(self, x, rope, document_ids=None, window=None):
-        y = self.attend(*self._stage(self.pre_attention, x, rope), document_ids, window)
+    def _forward(self, x, rope, document_ids=None, window=None, drop=False):
+        y = self.attend(*self._stage(self.pre_attention, x, rope), document_ids, window, drop=drop)
         return self._stage(self.post_attention, x, y)
 
     def forward_cached(self, x: torch.Tensor, rope, cache, layer: int, window=None) -> torch.Tensor:
@@ -170,15 +175,16 @@ class Block(nn.Module):
         return self.post_attention(x, self.attend(q, k, v, window=window,
                                                   causal=q.shape[1] > 1 or window is not None))
 
-    def forward(self, x: torch.Tensor, rope, document_ids=None, window=None) -> torch.Tensor:
-        """document_ids (B, T) and window (int) as in kernels.flash_attention, None: not masked."""
+    def forward(self, x: torch.Tensor, rope, document_ids=None, window=None, drop=False) -> torch.Tensor:
+        """document_ids (B, T) and window (int) as in kernels.flash_attention, None: not masked;
+        drop: apply the attention dropout (full checkpointing replays its RNG state in backward)."""
         if self.checkpointing == "full":
-            return checkpoint(self._forward, x, rope, document_ids, window, use_reentrant=False)
+            return checkpoint(self._forward, x, rope, document_ids, window, drop, use_reentrant=False)
         if self.checkpointing == "selective":
             q, k, v = self._recomputed(self.pre_attention, x, rope)
-            y = self.attend(q, k, v, document_ids, window)
+            y = self.attend(q, k, v, document_ids, window, drop=drop)
             return self._recomputed(self.post_attention, x, y)
-        return self._forward(x, rope, document_ids, window)
+        return self._forward(x, rope, document_ids, window, drop)
 
 
 def init_linear_(module: nn.Linear, std: float) -> None:

@@ -48,9 +48,12 @@ def device_name(device: torch.device) -> str:
 
 def device_slug(device: torch.device) -> str:
     """Short lowercase tag for file names: 'NVIDIA H200' -> 'h200', any CPU -> 'cpu'."""
-    if device.type != "cuda":
-        return "cpu"
-    words = [w for w in re.split(r"[^a-z0-9]+", device_name(device).lower()) if w and w != "nvidia"]
+    return name_slug(device_name(device)) if device.type == "cuda" else "cpu"
+
+
+def name_slug(gpu_name: str) -> str:
+    """device_slug of a GPU by its name (a result file's `device`, read on another machine)."""
+    words = [w for w in re.split(r"[^a-z0-9]+", gpu_name.lower()) if w and w != "nvidia"]
     return "-".join(words) or "cuda"
 
 

@@ -73,6 +73,20 @@ def test_resolve_auto_picks_sdpa_on_cpu():
 def test_resolve_auto_on_cuda_wants_flash():
     assert ATTENTION["flash"] is flash_attention
     assert resolve_attention("auto", "cuda") == "flash"
+    assert resolve_attention("auto", "cuda", attention_dropout=0.2) == "sdpa"   # our kernel has no dropout
+
+
+def test_sdpa_attention_dropout_drops_probabilities_unbiasedly():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 2, 8, dtype=torch.float64) for _ in range(3))
+    exact = ATTENTION["sdpa"](q, k, v, causal=True)
+    draws = torch.stack([ATTENTION["sdpa"](q, k, v, causal=True, dropout_p=0.5) for _ in range(4000)])
+    # The first query sees only the first key: probability 1, kept (scaled by 1/(1-p)) or dropped.
+    first = draws[:, :, 0] / v[:, 0]
+    assert torch.all(((first - 2).abs() < 1e-9) | (first.abs() < 1e-9))
+    assert 0.45 < (first.abs() > 1).double().mean() < 0.55
+    torch.testing.assert_close(draws.mean(0), exact, atol=0.12, rtol=0)   # unbiased: E[dropped] = exact
+    assert (draws.std(0) > 0.01).all()
 
 
 def test_flash_on_cpu_without_interpreter_is_refused_up_front(monkeypatch):

@@ -73,7 +73,11 @@ def test_restore_model_names_the_mismatch(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"model.d_model": 128}, "was trained with another model config: model.d_model=64 in checkpoint, 128 now"),
     ({"data.max_bytes": 1_000_000}, "was trained on data stdlib"),
-], ids=["model-shape", "data"])
+    ({"data.windows": "fixed"}, ": its data position is in moving windows (its run had data.windows=moving) but "
+                                "this run has data.windows=fixed: pass data.windows=moving to continue it exactly"),
+    ({"optim.decay_embeddings": False}, "decays 9 parameter tensors, this run 8: optim.decay_embeddings differs "
+                                        "from the checkpoint's run"),
+], ids=["model-shape", "data", "windows", "decay-groups"])
 def test_train_refuses_a_mismatched_checkpoint(tmp_path, cache_dir, finished_run, capsys, change, message):
     ckpt = finished_run / "checkpoints" / "step_00000004.pt"
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, resume=str(ckpt), **change)) == 2

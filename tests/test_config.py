@@ -139,12 +139,13 @@ def test_warmup_then_cosine_to_min_lr():
     assert lr_at(100, optim, 110) == 1.0
 
 
-def test_weight_decay_hits_matrices_only():
+def test_weight_decay_hits_matrices_only_and_embeddings_unless_told_not_to():
     from model import build_model
 
-    cfg = compose(["run.dir=x", "model.tie_embeddings=false", "model.bias=true"])
+    cfg = compose(["run.dir=x", "model.tie_embeddings=false", "model.bias=true", "model.pos_emb=learned",
+                   "model.max_seq_len=256", "optim.decay_embeddings=false"])
     model = build_model(cfg.model, vocab_size=257, attention="sdpa")
-    decay, no_decay = param_groups(model, 0.1)
+    decay, no_decay = param_groups(model, 0.1, decay_embeddings=False)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     assert decay["params"] and all(p.dim() == 2 and id(p) not in embeddings for p in decay["params"])
     assert any(id(p) in embeddings for p in no_decay["params"])
@@ -152,7 +153,13 @@ def test_weight_decay_hits_matrices_only():
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == model.num_params()
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert [len(g["params"]) for g in optimizer.param_groups] == [len(decay["params"]), len(no_decay["params"])]
     assert not optimizer.defaults["fused"]  # fused=auto is for CUDA
+    # The default (nanoGPT's grouping): every 2-D tensor decays, the token and position tables too.
+    assert compose(["run.dir=x"]).optim.decay_embeddings is True
+    decay, no_decay = param_groups(model, 0.1)
+    assert embeddings <= {id(p) for p in decay["params"]} and all(p.dim() == 2 for p in decay["params"])
+    assert no_decay["params"] and all(p.dim() == 1 for p in no_decay["params"])
 
 
 def test_multirun_sweep_runs_every_job(tmp_path, cache_dir):

@@ -69,25 +69,84 @@ def test_resume_replays_the_same_batches(tmp_path):
         build_data(cfg, seq_len=64, seed=3, progress=False).train.load_state_dict(state)
 
 
-def test_rank_shards_are_disjoint_and_cover_the_epoch(tmp_path):
-    cfg = make_cfg(tmp_path)
+@pytest.mark.parametrize("windows", ["moving", "fixed"])
+def test_rank_shards_are_disjoint_and_cover_the_epoch(tmp_path, windows):
+    cfg = make_cfg(tmp_path, {"windows": windows})
     samplers = [build_data(cfg, seq_len=64, seed=1, rank=r, world_size=3, progress=False).train for r in range(3)]
-    shards = [s.shard(0) for s in samplers]
-    everything = np.concatenate(shards)
-    n = samplers[0].n_windows
-    # Ranks move in lockstep: an epoch drops its last n % 3 windows (fewer than the ranks).
-    assert len(everything) == len(set(everything.tolist())) == n - n % 3
-    assert set(everything.tolist()) == set(samplers[0].order(0)[: n - n % 3].tolist())
-    # Every other window of the stream is read exactly once per epoch.
-    seen = sum(s.window(int(i))[1:].size for s, shard in zip(samplers, shards) for i in shard)
-    assert seen == (n - n % 3) * 64
+    for epoch in (0, 1):
+        shards = [s.shard(epoch) for s in samplers]
+        everything = np.concatenate(shards)
+        n = len(samplers[0].order(epoch))   # this epoch's windows (the fixed cut: always n_windows)
+        # Ranks move in lockstep: an epoch drops its last n % 3 windows (fewer than the ranks).
+        assert len(everything) == len(set(everything.tolist())) == n - n % 3
+        assert set(everything.tolist()) == set(samplers[0].order(epoch)[: n - n % 3].tolist())
+        # Every other window of the stream is read exactly once per epoch.
+        seen = sum(s.window(int(i), epoch)[1:].size for s, shard in zip(samplers, shards) for i in shard)
+        assert seen == (n - n % 3) * 64
+
+
+def targets_per_token(sampler, epoch: int) -> np.ndarray:
+    """How often each stream position is a target (a y token) in `epoch`, from the windows drawn."""
+    count = np.zeros(sampler.stream.n_tokens, dtype=np.int64)
+    for i in sampler.order(epoch):
+        start = sampler.offset(epoch) + int(i) * sampler.seq_len
+        count[start + 1 : start + 1 + sampler.seq_len] += 1
+    return count
+
+
+def test_moving_windows_start_elsewhere_each_epoch_and_cover_every_token_once(tmp_path):
+    sampler = build_data(make_cfg(tmp_path), seq_len=128, seed=2, progress=False).train
+    assert sampler.windows == "moving"   # the default
+    offsets = [sampler.offset(e) for e in range(8)]
+    assert all(0 <= o < 128 for o in offsets) and len(set(offsets)) >= 6, offsets
+    n = sampler.stream.n_tokens
+    for epoch in range(3):
+        count = targets_per_token(sampler, epoch)
+        assert count.max() == 1                    # no token is a target twice in an epoch
+        assert n - count.sum() < 2 * 128           # and all but the two ends' few are targets once
+    # Drawing batch after batch reads exactly those windows: the first epoch's in its order,
+    # then the second epoch's at its own offset.
+    per_epoch = len(sampler.order(0))
+    x, _ = sampler.next_batch(per_epoch + 3)
+    read = lambda e, i: torch.from_numpy(sampler.window(int(i), e)[:-1].astype(np.int64))  # noqa: E731
+    assert all(torch.equal(x[j], read(0, sampler.order(0)[j])) for j in range(per_epoch))
+    assert all(torch.equal(x[per_epoch + j], read(1, sampler.order(1)[j])) for j in range(3))
+    assert sampler.epoch == 1
+    # Deterministic from the seed; another seed moves the windows elsewhere.
+    again = build_data(make_cfg(tmp_path), seq_len=128, seed=2, progress=False).train
+    assert [again.offset(e) for e in range(8)] == offsets
+    other = build_data(make_cfg(tmp_path), seq_len=128, seed=3, progress=False).train
+    assert [other.offset(e) for e in range(8)] != offsets
+
+
+def test_fixed_windows_are_the_offset_zero_cut_of_earlier_runs(tmp_path):
+    """data.windows=fixed repeats the sampler of runs before moving windows, batch for batch."""
+    sampler = build_data(make_cfg(tmp_path, {"windows": "fixed"}), seq_len=128, seed=2, progress=False).train
+    assert [sampler.offset(e) for e in range(4)] == [0, 0, 0, 0]
+    for epoch in range(2):
+        assert np.array_equal(sampler.order(epoch), np.random.default_rng([2, epoch]).permutation(sampler.n_windows))
+    x, _ = sampler.next_batch(2)
+    first = int(np.random.default_rng([2, 0]).permutation(sampler.n_windows)[0])
+    assert torch.equal(x[0], torch.from_numpy(sampler.stream.read(first * 128, 128).astype(np.int64)))
+
+
+def test_sampler_state_of_another_cut_is_refused_in_one_line(tmp_path):
+    moving = build_data(make_cfg(tmp_path), seq_len=64, seed=1, progress=False).train
+    fixed = build_data(make_cfg(tmp_path, {"windows": "fixed"}), seq_len=64, seed=1, progress=False).train
+    old = {k: v for k, v in fixed.state_dict().items() if k != "windows"}   # a checkpoint from before the option
+    with pytest.raises(ValueError, match=r"written before moving windows existed.*pass data.windows=fixed"):
+        moving.load_state_dict(old)
+    fixed.load_state_dict(old)   # resumes in the cut it was written in
+    with pytest.raises(ValueError, match=r"its run had data.windows=moving.*pass data.windows=moving"):
+        fixed.load_state_dict(moving.state_dict())
 
 
 def drawn(samplers, steps: int, batch: int) -> list[list[int]]:
-    """Window indices each rank draws in `steps` batches, found by their tokens."""
+    """Window indices each rank draws in `steps` batches (all within epoch 0), found by their tokens."""
     s0 = samplers[0]
-    index = {tuple(s0.window(i)[:-1].tolist()): i for i in range(s0.n_windows)}
-    assert len(index) == s0.n_windows  # no two windows alike: tokens identify a window
+    n = len(s0.order(0))
+    index = {tuple(s0.window(i, 0)[:-1].tolist()): i for i in range(n)}
+    assert len(index) == n  # no two windows alike: tokens identify a window
     out = [[] for _ in samplers]
     for _ in range(steps):
         for r, s in enumerate(samplers):
@@ -96,24 +155,25 @@ def drawn(samplers, steps: int, batch: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("before,after", [(2, 3), (3, 1), (1, 2)])
-def test_resume_on_another_number_of_ranks_neither_repeats_nor_skips(tmp_path, before, after):
-    cfg = make_cfg(tmp_path)
+@pytest.mark.parametrize("windows", ["moving", "fixed"])
+@pytest.mark.parametrize("worlds", [(2, 3), (3, 1), (1, 2), (1, 2, 1)], ids=lambda w: "->".join(map(str, w)))
+def test_resume_on_another_number_of_ranks_neither_repeats_nor_skips(tmp_path, worlds, windows):
+    cfg = make_cfg(tmp_path, {"windows": windows})
     bundle = lambda r, w: build_data(cfg, seq_len=512, seed=5, rank=r, world_size=w, progress=False).train  # noqa: E731
-    first = [bundle(r, before) for r in range(before)]
-    seen = drawn(first, steps=7, batch=3)
-    state = first[0].state_dict()
-    assert all(s.state_dict() == state for s in first)  # one global position, whichever rank saves it
-    second = [bundle(r, after) for r in range(after)]
-    for s in second:
-        s.load_state_dict(state)
-    later = drawn(second, steps=5, batch=2)
-    consumed = [w for rank in seen for w in rank]
-    resumed = [w for rank in later for w in rank]
-    assert len(set(resumed)) == len(resumed) and not set(resumed) & set(consumed)  # disjoint ranks, no repeat
-    # together: exactly the next entries of the epoch's order, nothing skipped
-    order = first[0].order(0)
-    assert sorted(consumed + resumed) == sorted(order[: len(consumed) + len(resumed)].tolist())
+    state, consumed, order = None, [], None
+    for world, (steps, batch) in zip(worlds, [(7, 3), (5, 2), (4, 2)]):
+        ranks = [bundle(r, world) for r in range(world)]
+        order = ranks[0].order(0) if order is None else order
+        for s in ranks:
+            if state is not None:
+                s.load_state_dict(state)
+        later = [w for rank in drawn(ranks, steps, batch) for w in rank]
+        state = ranks[0].state_dict()
+        assert all(s.state_dict() == state for s in ranks)  # one global position, whichever rank saves it
+        assert len(set(later)) == len(later) and not set(later) & set(consumed)  # disjoint ranks, no repeat
+        consumed += later
+        # together: exactly the next entries of the epoch's order, nothing skipped
+        assert sorted(consumed) == sorted(order[: len(consumed)].tolist())
 
 
 def test_doc_ids_mark_document_boundaries(tmp_path):

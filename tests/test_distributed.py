@@ -247,6 +247,68 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step(tmp_path, cache_dir):
     assert 5 <= stopped_at < 200 and len(losses(run_dir)) == stopped_at
 
 
+# ----------------------------------------------------------------------------- the sampler over 1 -> 2 -> 1 processes
+
+SAMPLER_DATA = {"name": "stdlib", "max_bytes": 20_000, "include_tests": True, "val_fraction": 0.05}
+
+
+def sampler_of(cache: str, rank: int = 0, world: int = 1):
+    from omegaconf import OmegaConf
+
+    from data import build_data
+    cfg = OmegaConf.create({"data": {**SAMPLER_DATA, "cache_dir": cache}, "tokenizer": {"name": "bytes"}})
+    return build_data(cfg, seq_len=256, seed=7, rank=rank, world_size=world, progress=False).train
+
+
+def _sampler_worker(rank: int, port: int, cache: str, state_path: str, out: str, steps: int) -> None:
+    """One of two gloo ranks: continue the saved position, draw `steps` batches, gather them."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from training.distributed import close_distributed, init_distributed
+
+    env = init_distributed("cpu", timeout_s=60)
+    try:
+        sampler = sampler_of(cache, env.dp_rank, env.dp_size)
+        sampler.load_state_dict(torch.load(state_path))
+        rows = torch.cat([sampler.next_batch(3)[0] for _ in range(steps)])
+        gathered = [None] * WORLD
+        torch.distributed.all_gather_object(gathered, (rows, sampler.state_dict()))
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        close_distributed()
+
+
+@pytest.mark.slow
+def test_moving_windows_through_one_two_one_processes_neither_repeat_nor_skip(tmp_path):
+    """1 process, then 2 gloo ranks from its position across an epoch boundary, then 1 again from
+    theirs: within each epoch every window is drawn once, in the epoch's order, none skipped."""
+    cache = str(tmp_path / "cache")
+    one = sampler_of(cache)
+    per_epoch = len(one.order(0))
+    first = torch.cat([one.next_batch(3)[0] for _ in range((per_epoch - 12) // 3)])
+    torch.save(one.state_dict(), tmp_path / "state.pt")
+    mp.spawn(_sampler_worker, args=(free_port(), cache, str(tmp_path / "state.pt"), str(tmp_path / "two.pt"), 4),
+             nprocs=WORLD, join=True)
+    (rows0, state0), (rows1, state1) = torch.load(tmp_path / "two.pt")
+    assert state0 == state1 and state0["epoch"] == 1   # one global position; the ranks crossed into epoch 1
+    again = sampler_of(cache)
+    again.load_state_dict(state0)
+    last = torch.cat([again.next_batch(3)[0] for _ in range(3)])
+    # Rank r drew slot entries r, r + 2, ...: interleave the ranks' rows back into the global order.
+    middle = torch.stack([rows0, rows1], dim=1).flatten(0, 1)
+    index = {tuple(one.window(int(i), e)[:-1].tolist()): (e, int(i)) for e in (0, 1) for i in one.order(e)}
+    assert len(index) == len(one.order(0)) + len(one.order(1))   # no two windows alike: tokens identify one
+    drawn = [index[tuple(row.tolist())] for row in torch.cat([first, middle, last])]
+    assert len(set(drawn)) == len(drawn)   # nothing repeated
+    for epoch in (0, 1):
+        got = [i for e, i in drawn if e == epoch]
+        assert got == one.order(epoch)[: len(got)].tolist()   # in the epoch's order, nothing skipped
+    assert per_epoch - len([d for d in drawn if d[0] == 0]) < WORLD   # epoch 0 ends with < 2 entries left
+    assert one.offset(0) != one.offset(1)
+
+
 # ----------------------------------------------------------------------------- the token cache
 
 def test_two_processes_building_one_cache_both_get_a_valid_one(tmp_path):

@@ -55,6 +55,22 @@ def test_causal_future_tokens_do_not_change_past_outputs(pos_emb, attention):
     assert (a[:, 9] - b[:, 9]).abs().max() > 1e-4    # the changed position itself does see it
 
 
+def test_attention_dropout_acts_in_training_through_sdpa_only():
+    idx = torch.randint(0, 50, (2, 16))
+    exact, dropping = tiny(dropout=0.0).double(), tiny(attention_dropout=0.3).double()
+    dropping.eval()
+    torch.testing.assert_close(dropping(idx), exact(idx), rtol=0, atol=0)   # no dropout in eval mode
+    dropping.train()
+    a, b = dropping(idx), dropping(idx)
+    assert (a - b).abs().max() > 1e-3 and (a - exact(idx)).abs().max() > 1e-3
+    naive = build_model({**TINY, "attention_dropout": 0.3}, vocab_size=50, attention="naive")
+    naive.eval()
+    naive(idx)   # evals and generation may use any attention
+    with pytest.raises(ValueError, match=r"model.attention_dropout=0.3 needs attention=sdpa to train "
+                                         r"\(attention=naive computes attention without dropout\)"):
+        naive.train()(idx)
+
+
 def test_naive_and_sdpa_models_agree_in_float64():
     torch.manual_seed(0)
     naive = build_model(TINY, vocab_size=50, attention="naive").double()

@@ -13,16 +13,19 @@ import pytest
 
 from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import REPO, losses, run_in_process, run_subprocess, subprocess_env, tiny_overrides, train_command
-from training.checkpoint import list_checkpoints
+from training.checkpoint import list_checkpoints, load_checkpoint
 
-STEPS = 100  # long enough (about half a second) that the interrupt reliably lands mid-run
+STEPS = 100  # long enough (about a second) that the interrupt reliably lands mid-run
+# A corpus of 77 steps an epoch (621 windows of 64 tokens, 8 a step): the resumed runs cross into
+# epoch 1, whose moving windows start at another offset.
+EPOCHS = {"data.max_bytes": 20_000, "trainer.batch_size": 8}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir):
     """The uninterrupted run every interrupted one is compared with."""
     run_dir = tmp_path_factory.mktemp("reference")
-    result = run_subprocess(tiny_overrides(run_dir, cache_dir, steps=STEPS, **{"trainer.ckpt_every": 5}))
+    result = run_subprocess(tiny_overrides(run_dir, cache_dir, steps=STEPS, **EPOCHS, **{"trainer.ckpt_every": 5}))
     assert result.returncode == 0, result.stderr
     rows = losses(run_dir)
     assert [r[0] for r in rows] == list(range(1, STEPS + 1))
@@ -48,19 +51,21 @@ def start_and_signal(overrides: list[str], run_dir: Path, sig: int, after_steps:
 
 
 def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, cache_dir, reference):
-    overrides = tiny_overrides(tmp_path, cache_dir, steps=STEPS, resume="auto", **{"trainer.ckpt_every": 5})
+    overrides = tiny_overrides(tmp_path, cache_dir, steps=STEPS, resume="auto", **EPOCHS, **{"trainer.ckpt_every": 5})
     assert start_and_signal(overrides, tmp_path, signal.SIGKILL, after_steps=12) == -signal.SIGKILL
     killed_at = logged_steps(tmp_path)
     assert 12 <= killed_at < STEPS
     result = run_subprocess(overrides)  # the same command again
     assert result.returncode == 0, result.stderr
     assert losses(tmp_path) == reference
+    sampler = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])["sampler"]
+    assert sampler["windows"] == "moving" and sampler["epoch"] == 1   # the default; across an epoch boundary
 
 
 @pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_graceful_stop_saves_then_resume_is_bit_identical(tmp_path, cache_dir, reference, sig, status):
     # no periodic checkpoints: the only one before the end is the one the signal makes
-    overrides = tiny_overrides(tmp_path, cache_dir, steps=STEPS, resume="auto", **{"trainer.ckpt_every": 0})
+    overrides = tiny_overrides(tmp_path, cache_dir, steps=STEPS, resume="auto", **EPOCHS, **{"trainer.ckpt_every": 0})
     assert start_and_signal(overrides, tmp_path, sig, after_steps=7) == status
     saved = list_checkpoints(tmp_path / "checkpoints")
     assert len(saved) == 1

@@ -303,9 +303,9 @@ def _sampler_state_for_new_data(saved: dict, sampler) -> dict:
     """The saved position carried over to a changed corpus: same epoch, same fraction of it."""
     if int(saved["n_windows"]) == sampler.n_windows:
         return saved
-    cursor = int(saved["cursor"]) * sampler.n_windows // max(1, int(saved["n_windows"]))
-    shard = len(sampler.shard(int(saved["epoch"])))
-    return {**saved, "n_windows": sampler.n_windows, "cursor": min(cursor, shard - 1)}
+    in_epoch = len(sampler.order(int(saved["epoch"])))   # this epoch's windows on the new data
+    cursor = int(saved["cursor"]) * in_epoch // max(1, int(saved["n_windows"]))
+    return {**saved, "n_windows": sampler.n_windows, "cursor": min(cursor, in_epoch - sampler.world_size)}
 
 
 def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, optimizer, sampler,
@@ -334,7 +334,10 @@ def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, o
                                     "to": data_fingerprint}) + "\n")
     restore_model(model, state, path, model_cfg)
     optimizer.load_state_dict(state["optimizer"])
-    sampler.load_state_dict(sampler_state)
+    try:
+        sampler.load_state_dict(sampler_state)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
     set_rng_state(state["rng"])
 
 

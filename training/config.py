@@ -239,6 +239,8 @@ def _check_masks(cfg: DictConfig) -> None:
     _require(cp == 1 or not (document_mask or window), "trainer.context_parallel", cp,
              "ring attention has no document mask or sliding window yet: use data.document_mask=false "
              "attention.window=null, or trainer.context_parallel=1")
+    _require(cp == 1 or not cfg.model.get("attention_dropout"), "trainer.context_parallel", cp,
+             "the ring computes attention without dropout: use model.attention_dropout=0 or trainer.context_parallel=1")
     _require(cp == 1 or cfg.attention.deterministic, "trainer.context_parallel", cp,
              "the ring runs our kernel's deterministic backward only: use attention.deterministic=true "
              "or trainer.context_parallel=1")

@@ -101,14 +101,14 @@ def hf_config(c: GPTConfig, arch: str, eot_id: int, dtype: torch.dtype) -> dict:
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
                 "n_positions": c.max_seq_len, "n_embd": c.d_model, "n_layer": c.n_layer, "n_head": c.n_head,
                 "n_inner": c.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": c.norm_eps,
-                "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": 0.0,
+                "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.attention_dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
             "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layer,
             "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
             "hidden_act": "silu", "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
             "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-            "attention_bias": c.bias, "mlp_bias": c.bias, "attention_dropout": 0.0}
+            "attention_bias": c.bias, "mlp_bias": c.bias, "attention_dropout": c.attention_dropout}
 
 
 def to_hf_state_dict(model, arch: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

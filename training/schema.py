@@ -43,6 +43,7 @@ Optimizer = _choice("Optimizer", "adamw")
 Schedule = _choice("Schedule", "cosine", "constant")
 WandbMode = _choice("WandbMode", "online", "offline", "disabled")
 Download = _choice("Download", "full", "lazy")
+Windows = _choice("Windows", "moving", "fixed")          # data.sampler.WINDOWS
 
 
 def ranged(default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
@@ -77,6 +78,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     bias: bool = False
     dropout: float = ranged(0.0, ge=0, lt=1)
+    attention_dropout: float = ranged(0.0, ge=0, lt=1)
     init_std: float = ranged(0.02, gt=0)
     init_from: Optional[str] = None
     activation_checkpointing: Checkpointing = Checkpointing.none
@@ -101,6 +103,7 @@ class DataConfig:
     verify_cache: bool = True
     allow_changed: bool = False
     document_mask: bool = False
+    windows: Windows = Windows.moving
 
 
 @dataclass
@@ -173,6 +176,7 @@ class OptimConfig:
     betas: List[float] = _list(0.9, 0.95, expect=BETAS)
     eps: float = ranged(1e-8, gt=0)
     weight_decay: float = ranged(0.1, ge=0)
+    decay_embeddings: bool = True
     warmup_steps: int = ranged(20, ge=0)
     schedule: Schedule = Schedule.cosine
     grad_clip: float = ranged(1.0, ge=0)               # 0 disables

@@ -23,7 +23,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.tokenizer import save_tokenizer
 from model.context_parallel import use_context_parallel
-from training.checkpoint import (CheckpointWriteError, check_unchanged, checkpoint_dir, checkpoint_path,
+from training.checkpoint import (CheckpointError, CheckpointWriteError, check_unchanged, checkpoint_dir, checkpoint_path,
                                  find_resume_checkpoint, last_checkpoint_note, prune_checkpoints,
                                  restore_training_state, save_checkpoint)
 from training.config import validate_config
@@ -50,7 +50,7 @@ COMPUTE_KEYS = ("data.document_mask", "attention.window")
 
 def resolve_config(cfg: DictConfig) -> torch.device:
     """Validate every group and record in `cfg` what `auto` became (device, attention, precision)."""
-    from model.attention import resolve_attention
+    from model.attention import check_attention_dropout, resolve_attention
 
     if cfg.get("resume") == "auto" and OmegaConf.is_interpolation(cfg.run, "dir"):
         raise ValueError("resume=auto needs run.dir=<the folder of the run to continue>: without it every run "
@@ -65,8 +65,9 @@ def resolve_config(cfg: DictConfig) -> torch.device:
         attention = "flash" if device.type == "cuda" else "naive"
     with open_dict(cfg):
         cfg.device = device.type
-        cfg.attention.name = resolve_attention(attention, device)
+        cfg.attention.name = resolve_attention(attention, device, cfg.model.get("attention_dropout", 0.0))
         cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
+    check_attention_dropout(cfg.attention.name, cfg.model.get("attention_dropout", 0.0))
     return device
 
 
@@ -198,6 +199,17 @@ class TrainStep:
                                  options=StateDictOptions(full_state_dict=True))
 
 
+def check_param_groups(path, saved: dict, optimizer) -> None:
+    """Refuse optimizer moments grouped otherwise than this run groups its parameters (which
+    tensors are decayed), in one line that says which setting does it."""
+    sizes = lambda groups: [len(g["params"]) for g in groups]  # noqa: E731
+    if sizes(saved["param_groups"]) != sizes(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {path} decays {sizes(saved['param_groups'])[0]} parameter tensors, this run "
+            f"{sizes(optimizer.param_groups)[0]}: optim.decay_embeddings differs from the checkpoint's run (runs "
+            f"from before that option decayed no embedding table: pass optim.decay_embeddings=false)")
+
+
 class _DeferredOptimizerState:
     """Stands in for the optimizer while a checkpoint is restored into the unwrapped model: the
     optimizer is built after DDP/FSDP wrapping, and its state is loaded then."""
@@ -262,6 +274,7 @@ class Trainer:
         self.model = model.to(device)
         self.train_step = TrainStep(self.model, cfg, device, self.env, micro_steps)
         if optimizer_state.state is not None:
+            check_param_groups(self.resumed_from, optimizer_state.state, self.optimizer)
             self.train_step.load_optimizer(optimizer_state.state)
         self.document_mask = bool(cfg.data.get("document_mask", False))
         self.val_batches = self.data.val_batches(t.batch_size, t.eval_batches, self.document_mask)
