@@ -96,6 +96,33 @@ def compile_for_hopper(kernel, constexprs: dict, warps: int, stages: int, values
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_gluon_fwd(variant: str, head_dim: int, causal: bool, dtype: str = "bf16"):
+    """triton.compile of the Gluon forward `variant` (kernels.gluon_fwd.VARIANTS) for sm_90a, with the
+    signature its launch has: four TMA descriptors, the LSE pointer, five integers and the fp32 scale."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import gluon_fwd
+
+    launch = gluon_fwd.plan(variant, causal)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    def descriptor(rows: int) -> str:
+        layout = gluon_fwd.shared_layout(rows, head_dim, torch_dtype)
+        return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
+
+    signature = {"q_desc": descriptor(launch.rows), "k_desc": descriptor(gluon_fwd.BLOCK_N),
+                 "v_desc": descriptor(gluon_fwd.BLOCK_N), "o_desc": descriptor(launch.rows), "lse_ptr": "*fp32",
+                 **{n: "i32" for n in ("n_heads", "kv_group", "n_q", "n_k")}, "qk_scale": "fp32"}
+    consts = dict(launch.constexprs, num_warps=launch.options["num_warps"])
+    signature.update({name: "constexpr" for name in consts})
+    source = GluonASTSource(fn=launch.kernel, signature=signature, constexprs=consts,
+                            attrs={(4,): [["tt.divisibility", 16]]})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(launch.options))
+
+
 def ptxas_report(compiled) -> dict:
     """Registers, spill bytes and the wgmma-serialisation warning, from `ptxas -v` on the PTX."""
     from triton.backends.nvidia.compiler import get_ptxas

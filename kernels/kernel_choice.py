@@ -1,0 +1,47 @@
+"""Which kernel computes flash_attention's forward: `kernel="auto" | "triton" | "gluon"`.
+
+- "triton": kernels/flash_fwd.py, which runs everywhere Triton does (and in its CPU interpreter)
+  and covers every head dim, dtype, mask and window.
+- "gluon": kernels/gluon_fwd.py, the Hopper kernel. Where it cannot run (no CUDA, not sm_90,
+  float32, a head dim other than 64/128, document masks or windows, a view TMA cannot read) this
+  is a one-line ValueError naming why, never a silent switch to the other kernel.
+- "auto": Gluon where it is implemented and was measured faster than Triton on the H200
+  (GLUON_FASTER, from the rounds in benchmarks/gluon_fwd_h200_rounds.md), Triton elsewhere.
+
+Both forwards write the same log-sum-exp, so either pairs with the Triton backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import gluon_fwd
+
+KERNELS = ("auto", "triton", "gluon")
+
+# (head_dim, causal) cells where the Gluon forward beat the Triton one on the H200.
+GLUON_FASTER: frozenset[tuple[int, bool]] = frozenset()
+
+
+def check_kernel(kernel) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    return kernel
+
+
+def resolve_kernel(kernel: str, device, dtype: torch.dtype, head_dim: int, causal: bool, masked: bool) -> str:
+    """'triton' or 'gluon' for a setting known before any tensor exists (a model's config): the
+    rules of `choose_kernel` without the per-tensor stride check."""
+    return _decide(check_kernel(kernel), gluon_fwd.setting_refusal(device, dtype, head_dim, masked), head_dim, causal)
+
+
+def choose_kernel(kernel: str, q, k, v, causal: bool, masked: bool) -> str:
+    """'triton' or 'gluon' for one call; raises ValueError if kernel='gluon' cannot take it."""
+    return _decide(check_kernel(kernel), gluon_fwd.unsupported(q, k, v, masked), q.shape[-1], causal)
+
+
+def _decide(kernel: str, refusal: str | None, head_dim: int, causal: bool) -> str:
+    if kernel == "gluon" and refusal is not None:
+        raise ValueError(f"kernel='gluon' cannot run this call: {refusal} (kernel='triton' can)")
+    if kernel == "auto":
+        return "gluon" if refusal is None and (head_dim, causal) in GLUON_FASTER else "triton"
+    return kernel
