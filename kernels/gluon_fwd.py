@@ -90,6 +90,38 @@ def _tile_ranges(start_m, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
+def _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+    """The online-softmax step on raw scores s (ROWS x BLOCK_N, keys from start_n): (P, m_new, alpha)
+    with P = exp2(s * scale - m_new) and alpha = exp2(m_old - m_new), the factor by which the running
+    sum and accumulator shrink. MASK: key j of row i counts iff j < n_k (and j <= i + shift, causal)."""
+    if MASK:
+        cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+        visible = cols[None, :] < n_k
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + shift)
+        s = gl.where(visible, s, float("-inf"))
+    # the running max lives in the scaled log2 domain; scaling the raw row max (scale > 0) is
+    # exactly the max of the scaled scores, and leaves one FMA per score for P
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_shift = m_new
+    if MASK:  # a row that has seen only masked keys keeps m = -inf; shift by 0 so that no NaN appears
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return gl.exp2(s * qk_scale - m_shift[:, None]), m_new, gl.exp2(m_i - m_shift)
+
+
+@gluon.jit
+def _rows_scale(acc, alpha):
+    """acc * alpha[:, None], alpha being per row in the scores' layout."""
+    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
+def _p_operand(p, dtype, o_layout: gl.constexpr):
+    """P cast to the input dtype, in registers laid out as wgmma's A operand for O += P V."""
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+@gluon.jit
 def _attend(q_smem, k_smem, v_smem, v_ready, v_phase, release, acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale,
             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             CAUSAL: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
@@ -101,34 +133,19 @@ def _attend(q_smem, k_smem, v_smem, v_ready, v_phase, release, acc, m_i, l_i, ro
     Returns with both wgmmas complete, i.e. K and V are no longer read."""
     s_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, num_warps)
     o_layout: gl.constexpr = _mma_layout(ROWS, HEAD_DIM, num_warps)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
     s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(release, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    if MASK:  # key j of row i is visible iff j < n_k (and j <= i + shift when causal)
-        cols = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-        visible = cols[None, :] < n_k
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + shift)
-        s = gl.where(visible, s, float("-inf"))
-    # the running max lives in the scaled log2 domain; scaling the raw row max (scale > 0) is
-    # exactly the max of the scaled scores, and leaves one FMA per score for P
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    m_shift = m_new
-    if MASK:  # a row that has seen only masked keys keeps m = -inf; shift by 0 so that no NaN appears
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_shift)
-    p = gl.exp2(s * qk_scale - m_shift[:, None])
+    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK)
     l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    acc = _rows_scale(acc, alpha)
+    p = _p_operand(p, q_smem.dtype, o_layout)
     mbarrier.wait(v_ready, v_phase)
     acc = warpgroup_mma(p, v_smem, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -256,7 +273,7 @@ def _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, ac
 @gluon.jit
 def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                 WG: gl.constexpr):
+                 OVERLAP: gl.constexpr, WG: gl.constexpr):
     """Loads Q's two halves, then every K/V tile the consumers visit, into the ring."""
     q_desc, k_desc, v_desc, o_desc = descs
     q_bufs, k_bufs, v_bufs = bufs
@@ -276,7 +293,7 @@ def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
 @gluon.jit
 def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                 WG: gl.constexpr):
+                 OVERLAP: gl.constexpr, WG: gl.constexpr):
     """One warpgroup: rows [start_m + 64 WG, + 64) of the program, every K/V tile of the ring."""
     q_desc, k_desc, v_desc, o_desc = descs
     q_bufs, k_bufs, v_bufs = bufs
@@ -296,14 +313,20 @@ def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
     q_smem = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
     shift = n_k - n_q
     mbarrier.wait(q_ready.index(WG), 0)
-    for start_n in range(0, mid, BLOCK_N):
-        acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows,
-                                 start_n, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False,
-                                 PINGPONG, WG)
-    for start_n in range(mid, hi, BLOCK_N):
-        acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows,
-                                 start_n, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True,
-                                 PINGPONG, WG)
+    if OVERLAP:
+        if hi > 0:
+            acc, m_i, l_i = _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i,
+                                           rows, mid, hi, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES,
+                                           CAUSAL, PINGPONG, WG)
+    else:
+        for start_n in range(0, mid, BLOCK_N):
+            acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows,
+                                     start_n, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False,
+                                     PINGPONG, WG)
+        for start_n in range(mid, hi, BLOCK_N):
+            acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows,
+                                     start_n, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True,
+                                     PINGPONG, WG)
     _epilogue(acc, m_i, l_i, q_bufs.index(WG), o_desc, lse_ptr, b, h, n_heads, n_q, start_row, ROWS, HEAD_DIM, 4)
 
 
@@ -329,10 +352,78 @@ def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
     return acc, m_i, l_i
 
 
+@gluon.jit
+def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows, mid, hi,
+                   n_k, shift, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """FlashAttention-3's intra-warpgroup overlap, for hi > 0 key columns: QK^T of tile t is issued
+    together with P V of tile t - 1, and the softmax of tile t runs while that P V wgmma is still
+    in flight. Only then is acc rescaled (alpha_t) and buffer t - 1 released. Tile 0 is peeled off
+    (masked: it may be the diagonal); the last P V is drained after the loops."""
+    s_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(ROWS, HEAD_DIM, 4)
+    mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), 1 - WG)
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
+                      use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    p, m_i, alpha = _softmax(s, m_i, rows, 0, n_k, shift, qk_scale, CAUSAL, True)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    p = _p_operand(p, q_smem.dtype, o_layout)
+    for start_n in range(BLOCK_N, mid, BLOCK_N):
+        acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
+                                               l_i, p, rows, start_n, n_k, shift, qk_scale, ROWS, BLOCK_N,
+                                               HEAD_DIM, STAGES, CAUSAL, False, PINGPONG, WG)
+    for start_n in range(gl.maximum(mid, BLOCK_N), hi, BLOCK_N):
+        acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
+                                               l_i, p, rows, start_n, n_k, shift, qk_scale, ROWS, BLOCK_N,
+                                               HEAD_DIM, STAGES, CAUSAL, True, PINGPONG, WG)
+    last = gl.cdiv(hi, BLOCK_N) - 1
+    stage = last % STAGES
+    mbarrier.wait(v_ready.index(stage), (last // STAGES) & 1)
+    acc = warpgroup_mma(p, v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(kv_empty.index(stage), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, p, rows,
+                        start_n, n_k, shift, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
+                        PINGPONG: gl.constexpr, WG: gl.constexpr):
+    s_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(ROWS, HEAD_DIM, 4)
+    tile = start_n // BLOCK_N
+    stage = tile % STAGES
+    prev = (tile - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (tile // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((tile - 1) // STAGES) & 1)
+    if PINGPONG:   # as in _ws_step: one turn is the issue of both wgmmas
+        mbarrier.wait(turn.index(WG), (tile & 1) ^ (1 - WG))
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
+                      use_acc=False, is_async=True)
+    acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))        # QK^T done; P V may still run
+    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(kv_empty.index(prev), count=1)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = _rows_scale(acc, alpha)
+    return acc, m_i, l_i, _p_operand(p, q_smem.dtype, o_layout)
+
+
 @gluon.jit(do_not_specialize=SIZES)
 def attention_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_heads, kv_group, n_q, n_k, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     """BLOCK_M = 128 rows per program: consumer warpgroups 0 and 1 (64 rows each) and a producer warp."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -367,9 +458,9 @@ def attention_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_heads, kv_group,
     coords = (b, h, h_kv, start_m, mid, hi)
     sizes = (n_heads, n_q, n_k)
     gl.warp_specialize([
-        (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, 0)),
-        (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, 1)),
-        (_ws_producer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, 0)),
+        (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, OVERLAP, 0)),
+        (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, OVERLAP, 1)),
+        (_ws_producer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, OVERLAP, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -390,8 +481,11 @@ BLOCK_N = 128
 VARIANTS = {
     "simple": ("pipelined", dict(STAGES=1), dict(num_warps=8)),
     "pipelined": ("pipelined", dict(STAGES=2), dict(num_warps=8)),
-    "ws": ("ws", dict(STAGES=2, PINGPONG=False), dict(num_warps=4, maxnreg=MAXNREG)),
-    "ws-pingpong": ("ws", dict(STAGES=2, PINGPONG=True), dict(num_warps=4, maxnreg=MAXNREG)),
+    "ws": ("ws", dict(STAGES=2, PINGPONG=False, OVERLAP=False), dict(num_warps=4, maxnreg=MAXNREG)),
+    "ws-pingpong": ("ws", dict(STAGES=2, PINGPONG=True, OVERLAP=False), dict(num_warps=4, maxnreg=MAXNREG)),
+    "ws-pingpong-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=False), dict(num_warps=4, maxnreg=MAXNREG)),
+    "ws-overlap": ("ws", dict(STAGES=2, PINGPONG=True, OVERLAP=True), dict(num_warps=4, maxnreg=MAXNREG)),
+    "ws-overlap-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=True), dict(num_warps=4, maxnreg=MAXNREG)),
 }
 DEFAULT_VARIANT = "ws-pingpong"
 
@@ -433,15 +527,19 @@ def _tma_strides(t: torch.Tensor) -> list[int]:
 
 
 def tma_refusal(name: str, t: torch.Tensor) -> str | None:
-    """Why `t` cannot be read through a TMA descriptor, or None. The base address is judged by the
-    storage offset (allocations are 16-byte aligned), which torch.compile's fake tensors also have."""
+    """Why `t` cannot be read through a TMA descriptor, or None. Under torch.compile the tensors
+    are fake and have no address: the base is then checked when the op runs (`_base_refusal`)."""
     strides = _tma_strides(t)
     if strides[-1] != 1:
         return f"{name} has head-dim stride {t.stride(-1)}; TMA needs the head dim contiguous (stride 1)"
     if any(s * t.element_size() % 16 for s in strides[:-1]):
         return f"{name} has strides {tuple(t.stride())}: TMA needs every stride but the last to be a multiple of 16 bytes"
-    if t.storage_offset() * t.element_size() % 16:
-        return f"{name} starts {t.storage_offset()} elements into its storage, not at a 16-byte boundary as TMA needs"
+    return None if torch.compiler.is_compiling() else _base_refusal(name, t)
+
+
+def _base_refusal(name: str, t: torch.Tensor) -> str | None:
+    if t.data_ptr() % 16:
+        return f"{name} starts at an address that is not a multiple of 16 bytes, as TMA needs"
     return None
 
 
@@ -488,6 +586,9 @@ def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     launch = plan(variant, causal)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if _base_refusal(name, t):
+            raise ValueError(f"kernel='gluon' cannot run this call: {_base_refusal(name, t)}")
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(n_q, launch.block_m), B * H)

@@ -51,9 +51,18 @@ def check_forward(variant, q, k, v, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: shape_ids(*s))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("variant", list(gluon_fwd.VARIANTS))
-def test_forward_matches_float64_reference(variant, dtype, shape, causal):
-    check_forward(variant, *make_inputs(*shape, dtype)[:3], causal)
+def test_forward_matches_float64_reference(dtype, shape, causal):
+    """The variant flash_attention runs, on every shape, both dtypes, causal and not."""
+    check_forward(gluon_fwd.DEFAULT_VARIANT, *make_inputs(*shape, dtype)[:3], causal)
+
+
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES[2:7], ids=lambda s: shape_ids(*s))
+@pytest.mark.parametrize("variant", [v for v in gluon_fwd.VARIANTS if v != gluon_fwd.DEFAULT_VARIANT])
+def test_every_variant_matches_float64_reference(variant, shape, causal):
+    """The other steps of kernels/NOTES.md's table stay correct too (bf16, fewer shapes)."""
+    check_forward(variant, *make_inputs(*shape, torch.bfloat16)[:3], causal)
 
 
 gluon = functools.partial(flash_attention, kernel="gluon")
@@ -190,7 +199,7 @@ def test_tma_refusals():
     base = torch.zeros(1, 64, 2, 68, dtype=torch.bfloat16)
     assert "multiple of 16 bytes" in gluon_fwd.tma_refusal("q", base[..., :64])
     assert "head-dim stride" in gluon_fwd.tma_refusal("k", base.transpose(-1, -2))
-    assert "16-byte boundary" in gluon_fwd.tma_refusal("v", base.flatten()[1:1 + 64 * 2 * 64].view(1, 64, 2, 64))
+    assert "multiple of 16 bytes, as TMA" in gluon_fwd.tma_refusal("v", base.flatten()[1:1 + 64 * 2 * 64].view(1, 64, 2, 64))
     fused = torch.zeros(2, 33, (12 + 2 * 4) * 64, dtype=torch.bfloat16)
     q, k, v = (t.unflatten(-1, (-1, 64)) for t in fused.split([12 * 64, 4 * 64, 4 * 64], dim=-1))
     assert all(gluon_fwd.tma_refusal(n, t) is None for n, t in zip("qkv", (q, k, v)))
