@@ -475,19 +475,21 @@ PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
 # ----------------------------------------------------------------------------- host side
 
 BLOCK_N = 128
-# The steps of kernels/NOTES.md's Gluon table, each a kernel and its launch: the kernel function,
-# query rows per descriptor block (one warpgroup's 64, or the whole tile), query rows per program,
-# constexprs and launch options.
+# The steps of kernels/NOTES.md's Gluon table, each a kernel and its launch: which kernel, its
+# constexprs (STAGES may depend on the head dim: a D = 128 ring of 3 K/V stages and the two Q
+# halves take 224 KB of the 227 KB of shared memory, so 4 fit at D = 64 only) and launch options.
+_WS = dict(num_warps=4, maxnreg=MAXNREG)
 VARIANTS = {
     "simple": ("pipelined", dict(STAGES=1), dict(num_warps=8)),
     "pipelined": ("pipelined", dict(STAGES=2), dict(num_warps=8)),
-    "ws": ("ws", dict(STAGES=2, PINGPONG=False, OVERLAP=False), dict(num_warps=4, maxnreg=MAXNREG)),
-    "ws-pingpong": ("ws", dict(STAGES=2, PINGPONG=True, OVERLAP=False), dict(num_warps=4, maxnreg=MAXNREG)),
-    "ws-pingpong-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=False), dict(num_warps=4, maxnreg=MAXNREG)),
-    "ws-overlap": ("ws", dict(STAGES=2, PINGPONG=True, OVERLAP=True), dict(num_warps=4, maxnreg=MAXNREG)),
-    "ws-overlap-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=True), dict(num_warps=4, maxnreg=MAXNREG)),
+    "ws": ("ws", dict(STAGES=2, PINGPONG=False, OVERLAP=False), _WS),
+    "ws-pingpong": ("ws", dict(STAGES=2, PINGPONG=True, OVERLAP=False), _WS),
+    "ws-pingpong-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=False), _WS),
+    "ws-pingpong-s4": ("ws", dict(STAGES={64: 4, 128: 3}, PINGPONG=True, OVERLAP=False), _WS),
+    "ws-overlap-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=True), _WS),
 }
-DEFAULT_VARIANT = "ws-pingpong"
+# What flash_attention(kernel="gluon") runs, per head dim: the fastest exact variant measured.
+DEFAULT_VARIANTS = {64: "ws-pingpong-s3", 128: "ws-overlap-s3"}
 
 
 @dataclass(frozen=True)
@@ -499,13 +501,16 @@ class Launch:
     options: dict         # num_warps, maxnreg
 
 
-def plan(variant: str, causal: bool) -> Launch:
-    """How `variant` launches: the same plan serves the GPU launch and the CPU compile check
-    (scripts/kernel_report.py)."""
+def plan(variant: str | None, causal: bool, head_dim: int) -> Launch:
+    """How `variant` (None: the default for this head dim) launches: the same plan serves the GPU
+    launch and the CPU compile check (scripts/kernel_report.py)."""
+    variant = variant or DEFAULT_VARIANTS[head_dim]
     if variant not in VARIANTS:
         raise ValueError(f"Gluon variant {variant!r} is not one of {', '.join(VARIANTS)}")
     kind, consts, options = VARIANTS[variant]
-    consts = dict(consts, CAUSAL=bool(causal), BLOCK_N=BLOCK_N)
+    stages = consts["STAGES"]
+    consts = dict(consts, STAGES=stages[head_dim] if isinstance(stages, dict) else stages, CAUSAL=bool(causal),
+                  BLOCK_N=BLOCK_N)
     if kind == "pipelined":
         rows = 16 * options["num_warps"]
         return Launch(attention_fwd_pipelined, rows, rows, consts, options)
@@ -580,12 +585,12 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), _tma_strides(t), block, shared_layout(rows, t.shape[-1], t.dtype))
 
 
-def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant: str = DEFAULT_VARIANT):
+def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant: str | None = None):
     """out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 (natural log), by the Gluon kernel
-    `variant` (VARIANTS). The caller has checked `unsupported(...) is None`."""
+    `variant` (VARIANTS; None: DEFAULT_VARIANTS). The caller has checked `unsupported(...) is None`."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    launch = plan(variant, causal)
+    launch = plan(variant, causal, D)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if _base_refusal(name, t):
             raise ValueError(f"kernel='gluon' cannot run this call: {_base_refusal(name, t)}")

@@ -6,7 +6,7 @@
   float32, a head dim other than 64/128, document masks or windows, a view TMA cannot read) this
   is a one-line ValueError naming why, never a silent switch to the other kernel.
 - "auto": Gluon where it is implemented and was measured faster than Triton on the H200
-  (GLUON_FASTER, from the rounds in benchmarks/gluon_fwd_h200_rounds.md), Triton elsewhere.
+  (`_measured_faster`, from the rounds in benchmarks/gluon_fwd_h200_rounds.md), Triton elsewhere.
 
 Both forwards write the same log-sum-exp, so either pairs with the Triton backward.
 """
@@ -18,8 +18,13 @@ from kernels import gluon_fwd
 
 KERNELS = ("auto", "triton", "gluon")
 
-# (head_dim, causal) cells where the Gluon forward beat the Triton one on the H200.
-GLUON_FASTER: frozenset[tuple[int, bool]] = frozenset()
+# Sequences at least this long, where the Gluon forward beat the Triton one on the H200 at both head
+# dims, causal and not (benchmarks/gluon_fwd_h200_rounds.md); shorter ones were not faster.
+GLUON_MIN_LENGTH = 4096
+
+
+def _measured_faster(head_dim: int, causal: bool, length: int) -> bool:
+    return length >= GLUON_MIN_LENGTH
 
 
 def check_kernel(kernel) -> str:
@@ -28,20 +33,24 @@ def check_kernel(kernel) -> str:
     return kernel
 
 
-def resolve_kernel(kernel: str, device, dtype: torch.dtype, head_dim: int, causal: bool, masked: bool) -> str:
-    """'triton' or 'gluon' for a setting known before any tensor exists (a model's config): the
-    rules of `choose_kernel` without the per-tensor stride check."""
-    return _decide(check_kernel(kernel), gluon_fwd.setting_refusal(device, dtype, head_dim, masked), head_dim, causal)
+def resolve_kernel(kernel: str, device, dtype: torch.dtype, head_dim: int, causal: bool, masked: bool,
+                   length: int) -> str:
+    """'triton' or 'gluon' for a setting known before any tensor exists (a model's config, `length`
+    its sequence length): the rules of `choose_kernel` without the per-tensor stride check."""
+    refusal = gluon_fwd.setting_refusal(device, dtype, head_dim, masked)
+    return _decide(check_kernel(kernel), refusal, head_dim, causal, length, "this setting")
 
 
 def choose_kernel(kernel: str, q, k, v, causal: bool, masked: bool) -> str:
     """'triton' or 'gluon' for one call; raises ValueError if kernel='gluon' cannot take it."""
-    return _decide(check_kernel(kernel), gluon_fwd.unsupported(q, k, v, masked), q.shape[-1], causal)
+    if check_kernel(kernel) == "triton":
+        return kernel
+    return _decide(kernel, gluon_fwd.unsupported(q, k, v, masked), q.shape[-1], causal, max(q.shape[1], k.shape[1]))
 
 
-def _decide(kernel: str, refusal: str | None, head_dim: int, causal: bool) -> str:
+def _decide(kernel: str, refusal: str | None, head_dim: int, causal: bool, length: int, what: str = "this call") -> str:
     if kernel == "gluon" and refusal is not None:
-        raise ValueError(f"kernel='gluon' cannot run this call: {refusal} (kernel='triton' can)")
+        raise ValueError(f"kernel='gluon' cannot run {what}: {refusal} (kernel='triton' can)")
     if kernel == "auto":
-        return "gluon" if refusal is None and (head_dim, causal) in GLUON_FASTER else "triton"
+        return "gluon" if refusal is None and _measured_faster(head_dim, causal, length) else "triton"
     return kernel

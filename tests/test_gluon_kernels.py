@@ -52,14 +52,14 @@ def check_forward(variant, q, k, v, causal):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: shape_ids(*s))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_forward_matches_float64_reference(dtype, shape, causal):
-    """The variant flash_attention runs, on every shape, both dtypes, causal and not."""
-    check_forward(gluon_fwd.DEFAULT_VARIANT, *make_inputs(*shape, dtype)[:3], causal)
+    """The variants flash_attention runs (one per head dim), on every shape, both dtypes, causal and not."""
+    check_forward(None, *make_inputs(*shape, dtype)[:3], causal)
 
 
 @requires_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES[2:7], ids=lambda s: shape_ids(*s))
-@pytest.mark.parametrize("variant", [v for v in gluon_fwd.VARIANTS if v != gluon_fwd.DEFAULT_VARIANT])
+@pytest.mark.parametrize("variant", [v for v in gluon_fwd.VARIANTS if v not in gluon_fwd.DEFAULT_VARIANTS.values()])
 def test_every_variant_matches_float64_reference(variant, shape, causal):
     """The other steps of kernels/NOTES.md's table stay correct too (bf16, fewer shapes)."""
     check_forward(variant, *make_inputs(*shape, torch.bfloat16)[:3], causal)
@@ -89,7 +89,7 @@ def fused_qkv(B, N, H, H_kv, D, dtype):
 
 
 @requires_hopper
-@pytest.mark.parametrize("variant", list(gluon_fwd.VARIANTS))
+@pytest.mark.parametrize("variant", [None, "ws-pingpong"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_strided_views(variant, D):
     """A fused QKV projection's views, and (B, H, N, D) storage seen through a transpose, read in place."""
@@ -101,7 +101,7 @@ def test_strided_views(variant, D):
 
 
 @requires_hopper
-@pytest.mark.parametrize("variant", list(gluon_fwd.VARIANTS))
+@pytest.mark.parametrize("variant", [None] + list(gluon_fwd.VARIANTS))
 def test_repeated_runs_are_bit_identical(variant):
     q, k, v, _ = make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16)
     first = forward_only(variant, q, k, v, True)
@@ -184,15 +184,15 @@ def test_settings_the_gluon_kernel_refuses(monkeypatch, dtype, head_dim, masked,
     """The config-time check (no tensors) names each reason; 'auto' picks Triton for all of them."""
     monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
     with pytest.raises(ValueError, match=match):
-        kernel_choice.resolve_kernel("gluon", "cuda:0", dtype, head_dim, True, masked)
-    assert kernel_choice.resolve_kernel("auto", "cuda:0", dtype, head_dim, True, masked) == "triton"
+        kernel_choice.resolve_kernel("gluon", "cuda:0", dtype, head_dim, True, masked, 8192)
+    assert kernel_choice.resolve_kernel("auto", "cuda:0", dtype, head_dim, True, masked, 8192) == "triton"
 
 
 def test_other_gpus_are_refused(monkeypatch):
     monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (8, 0))
     with pytest.raises(ValueError, match="written for Hopper .sm_90.; this GPU is sm_80"):
-        kernel_choice.resolve_kernel("gluon", "cuda:0", torch.bfloat16, 64, True, False)
-    assert kernel_choice.resolve_kernel("triton", "cuda:0", torch.bfloat16, 64, True, False) == "triton"
+        kernel_choice.resolve_kernel("gluon", "cuda:0", torch.bfloat16, 64, True, False, 8192)
+    assert kernel_choice.resolve_kernel("triton", "cuda:0", torch.bfloat16, 64, True, False, 8192) == "triton"
 
 
 def test_tma_refusals():
