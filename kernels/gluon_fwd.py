@@ -488,8 +488,9 @@ VARIANTS = {
     "ws-pingpong-s4": ("ws", dict(STAGES={64: 4, 128: 3}, PINGPONG=True, OVERLAP=False), _WS),
     "ws-overlap-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=True), _WS),
 }
-# What flash_attention(kernel="gluon") runs, per head dim: the fastest exact variant measured.
-DEFAULT_VARIANTS = {64: "ws-pingpong-s3", 128: "ws-overlap-s3"}
+# What flash_attention(kernel="gluon") runs, per head dim: the fastest exact variant measured
+# (benchmarks/gluon_fwd_h200_rounds.md; at D = 64 the intra-warpgroup overlap was slower).
+DEFAULT_VARIANTS = {64: "ws-pingpong-s4", 128: "ws-overlap-s3"}
 
 
 @dataclass(frozen=True)

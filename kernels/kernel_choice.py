@@ -18,13 +18,15 @@ from kernels import gluon_fwd
 
 KERNELS = ("auto", "triton", "gluon")
 
-# Sequences at least this long, where the Gluon forward beat the Triton one on the H200 at both head
-# dims, causal and not (benchmarks/gluon_fwd_h200_rounds.md); shorter ones were not faster.
-GLUON_MIN_LENGTH = 4096
+# (head_dim, causal) -> the shortest sequence from which the Gluon forward was measured faster than the
+# Triton one on the H200 (benchmarks/gluon_fwd_h200_rounds.md, rounds 2-3): D = 128 1.2x from T = 1K;
+# D = 64 1.02-1.11x from 4K causal (at 1K the two were within 4%, either way), non-causal measured at
+# 16K only (1.03x). Shorter sequences and cells never measured stay on Triton.
+GLUON_FROM_LENGTH = {(128, True): 1024, (128, False): 16384, (64, True): 4096, (64, False): 16384}
 
 
 def _measured_faster(head_dim: int, causal: bool, length: int) -> bool:
-    return length >= GLUON_MIN_LENGTH
+    return length >= GLUON_FROM_LENGTH.get((head_dim, causal), float("inf"))
 
 
 def check_kernel(kernel) -> str:

@@ -3,6 +3,8 @@
 
     python scripts/gluon_check.py --out DIR                 # every variant of kernels/gluon_fwd.VARIANTS
     python scripts/gluon_check.py --variants ws-pingpong --out DIR
+    python scripts/gluon_check.py --rounds r1/gluon_check.json r2/gluon_check.json --out benchmarks
+                                                           # the rounds as gluon_fwd_<gpu>_rounds.{json,md}
 
 Each variant first runs in its own process, all at once, with a time limit: a variant whose mbarrier
 protocol deadlocks is killed and reported, and the others still run. That process checks the variant on
@@ -26,7 +28,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import add_out_argument, environment, error_text, print_table, run_cli, write_json
+from _common import add_out_argument, environment, error_text, markdown_table, print_table, run_cli, write_json, write_text
 
 # (B, n_q, n_k, H, H_kv, D, causal)
 CASES = [
@@ -152,6 +154,52 @@ def collect(proc: subprocess.Popen, what: str) -> dict | list:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def round_lines(number: int, report: dict) -> list[str]:
+    """One round's Markdown: where it ran, each variant's correctness, forward times and ratios."""
+    meta, timing = report["metadata"], report["timing"]
+    lines = [f"## Round {number}: commit {meta['git_commit']}, {meta['date']}", "",
+             f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, cuDNN {meta.get('cudnn')}.", "",
+             markdown_table(["variant", "correct (bf16 + fp16, every case)", "worst error / 2x plain formula's"],
+                            [[v, "yes" if c.get("ok") else f"no: {c.get('error', 'a case failed')}",
+                              f"{max((r['rel_err'] / r['bound'] for r in c.get('cases', []) if r['bound']), default=0):.2f}"]
+                             for v, c in report["checks"].items()])]
+    if not isinstance(timing, list):
+        return lines + [f"Timing failed: {timing.get('error')}", ""]
+    names = list(dict.fromkeys(r["name"] for r in timing))
+    rows = []
+    for key in dict.fromkeys((r["H"], r["Hkv"], r["D"], r["T"], r["B"], r["causal"]) for r in timing):
+        cells = {r["name"]: r for r in timing if (r["H"], r["Hkv"], r["D"], r["T"], r["B"], r["causal"]) == key}
+        ms = {n: c["ms"] for n, c in cells.items() if "ms" in c}
+        best = min((n for n in ms if n not in BASELINES), key=ms.get, default=None)
+        rows.append([f"{key[0]}/{key[1]} x {key[2]}", key[3], key[4], "yes" if key[5] else "no"]
+                    + [f"{ms[n]:.3f} ({cells[n]['tflops']:.0f})" if n in ms else "error" for n in names]
+                    + ([best, f"{ms['cudnn'] / ms[best]:.2f}", f"{ms['triton'] / ms[best]:.2f}"]
+                       if best and "cudnn" in ms and "triton" in ms else ["-", "-", "-"]))
+    return lines + [markdown_table(["H/Hkv x D", "T", "B", "causal"] + names + ["fastest Gluon", "cuDNN / it", "Triton / it"],
+                                   rows)]
+
+
+def merge_rounds(paths: list[Path], out: Path) -> dict:
+    reports = []
+    for path in paths:
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--rounds: cannot read {path}: {error_text(exc)}") from None
+    stem = out / "gluon_fwd_h200_rounds"
+    write_json(stem.with_suffix(".json"), {"rounds": reports})
+    lines = ["# Gluon forward on the H200, round by round", "",
+             "`python scripts/gluon_check.py` per round. Forward only, bf16; milliseconds (TFLOP/s: forward "
+             "4*B*H*T^2*D, halved when causal), triton.testing.do_bench median; q, k, v strided views of one fused "
+             "QKV projection, 16K tokens per call. triton: our Triton forward on its pinned tile shape "
+             "(FLASHTRAIN_AUTOTUNE=0); cudnn: SDPA restricted to cuDNN. Ratios > 1: the fastest Gluon variant is "
+             "faster. Rounds ran on fresh machines: compare within a round, not across.", ""]
+    for number, report in enumerate(reports, 1):
+        lines += round_lines(number, report)
+    write_text(stem.with_suffix(".md"), "\n".join(lines))
+    return {"rounds": reports}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     from kernels import gluon_fwd
@@ -159,12 +207,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variants", default=",".join(gluon_fwd.VARIANTS))
     parser.add_argument("--check-timeout", type=float, default=75.0, help="seconds for each variant's check")
     parser.add_argument("--timing-timeout", type=float, default=90.0)
+    parser.add_argument("--rounds", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="merge the gluon_check.json of several rounds into gluon_fwd_h200_rounds.{json,md} in --out")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--names", default="", help=argparse.SUPPRESS)
     add_out_argument(parser, "gluon_check")
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    if args.rounds:
+        return merge_rounds(args.rounds, args.out)
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: the Gluon kernels run on an sm_90 GPU only")
     variants = [v for v in args.variants.split(",") if v]

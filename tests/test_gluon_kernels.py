@@ -205,3 +205,12 @@ def test_tma_refusals():
     assert all(gluon_fwd.tma_refusal(n, t) is None for n, t in zip("qkv", (q, k, v)))
     one = torch.zeros(1, 5, 1, 64, dtype=torch.bfloat16)[:, :, :, :]   # size-1 dims: their stride is never used
     assert gluon_fwd.tma_refusal("q", one.as_strided(one.shape, (3, 64, 7, 1))) is None
+
+
+@pytest.mark.parametrize("head_dim, causal, length, want", [
+    (128, True, 1024, "gluon"), (128, True, 16384, "gluon"), (128, False, 4096, "triton"), (128, False, 16384, "gluon"),
+    (64, True, 1024, "triton"), (64, True, 4096, "gluon"), (64, False, 16384, "gluon"), (64, True, 512, "triton"),
+])
+def test_auto_picks_gluon_only_where_it_was_measured_faster(monkeypatch, head_dim, causal, length, want):
+    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
+    assert kernel_choice.resolve_kernel("auto", "cuda:0", torch.bfloat16, head_dim, causal, False, length) == want
