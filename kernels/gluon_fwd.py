@@ -23,7 +23,7 @@ Masks. Key tiles [0, mid) are seen whole by every row of the program and run wit
 bound. Tiles past hi are never loaded. Document masks and sliding windows are not implemented
 here: kernels.flash_attention routes them to the Triton kernel, and refuses kernel="gluon".
 
-Three kernels, each a step over the last (kernels/NOTES.md has what each measured):
+Two kernels, in steps each over the last (kernels/NOTES.md has what each measured):
 
 - `attention_fwd_pipelined` with STAGES=1: one partition; it issues the TMA loads of a tile,
   waits, computes. The simple, correct baseline.
@@ -41,8 +41,12 @@ Three kernels, each a step over the last (kernels/NOTES.md has what each measure
   PINGPONG the two consumers take turns issuing their QK^T wgmma (turn[2], each consumer
   releases the other's turn after issuing): one warpgroup's softmax then runs while the other's
   matmuls occupy the tensor cores, instead of both competing for them at the same moment.
+  With OVERLAP (FlashAttention-3's intra-warpgroup overlap) a consumer issues QK^T of tile t
+  together with P V of tile t - 1 and computes tile t's softmax while that P V runs; it then
+  holds two tiles' buffers at once, so it needs STAGES >= 3 to leave the producer one to fill.
 
-Query tiles run longest first (the last, longest causal tile of each head is dispatched first;
+VARIANTS names these steps with their STAGES; DEFAULT_VARIANTS is what flash_attention runs per
+head dim (the fastest measured). Query tiles run longest first (the last, longest causal tile of each head is dispatched first;
 see kernels/tiles.py's query_tile_longest_first).
 """
 from __future__ import annotations
