@@ -13,6 +13,11 @@ raise ValueError naming the offending argument instead of a Triton compile trace
 The backward is deterministic by default (two kernels, bit-identical gradients run to
 run); `deterministic=False` runs one kernel that accumulates dQ with float32 atomics
 (kernels/flash_bwd.py).
+
+The forward can instead run the Gluon Hopper kernel (kernels/gluon_fwd.py; `kernel=`, chosen by
+kernels/kernel_choice.py). Triton's `triton_op` cannot trace a Gluon launch, so that forward is
+its own opaque `torch.library.custom_op` with a fake implementation (shapes only), and its
+autograd formula is the same Triton backward: both forwards write the same LSE.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import triton
 
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import LOG2E, flash_fwd_kernel
+from kernels.gluon_fwd import gluon_attention_forward
+from kernels.kernel_choice import choose_kernel
 from kernels.masks import check_masks, document_bounds
 from kernels.tuning import INTERPRET, seq_bucket
 
@@ -212,22 +219,51 @@ def _backward(ctx, dout, _dlse, launch=flash_attn_bwd):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("flashtrain::gluon_attn_fwd", mutates_args=())
+def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                   deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon forward as one opaque op: out (B, Nq, H, D), lse (B, H, Nq) float32.
+    deterministic: which Triton backward its autograd formula runs."""
+    return gluon_attention_forward(q, k, v, causal, softmax_scale)
+
+
+@gluon_attn_fwd.register_fake
+def _gluon_attn_fwd_fake(q, k, v, causal, softmax_scale, deterministic=True):
+    B, n_q, H, D = q.shape
+    return q.new_empty((B, n_q, H, D)), q.new_empty((B, H, n_q), dtype=torch.float32)
+
+
+def _gluon_setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, deterministic = inputs
+    _setup_context(ctx, (q, k, v, causal, softmax_scale, None, 0, deterministic), output)
+
+
+def _gluon_backward(ctx, dout, _dlse):
+    return _backward(ctx, dout, _dlse)[:5] + (None,)
+
+
+gluon_attn_fwd.register_autograd(_gluon_backward, setup_context=_gluon_setup_context)
+
+
 class _EagerFlashAttention(torch.autograd.Function):
-    """The same kernels and the same saved tensors as the op above, without its dispatch."""
+    """The same kernels and the same saved tensors as the ops above, without their dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, doc_bounds, window, deterministic):
-        out, lse = _launch_forward(q, k, v, causal, softmax_scale, doc_bounds=doc_bounds, window=window)
+    def forward(ctx, q, k, v, causal, softmax_scale, doc_bounds, window, deterministic, kernel):
+        if kernel == "gluon":
+            out, lse = gluon_attention_forward(q, k, v, causal, softmax_scale)
+        else:
+            out, lse = _launch_forward(q, k, v, causal, softmax_scale, doc_bounds=doc_bounds, window=window)
         _setup_context(ctx, (q, k, v, causal, softmax_scale, doc_bounds, window, deterministic), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return _backward(ctx, dout, _dlse, launch=_launch_backward)
+        return _backward(ctx, dout, _dlse, launch=_launch_backward) + (None,)
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
-                    document_ids=None, window=None, deterministic=True):
+                    document_ids=None, window=None, deterministic=True, kernel="auto"):
     """Exact softmax(scale * Q K^T) V by tiling; same contract as kernels.reference.
 
     q (B, Nq, H, D); k, v (B, Nk, Hkv, D) with H % Hkv == 0; any strides.
@@ -248,14 +284,22 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     deterministic=True (default): the backward gives bit-identical gradients run to run.
     False: one backward kernel that adds dq with float32 atomics (fewer matmuls; dq's
     last bits vary from run to run, within the same error bound).
+    kernel: which forward runs, "triton", "gluon" (the Hopper kernel; a ValueError says why
+    where it cannot run) or "auto" (kernels/kernel_choice.py). The backward is Triton's.
     """
     check_inputs(q, k, v)
     check_masks(q, k, causal, document_ids, window)
+    kernel = choose_kernel(kernel, q, k, v, bool(causal), masked=document_ids is not None or window is not None)
     doc_bounds = None if document_ids is None else document_bounds(document_ids)
     window = 0 if window is None or window >= k.shape[1] else int(window)  # a window of every key: plain causal
     args = (q, k, v, bool(causal), _softmax_scale(softmax_scale, q.shape[-1]), doc_bounds, window,
             _flag(deterministic, "deterministic"))
-    out, lse = flash_attn_fwd(*args) if torch.compiler.is_compiling() else _EagerFlashAttention.apply(*args)
+    if not torch.compiler.is_compiling():
+        out, lse = _EagerFlashAttention.apply(*args, kernel)
+    elif kernel == "gluon":
+        out, lse = gluon_attn_fwd(*args[:5], args[7])
+    else:
+        out, lse = flash_attn_fwd(*args)
     return (out, lse) if return_lse else out
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import flash_attention
+from kernels.kernel_choice import check_kernel
 from kernels.masks import check_masks, visible_mask
 from kernels.reference import attention_reference
 from kernels.tuning import INTERPRET
@@ -79,15 +80,25 @@ def _check_name(name: str) -> str:
     return name
 
 
-def get_attention(name: str, deterministic: bool = True) -> AttentionFn:
+def get_attention(name: str, deterministic: bool = True, kernel: str = "auto") -> AttentionFn:
     """The attention function registered as `name` (an already resolved name, not 'auto').
     deterministic (config `attention.deterministic`) picks our kernel's backward: False is the
     one that adds dQ with atomics. naive's backward is deterministic anyway; sdpa's is whatever
-    PyTorch's backend does, so the flag changes nothing for them."""
+    PyTorch's backend does, so the flag changes nothing for them. kernel (`attention.kernel`):
+    our kernel's forward, auto | triton | gluon (kernels/kernel_choice.py); the other
+    implementations have no such choice and take only 'auto'."""
     if not isinstance(deterministic, bool):
         raise ValueError(f"attention.deterministic must be true or false, got {deterministic!r}")
     fn = ATTENTION[_check_name(name)]
-    return partial(fn, deterministic=False) if fn is flash_attention and not deterministic else fn
+    if fn is not flash_attention:
+        if str(kernel) != "auto":
+            raise ValueError(f"attention.kernel={kernel} chooses attention=flash's forward; attention={name} takes "
+                             "only attention.kernel=auto")
+        return fn
+    kwargs = {} if deterministic else {"deterministic": False}
+    if check_kernel(str(kernel)) != "auto":
+        kwargs["kernel"] = str(kernel)
+    return partial(fn, **kwargs) if kwargs else fn
 
 
 def resolve_attention(name: str, device, attention_dropout: float = 0.0) -> str:

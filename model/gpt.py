@@ -32,7 +32,7 @@ def document_positions(positions: torch.Tensor, document_ids: torch.Tensor) -> t
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, attention: str, window: int | None = None,
-                 deterministic: bool = True):
+                 deterministic: bool = True, kernel: str = "auto"):
         super().__init__()
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"attention.window={window!r}: must be null or an integer >= 1")
@@ -41,7 +41,7 @@ class GPT(nn.Module):
         # Attention dropout acts in training only, so evals and generation may use any backend.
         self.drops_attention = config.attention_dropout > 0 and attention in ATTENTION_DROPOUT
         self.window = window   # each query sees the last `window` keys (Mistral's sliding window)
-        attention_fn = get_attention(attention, deterministic)
+        attention_fn = get_attention(attention, deterministic, kernel)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.pos_emb == "learned" else None
         self.dropout = nn.Dropout(config.dropout)
@@ -168,9 +168,9 @@ class GPT(nn.Module):
 
 
 def build_model(cfg_model, vocab_size: int, attention: str, window: int | None = None,
-                deterministic: bool = True) -> GPT:
+                deterministic: bool = True, kernel: str = "auto") -> GPT:
     """GPT from the `model` config node, the tokenizer's vocabulary size, a resolved
     attention name (naive | sdpa | flash), `attention.window` (None: full causal attention) and
-    `attention.deterministic` (which backward our kernel runs); raises ValueError naming a bad
-    config value."""
-    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention, window, deterministic)
+    `attention.deterministic` (which backward our kernel runs), `attention.kernel` (which forward);
+    raises ValueError naming a bad config value."""
+    return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention, window, deterministic, kernel)

@@ -4,6 +4,7 @@ pipelining for every tile shape the tuner may pick.
     python scripts/kernel_report.py                          # all four kernels, every candidate, D = 64 and 128
     python scripts/kernel_report.py --kernels fwd,kv --dims 128 --shape 1/16384/16/16
     python scripts/kernel_report.py --unspecialized          # compiled the way test_kernel_compile checks them
+    python scripts/kernel_report.py --gluon                  # the Gluon Hopper forward's variants instead
 
 Triton compiles for sm_90a without a GPU (ptxas ships in its wheel), so what ptxas says about a
 kernel can be read before any device time is spent. A launch specialises its integer arguments: a
@@ -96,6 +97,34 @@ def compile_for_hopper(kernel, constexprs: dict, warps: int, stages: int, values
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_gluon_fwd(variant: str | None, head_dim: int, causal: bool, dtype: str = "bf16"):
+    """triton.compile of the Gluon forward `variant` (kernels.gluon_fwd.VARIANTS; None: the default for
+    the head dim) for sm_90a, with the signature its launch has: four TMA descriptors, the LSE pointer,
+    four integers and the fp32 scale."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import gluon_fwd
+
+    launch = gluon_fwd.plan(variant, causal, head_dim)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    def descriptor(rows: int) -> str:
+        layout = gluon_fwd.shared_layout(rows, head_dim, torch_dtype)
+        return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
+
+    signature = {"q_desc": descriptor(launch.rows), "k_desc": descriptor(gluon_fwd.BLOCK_N),
+                 "v_desc": descriptor(gluon_fwd.BLOCK_N), "o_desc": descriptor(launch.rows), "lse_ptr": "*fp32",
+                 **{n: "i32" for n in ("n_heads", "kv_group", "n_q", "n_k")}, "qk_scale": "fp32"}
+    consts = dict(launch.constexprs, num_warps=launch.options["num_warps"])
+    signature.update({name: "constexpr" for name in consts})
+    source = GluonASTSource(fn=launch.kernel, signature=signature, constexprs=consts,
+                            attrs={(4,): [["tt.divisibility", 16]]})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(launch.options))
+
+
 def ptxas_report(compiled) -> dict:
     """Registers, spill bytes and the wgmma-serialisation warning, from `ptxas -v` on the PTX."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -112,6 +141,25 @@ def ptxas_report(compiled) -> dict:
             "async_copies": ttgir.count("async_copy_global_to_local"),
             "sync_loads": ttgir.count("tt.load "),
             "wgmma_serialized": "C7515" in log}
+
+
+def gluon_report(dims: list[int]) -> list[dict]:
+    """Every Gluon forward variant, causal and not: ptxas' count is the launch cap (maxnreg) for the
+    warp-specialised ones, whose partitions then take their own budgets (`setmaxnreg`, from the PTX)."""
+    from kernels import gluon_fwd
+
+    rows = []
+    for variant in gluon_fwd.VARIANTS:
+        for dim in dims:
+            for causal in (False, True):
+                compiled = compile_gluon_fwd(variant, dim, causal)
+                regs = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                          compiled.asm["ptx"])})
+                rows.append({"kernel": "gluon " + variant, "head_dim": dim, "causal": causal,
+                             "default": gluon_fwd.DEFAULT_VARIANTS.get(dim) == variant,
+                             "shared_bytes": compiled.metadata.shared, "setmaxnreg": regs,
+                             "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"), **ptxas_report(compiled)})
+    return rows
 
 
 def report(kernels: list[str], dims: list[int], shape: tuple[int, int, int, int], specialize: bool,
@@ -138,6 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--shape", default="1/16384/16/16", help="B/T/H/Hkv of the call whose strides specialise the launch")
     parser.add_argument("--limit", type=int, default=None, help="only the first N candidates of each list")
     parser.add_argument("--unspecialized", action="store_true", help="compile without a launch's specialisation")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon forward's variants (kernels/gluon_fwd.py)")
     parser.add_argument("--json", action="store_true", help="also write kernel_report.json under --out")
     add_out_argument(parser, "kernel_report")
     args = parser.parse_args(argv)
@@ -161,6 +210,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import triton
 
+    if args.gluon:
+        rows = gluon_report([d for d in dims if d != 256])
+        print_table(f"Gluon forward, sm_90a, triton {triton.__version__}",
+                    ["variant", "D", "causal", "registers (cap)", "setmaxnreg", "spill B", "shared KB", "wgmma"],
+                    [[r["kernel"] + (" *" if r["default"] else ""), r["head_dim"], r["causal"], r["registers"],
+                      r["setmaxnreg"], r["spill_bytes"], r["shared_bytes"] // 1024, r["wgmma"]] for r in rows])
+        if args.json:
+            write_json(args.out / "kernel_report.json", {"triton": triton.__version__, "gluon": True, "rows": rows})
+        return rows
     rows = report(kernels, dims, shape, not args.unspecialized, args.limit)
     print_table(f"sm_90a, triton {triton.__version__}, {'unspecialised' if args.unspecialized else 'launch of ' + args.shape}",
                 ["kernel", "D", "tile", "warps", "stages", "registers", "spill B", "cp.async", "sync loads", "C7515"],

@@ -86,6 +86,8 @@ BAD_INPUT = [
     ({"trainer.max_steps": 0}, "trainer.max_steps=0: must be a positive integer"),
     ({"optim.min_lr": 1.0}, "optim.min_lr=1.0: must lie in [0, optim.lr="),
     ({"attention.name": "bogus"}, "attention 'bogus' is not registered"),
+    ({"attention.kernel": "cudnn"}, "attention.kernel='cudnn': expected one of auto, triton, gluon"),
+    ({"attention": "sdpa", "attention.kernel": "gluon"}, "attention.kernel=gluon chooses attention=flash's forward"),
     ({"device": "tpu"}, "device='tpu': expected one of auto, cpu, cuda"),
     ({"logger.name": "tensorboard"}, "logger.name='tensorboard': expected one of none, wandb"),
     ({"data": "files", "data.max_bytes": None, "data.paths": "[/nonexistent/corpus]"}, "/nonexistent/corpus does not exist"),

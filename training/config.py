@@ -244,6 +244,9 @@ def _check_masks(cfg: DictConfig) -> None:
     _require(cp == 1 or cfg.attention.deterministic, "trainer.context_parallel", cp,
              "the ring runs our kernel's deterministic backward only: use attention.deterministic=true "
              "or trainer.context_parallel=1")
+    _require(cp == 1 or cfg.attention.get("kernel", "auto") == "auto", "trainer.context_parallel", cp,
+             f"the ring's blocks pick their forward kernel per call (auto); attention.kernel="
+             f"{cfg.attention.get('kernel')} would be ignored: use attention.kernel=auto or trainer.context_parallel=1")
 
 
 def validate_config(cfg: DictConfig, root: str = "train") -> None:

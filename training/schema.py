@@ -44,6 +44,7 @@ Schedule = _choice("Schedule", "cosine", "constant")
 WandbMode = _choice("WandbMode", "online", "offline", "disabled")
 Download = _choice("Download", "full", "lazy")
 Windows = _choice("Windows", "moving", "fixed")          # data.sampler.WINDOWS
+Kernel = _choice("Kernel", "auto", "triton", "gluon")   # kernels.kernel_choice.KERNELS
 
 
 def ranged(default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
@@ -93,6 +94,7 @@ class AttentionConfig:
     name: str = "auto"                                 # the YAML file: auto | flash | sdpa | naive
     window: Optional[int] = ranged(None, ge=1)
     deterministic: bool = True
+    kernel: Kernel = Kernel.auto                       # attention=flash's forward: auto | triton | gluon
 
 
 @dataclass

@@ -67,17 +67,36 @@ def resolve_config(cfg: DictConfig) -> torch.device:
         cfg.device = device.type
         cfg.attention.name = resolve_attention(attention, device, cfg.model.get("attention_dropout", 0.0))
         cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
+        if cfg.attention.name == "flash":
+            cfg.attention.kernel = resolve_forward_kernel(cfg, device)
+        elif cfg.attention.get("kernel", "auto") != "auto":
+            raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's forward kernel; "
+                             f"attention={cfg.attention.name} takes only attention.kernel=auto")
     check_attention_dropout(cfg.attention.name, cfg.model.get("attention_dropout", 0.0))
     return device
+
+
+def resolve_forward_kernel(cfg: DictConfig, device: torch.device) -> str:
+    """attention.kernel for attention=flash as 'triton' or 'gluon' (kernels.kernel_choice): what the
+    model's q, k, v will be (the autocast dtype, the head dim, causal, masked) decides, before any
+    work; kernel=gluon where it cannot run is the kernels' one-line ValueError."""
+    from kernels.kernel_choice import resolve_kernel
+
+    dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
+    masked = bool(cfg.data.get("document_mask")) or cfg.attention.get("window") is not None
+    return resolve_kernel(str(cfg.attention.get("kernel", "auto")), device, dtype,
+                          cfg.model.d_model // cfg.model.n_head, True, masked, cfg.trainer.seq_len)
 
 
 def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = None):
     """The GPT of `cfg.model` (attention: the resolved `cfg.attention.name` unless given) with the
     sliding window of `cfg.attention.window`."""
     from model import build_model
-    return build_model(cfg.model, vocab_size=vocab_size, attention=attention or cfg.attention.name,
+    attention = attention or cfg.attention.name
+    return build_model(cfg.model, vocab_size=vocab_size, attention=attention,
                        window=cfg.attention.get("window"),
-                       deterministic=cfg.attention.get("deterministic", True))  # absent in configs saved before it
+                       deterministic=cfg.attention.get("deterministic", True),  # absent in configs saved before it
+                       kernel=str(cfg.attention.get("kernel", "auto")) if attention == "flash" else "auto")
 
 
 def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
@@ -337,8 +356,10 @@ class Trainer:
             OmegaConf.save(cfg, self.run_dir / "config.yaml")
             save_tokenizer(self.data.tokenizer, self.run_dir)  # evals and generation need no corpus
             loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id)
-            log.info("%s: %s params, attention=%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
-                     f"{cfg.run.num_params:,}", cfg.attention.name, self.device, t.precision,
+            log.info("%s: %s params, attention=%s%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
+                     f"{cfg.run.num_params:,}", cfg.attention.name,
+                     f" (forward kernel: {cfg.attention.kernel})" if cfg.attention.name == "flash" else "",
+                     self.device, t.precision,
                      cfg.run.data_fingerprint,
                      f", {env.world_size} processes ({t.parallel}"
                      f"{f', context_parallel={env.cp_size}' if env.cp_size > 1 else ''})" if env.enabled else "",

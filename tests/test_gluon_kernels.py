@@ -1,0 +1,196 @@
+"""The Gluon (Hopper) forward against the float64 reference, and the kernel switch's refusals.
+
+On an sm_90 GPU: every variant of kernels/gluon_fwd.py in bf16 and fp16 within 2x the plain
+formula's error (test_flash_attention's bound and helpers), on poisoned memory, over the shapes
+the path covers (odd lengths, GQA, Nq != Nk, causal and not, fused-QKV strides), forward and the
+Triton backward it pairs with, repeated runs bit-identical, torch.compile(fullgraph=True).
+On the CPU: the refusals of kernel="gluon", which must be one-line ValueErrors. That the kernels
+compile for sm_90a on a CPU machine is tests/test_kernel_compile.py's.
+"""
+import functools
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from kernels import attention_reference, flash_attention, gluon_fwd, kernel_choice
+from test_flash_attention import (DEVICE, GPU_SHAPES, NAMES, assert_as_exact_as_plain,  # noqa: F401
+                                  assert_compiled_matches_eager, forward_backward, make_inputs,
+                                  poison_uninitialised_memory)
+
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+
+# The Triton kernel's GPU shapes at the head dims this kernel covers (B, n_q, n_k, H, H_kv, D): a single
+# row, ragged tiles, GQA 2/8, MQA, Nq < Nk, Nq > Nk (causal rows that see no key), many programs per head
+SHAPES = [s for s in GPU_SHAPES if s[-1] in gluon_fwd.HEAD_DIMS]
+shape_ids = functools.partial(str.format, "B{}_q{}_k{}_H{}_kv{}_D{}")
+
+
+def forward_only(variant, q, k, v, causal):
+    return gluon_fwd.gluon_attention_forward(q, k, v, causal, q.shape[-1] ** -0.5, variant)
+
+
+def check_forward(variant, q, k, v, causal):
+    out, lse = forward_only(variant, q, k, v, causal)
+    plain = attention_reference(q, k, v, causal=causal, return_lse=True)
+    exact = attention_reference(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+    for name, mine, p, ref in zip(("out", "lse"), (out, lse), plain, exact):
+        assert_as_exact_as_plain(name, mine, p, ref, None, v)
+
+
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: shape_ids(*s))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forward_matches_float64_reference(dtype, shape, causal):
+    """The variants flash_attention runs (one per head dim), on every shape, both dtypes, causal and not."""
+    check_forward(None, *make_inputs(*shape, dtype)[:3], causal)
+
+
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES[2:7], ids=lambda s: shape_ids(*s))
+@pytest.mark.parametrize("variant", [v for v in gluon_fwd.VARIANTS if v not in gluon_fwd.DEFAULT_VARIANTS.values()])
+def test_every_variant_matches_float64_reference(variant, shape, causal):
+    """The other steps of kernels/NOTES.md's table stay correct too (bf16, fewer shapes)."""
+    check_forward(variant, *make_inputs(*shape, torch.bfloat16)[:3], causal)
+
+
+gluon = functools.partial(flash_attention, kernel="gluon")
+
+
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES[1:6], ids=lambda s: shape_ids(*s))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forward_backward_matches_float64_reference(dtype, shape, causal):
+    """kernel="gluon" through flash_attention: the Gluon forward, the Triton backward from its LSE."""
+    q, k, v, do = make_inputs(*shape, dtype)
+    ours = forward_backward(gluon, q, k, v, do, causal)
+    plain = forward_backward(attention_reference, q, k, v, do, causal)
+    exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), causal)
+    for name, mine, p, ref in zip(NAMES, ours, plain, exact):
+        assert_as_exact_as_plain(name, mine, p, ref, do, v)
+
+
+def fused_qkv(B, N, H, H_kv, D, dtype):
+    """q, k, v as the model passes them: strided views of one (B, N, (H + 2 H_kv) D) projection."""
+    qkv = torch.randn(B, N, (H + 2 * H_kv) * D, device="cuda").to(dtype)
+    return [t.unflatten(-1, (-1, D)) for t in qkv.split([H * D, H_kv * D, H_kv * D], dim=-1)]
+
+
+@requires_hopper
+@pytest.mark.parametrize("variant", [None, "ws-pingpong"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_strided_views(variant, D):
+    """A fused QKV projection's views, and (B, H, N, D) storage seen through a transpose, read in place."""
+    q, k, v = fused_qkv(2, 333, 12, 4, D, torch.bfloat16)
+    assert not q.is_contiguous() and gluon_fwd.unsupported(q, k, v) is None
+    check_forward(variant, q, k, v, True)
+    q, k, v = (torch.randn(2, 4, 200, D, device="cuda").to(torch.bfloat16).transpose(1, 2) for _ in range(3))
+    check_forward(variant, q, k, v, False)
+
+
+@requires_hopper
+@pytest.mark.parametrize("variant", [None] + list(gluon_fwd.VARIANTS))
+def test_repeated_runs_are_bit_identical(variant):
+    q, k, v, _ = make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16)
+    first = forward_only(variant, q, k, v, True)
+    for _ in range(2):
+        again = forward_only(variant, q, k, v, True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), "results differ between identical runs"
+
+
+@requires_hopper
+def test_agrees_with_the_triton_forward():
+    """Two implementations of one algorithm: close to each other as well as to float64."""
+    q, k, v, _ = make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16)
+    mine = flash_attention(q, k, v, causal=True, return_lse=True, kernel="gluon")
+    theirs = flash_attention(q, k, v, causal=True, return_lse=True, kernel="triton")
+    torch.testing.assert_close(mine[0], theirs[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(mine[1], theirs[1], atol=1e-4, rtol=1e-4)
+
+
+@requires_hopper
+def test_custom_op_passes_opcheck():
+    q, k, v, _ = make_inputs(1, 130, 130, 2, 1, 64, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flashtrain.gluon_attn_fwd.default, (q, k, v, True, 0.125, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@requires_hopper
+def test_torch_compile_fullgraph_matches_eager():
+    """The custom op traces (fullgraph) and runs the same kernels: the same bits, forward and backward."""
+    q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
+    assert_compiled_matches_eager(lambda q, k, v: gluon(q, k, v, causal=True) * 2, q, k, v, do)
+
+
+@requires_hopper
+@pytest.mark.parametrize("make, match", [
+    (lambda: [torch.randn(1, 64, 2, 68, device="cuda", dtype=torch.bfloat16)[..., :64] for _ in range(3)],
+     "multiple of 16 bytes"),
+    (lambda: [torch.randn(1, 64, 2, 96, device="cuda", dtype=torch.bfloat16) for _ in range(3)], "head dims 64, 128"),
+    (lambda: [torch.randn(1, 64, 2, 64, device="cuda") for _ in range(3)], "float16 and bfloat16"),
+])
+def test_gluon_refuses_what_it_cannot_run(make, match):
+    with pytest.raises(ValueError, match=match):
+        flash_attention(*make(), kernel="gluon")
+
+
+# ---- CPU: the switch's refusals -----------------------------------------------------------------
+
+def test_unknown_kernel_is_refused():
+    q = torch.randn(1, 8, 2, 64, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel must be one of auto, triton, gluon"):
+        flash_attention(q, q, q, kernel="cudnn")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU tensors")
+def test_gluon_on_cpu_is_refused_and_auto_runs_triton():
+    q, k, v, _ = make_inputs(1, 40, 40, 2, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="kernel='gluon' cannot run this call: it needs a CUDA device"):
+        flash_attention(q, k, v, kernel="gluon")
+    assert torch.equal(flash_attention(q, k, v, kernel="auto"), flash_attention(q, k, v, kernel="triton"))
+
+
+@pytest.mark.parametrize("dtype, head_dim, masked, match", [
+    (torch.float32, 64, False, "float16 and bfloat16"),
+    (torch.bfloat16, 80, False, "head dims 64, 128"),
+    (torch.bfloat16, 64, True, "document masks and sliding windows"),
+])
+def test_settings_the_gluon_kernel_refuses(monkeypatch, dtype, head_dim, masked, match):
+    """The config-time check (no tensors) names each reason; 'auto' picks Triton for all of them."""
+    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
+    with pytest.raises(ValueError, match=match):
+        kernel_choice.resolve_kernel("gluon", "cuda:0", dtype, head_dim, True, masked, 8192)
+    assert kernel_choice.resolve_kernel("auto", "cuda:0", dtype, head_dim, True, masked, 8192) == "triton"
+
+
+def test_other_gpus_are_refused(monkeypatch):
+    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (8, 0))
+    with pytest.raises(ValueError, match="written for Hopper .sm_90.; this GPU is sm_80"):
+        kernel_choice.resolve_kernel("gluon", "cuda:0", torch.bfloat16, 64, True, False, 8192)
+    assert kernel_choice.resolve_kernel("triton", "cuda:0", torch.bfloat16, 64, True, False, 8192) == "triton"
+
+
+def test_tma_refusals():
+    base = torch.zeros(1, 64, 2, 68, dtype=torch.bfloat16)
+    assert "multiple of 16 bytes" in gluon_fwd.tma_refusal("q", base[..., :64])
+    assert "head-dim stride" in gluon_fwd.tma_refusal("k", base.transpose(-1, -2))
+    assert "multiple of 16 bytes, as TMA" in gluon_fwd.tma_refusal("v", base.flatten()[1:1 + 64 * 2 * 64].view(1, 64, 2, 64))
+    fused = torch.zeros(2, 33, (12 + 2 * 4) * 64, dtype=torch.bfloat16)
+    q, k, v = (t.unflatten(-1, (-1, 64)) for t in fused.split([12 * 64, 4 * 64, 4 * 64], dim=-1))
+    assert all(gluon_fwd.tma_refusal(n, t) is None for n, t in zip("qkv", (q, k, v)))
+    one = torch.zeros(1, 5, 1, 64, dtype=torch.bfloat16)[:, :, :, :]   # size-1 dims: their stride is never used
+    assert gluon_fwd.tma_refusal("q", one.as_strided(one.shape, (3, 64, 7, 1))) is None
+
+
+@pytest.mark.parametrize("head_dim, causal, length, want", [
+    (128, True, 1024, "gluon"), (128, True, 16384, "gluon"), (128, False, 4096, "triton"), (128, False, 16384, "gluon"),
+    (64, True, 1024, "triton"), (64, True, 4096, "gluon"), (64, False, 16384, "gluon"), (64, True, 512, "triton"),
+])
+def test_auto_picks_gluon_only_where_it_was_measured_faster(monkeypatch, head_dim, causal, length, want):
+    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
+    assert kernel_choice.resolve_kernel("auto", "cuda:0", torch.bfloat16, head_dim, causal, False, length) == want
