@@ -1,0 +1,254 @@
+"""Check, then time, the Gluon (Hopper) attention backward on the GPU: every variant, one run.
+
+    python scripts/gluon_bwd_check.py --out DIR                  # all variants, correctness then timing
+    python scripts/gluon_bwd_check.py --out DIR --variants ws --skip-timing
+
+Correctness (one subprocess per variant, all at once, each with a time limit, so that a variant
+that hangs or crashes costs only itself): our Triton forward, then the Gluon backward, against
+float64 attention (kernels.reference) within 2x the plain formula's own error in the same dtype
+(tests/test_flash_attention.py's bound and helpers), on odd lengths, GQA, Nq != Nk, rows that see
+no key, fused-QKV strides, causal and not; outputs start as NaN-poisoned memory; the
+deterministic backward must give the same bits three times over; the gap to our Triton backward
+is recorded. Timing (one subprocess, after the others, alone on the GPU): backward-only
+milliseconds and TFLOP/s (2.5 x the forward's 4 B H N^2 D, halved when causal) at gpt2-small's
+attention (12 x 64: B=16 T=1K, B=4 T=4K, B=1 T=16K) and 16 x 128 (T=4K, 16K), causal, q/k/v views
+of a fused QKV projection, for each variant that passed, our Triton backward (deterministic and
+atomic; FLASHTRAIN_AUTOTUNE=0 pins its tiles) and cuDNN's (SDPA, through autograd on a retained
+graph). Writes DIR/gluon_bwd_check.json (date, GPU, versions, commit) and a Markdown table,
+rewritten as results arrive.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repo root on sys.path)
+
+from _common import REPO_ROOT, environment, write_json
+
+# name -> kernels.gluon_bwd._launch variant arguments
+VARIANTS = {
+    "plain": dict(warp_specialize=False, dq_writer=False),
+    "ws": dict(warp_specialize=True, dq_writer=False),
+    "ws_dq": dict(warp_specialize=True, dq_writer=True, dq_bufs=1, dq_warps=1),
+    "ws_dq2": dict(warp_specialize=True, dq_writer=True, dq_bufs=2, dq_warps=2),
+}
+# (B, Nq, Nk, H, Hkv, D)
+SHAPES = [
+    (1, 1, 1, 1, 1, 64),
+    (2, 17, 17, 4, 4, 64),
+    (2, 100, 100, 8, 4, 64),
+    (1, 257, 257, 4, 1, 128),
+    (2, 1000, 1000, 8, 2, 128),
+    (1, 500, 1500, 8, 1, 64),      # Nq < Nk
+    (1, 1500, 500, 8, 8, 128),     # Nq > Nk: causal rows that see no key
+    (1, 300, 40, 2, 1, 64),        # whole query tiles that see no key
+    (4, 2048, 2048, 12, 12, 64),   # several waves of programs
+    (1, 4096, 4096, 16, 2, 128),
+]
+TIMING = [(16, 1024, 12, 64), (4, 4096, 12, 64), (1, 16384, 12, 64), (4, 4096, 16, 128), (1, 16384, 16, 128)]
+
+
+def tflops(B, H, N, D, ms):
+    return 2.5 * 4 * B * H * N * N * D / 2 / (ms * 1e-3) / 1e12
+
+
+# ---- correctness ----------------------------------------------------------------------------
+
+def correctness(variant: str, out: Path) -> dict:
+    import torch
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    import torch.utils.deterministic as det
+    from test_flash_attention import assert_as_exact_as_plain, make_inputs, NAMES
+
+    from kernels import attention_reference, gluon_bwd
+    from kernels.flash_op import _launch_backward, _launch_forward
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True   # torch.empty returns NaN: an unwritten element fails
+    args = VARIANTS[variant]
+    result = {"variant": variant, "args": args, "cases": []}
+    path = out / f"correct_{variant}.json"
+
+    def grads(q, k, v, do, causal, deterministic):
+        scale = 1 / math.sqrt(q.shape[-1])
+        o, lse = _launch_forward(q, k, v, causal, scale)
+        return (o, lse) + gluon_bwd._launch(do, q, k, v, o, lse, causal, scale, deterministic, **args)
+
+    def reference(q, k, v, do, causal):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        o, lse = attention_reference(*leaves, causal=causal, return_lse=True)
+        return (o, lse) + torch.autograd.grad(o, leaves, do)
+
+    def case(tag, q, k, v, do, causal, deterministic):
+        row = {"case": tag, "causal": causal, "deterministic": deterministic, "dtype": str(q.dtype)}
+        t0 = time.time()
+        try:
+            ours = grads(q, k, v, do, causal, deterministic)
+            torch.cuda.synchronize()
+            plain = reference(q, k, v, do, causal)
+            exact = reference(*(t.double() for t in (q, k, v, do)), causal)
+            errs = {}
+            for name, mine, p, ref in zip(NAMES, ours, plain, exact):
+                if name in ("dq", "dk", "dv"):
+                    errs[name] = [((mine.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
+                                  ((p.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()]
+                assert_as_exact_as_plain(name, mine, p, ref, do, v)
+            row["rel_err_ours_plain"] = errs
+            if deterministic:
+                for _ in range(2):
+                    again = grads(q, k, v, do, causal, deterministic)
+                    assert all(torch.equal(a, b) for a, b in zip(ours[2:], again[2:])), "not bit-identical on repeat"
+                tri = _launch_backward(do, q, k, v, ours[0], ours[1], causal, 1 / math.sqrt(q.shape[-1]))
+                row["rel_diff_vs_triton"] = {n: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+                                             for n, a, b in zip(("dq", "dk", "dv"), ours[2:], tri)}
+            row["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 (record and go on)
+            row["status"] = f"FAIL {type(exc).__name__}: {str(exc)[:300]}"
+        row["s"] = round(time.time() - t0, 2)
+        result["cases"].append(row)
+        write_json(path, result)
+        print(variant, row["case"], row["causal"], row["deterministic"], row["dtype"], row["status"], flush=True)
+
+    for shape in SHAPES:
+        for causal in (True, False):
+            inputs = make_inputs(*shape, torch.bfloat16)
+            case(f"{shape}", *inputs, causal, True)
+            if shape in (SHAPES[2], SHAPES[6], SHAPES[8]):
+                case(f"{shape}", *inputs, causal, False)
+        if shape in (SHAPES[3], SHAPES[5]):
+            case(f"{shape}", *make_inputs(*shape, torch.float16), True, True)
+    # q, k, v as views of one fused QKV projection (what the model passes)
+    for B, N, H, D in ((2, 37, 4, 64), (2, 1000, 12, 64), (1, 777, 4, 128)):
+        qkv = torch.randn(B, N, 3, H, D, device="cuda").to(torch.bfloat16)
+        q, k, v = qkv.unbind(2)
+        do = torch.randn(B, N, H, D, device="cuda").to(torch.bfloat16)
+        case(f"fused_qkv {(B, N, H, D)}", q, k, v, do, True, True)
+    result["passed"] = all(c["status"] == "ok" for c in result["cases"])
+    write_json(path, result)
+    return result
+
+
+# ---- timing ---------------------------------------------------------------------------------
+
+def timing(variants: list[str], out: Path) -> dict:
+    import torch
+    import triton
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from bench_attention import fused_inputs
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    from kernels import gluon_bwd
+    from kernels.flash_op import _launch_backward, _launch_forward
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
+    result = {"env": environment(torch.device("cuda")), "rows": []}
+    path = out / "timing.json"
+    for B, N, H, D in TIMING:
+        row = {"B": B, "T": N, "H": H, "D": D, "causal": True, "ms": {}, "tflops": {}}
+        _, (q, k, v), do = fused_inputs(B, N, H, H, D, False, torch.device("cuda"))
+        q, k, v = (t.detach() for t in (q, k, v))
+        scale = 1 / math.sqrt(D)
+        o, lse = _launch_forward(q, k, v, True, scale)
+        runs = {f"gluon-{name}": (lambda a=VARIANTS[name]: gluon_bwd._launch(do, q, k, v, o, lse, True, scale, True, **a))
+                for name in variants}
+        if "ws" in variants:
+            runs["gluon-ws-atomic"] = lambda: gluon_bwd._launch(do, q, k, v, o, lse, True, scale, False, **VARIANTS["ws"])
+        runs["triton"] = lambda: _launch_backward(do, q, k, v, o, lse, True, scale, deterministic=True)
+        runs["triton-atomic"] = lambda: _launch_backward(do, q, k, v, o, lse, True, scale, deterministic=False)
+        for name, fn in runs.items():
+            try:
+                row["ms"][name] = bench(fn)
+            except Exception as exc:  # noqa: BLE001
+                row["ms"][name] = f"FAIL {type(exc).__name__}: {str(exc)[:200]}"
+        try:
+            leaves = [t.transpose(1, 2).detach().clone().requires_grad_() for t in (q, k, v)]
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                sd = F.scaled_dot_product_attention(*leaves, is_causal=True)
+            dsd = do.transpose(1, 2)
+            row["ms"]["cudnn"] = bench(lambda: torch.autograd.grad(sd, leaves, dsd, retain_graph=True))
+        except Exception as exc:  # noqa: BLE001
+            row["ms"]["cudnn"] = f"FAIL {type(exc).__name__}: {str(exc)[:200]}"
+        for name, ms in row["ms"].items():
+            if isinstance(ms, float):
+                row["tflops"][name] = round(tflops(B, H, N, D, ms), 1)
+        result["rows"].append(row)
+        write_json(path, result)
+        print(B, N, H, D, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row["ms"].items()}, flush=True)
+        del q, k, v, do, o, lse
+        torch.cuda.empty_cache()
+    return result
+
+
+# ---- driver ---------------------------------------------------------------------------------
+
+def run_workers(commands: dict[str, list[str]], limit_s: float, out: Path) -> dict[str, str]:
+    """Start every command at once; kill any still running after limit_s. name -> exit status."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs = {name: subprocess.Popen(cmd, stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=env)
+             for name, cmd in commands.items()}
+    began, status = time.time(), {}
+    while procs:
+        for name, p in list(procs.items()):
+            if p.poll() is not None:
+                status[name] = f"exit {p.returncode}"
+                del procs[name]
+            elif time.time() - began > limit_s:
+                p.kill()
+                p.wait()
+                status[name] = f"killed after {limit_s:.0f} s"
+                del procs[name]
+        time.sleep(0.5)
+    return status
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--worker", choices=("correct", "time"), help=argparse.SUPPRESS)
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--correct-limit", type=float, default=110.0, help="seconds per correctness worker")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for the timing worker")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
+    if args.worker == "correct":
+        correctness(variants[0], args.out)
+        return
+    if args.worker == "time":
+        timing(variants, args.out)
+        return
+    me = [sys.executable, str(Path(__file__).resolve())]
+    status = run_workers({f"correct_{v}": me + ["--worker", "correct", "--variants", v, "--out", str(args.out)]
+                          for v in variants}, args.correct_limit, args.out)
+    passed = []
+    for v in variants:
+        path = args.out / f"correct_{v}.json"
+        report = json.loads(path.read_text()) if path.exists() else {"cases": []}
+        fails = [c for c in report["cases"] if c["status"] != "ok"]
+        print(f"{v}: {status[f'correct_{v}']}, {len(report['cases'])} cases, {len(fails)} failed", flush=True)
+        for c in fails[:4]:
+            print("   ", c["case"], c["causal"], c["deterministic"], c["dtype"], c["status"][:160], flush=True)
+        if report.get("passed"):
+            passed.append(v)
+    summary = {"worker_status": status, "passed": passed}
+    if not args.skip_timing and passed:
+        summary["timing_status"] = run_workers({"time": me + ["--worker", "time", "--variants", ",".join(passed),
+                                                              "--out", str(args.out)]}, args.time_limit, args.out)
+        print((args.out / "time.log").read_text()[-3000:], flush=True)
+    write_json(args.out / "gluon_bwd_check.json", summary)
+
+
+if __name__ == "__main__":
+    main()
