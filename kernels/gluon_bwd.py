@@ -236,11 +236,11 @@ def _dq_rows(x, DQacc, dQ, acc_row0, out_row0, row0, rows_left, out_row_stride, 
 def _dq_share(src, dq, DQacc, dQ, acc_row0, out_row0, rows_left, out_row_stride, scale,
               MODE: gl.constexpr, FROM_SMEM: gl.constexpr):
     """_dq_rows over a whole query tile: from registers (`dq`), or from shared memory (`src`) in
-    chunks of rows small enough for a worker partition's registers (32 floats per thread)."""
+    chunks of rows small enough for a worker partition's registers (16 floats per thread)."""
     if FROM_SMEM:
         BLOCK_M: gl.constexpr = src.shape[0]
         HEAD_DIM: gl.constexpr = src.shape[1]
-        CHUNK: gl.constexpr = min(BLOCK_M, 1024 * gl.num_warps() // HEAD_DIM)
+        CHUNK: gl.constexpr = min(BLOCK_M, 512 * gl.num_warps() // HEAD_DIM)
         gl.static_assert(BLOCK_M % CHUNK == 0, "dQ chunks must tile the query tile")
         for r in gl.static_range(0, BLOCK_M, CHUNK):
             x = src.slice(r, CHUNK).load(_rows_layout(HEAD_DIM, gl.num_warps()))
@@ -506,7 +506,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
                             CAUSAL, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER)),
                 (_load_partition, (k_s4, v_s4, smem, bars, kv_bar, wdescs, work, scalars, CAUSAL, DETERMINISTIC)),
                 (_dq_partition, (k_s4, v_s4, smem, bars, kv_bar, wdescs, work, scalars, CAUSAL, DETERMINISTIC)),
-            ], [1, DQ_WARPS], [24, 80])
+            ], [1, DQ_WARPS], [72, 72])   # one warpgroup: one register count
         else:
             dk, dv = gl.warp_specialize([
                 (_consume, (k_s, v_s, smem, bars, kv_bar, descs, work, scalars, mid, n_m, group,
