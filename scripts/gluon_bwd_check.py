@@ -50,8 +50,9 @@ SHAPES = [
     (1, 1500, 500, 8, 8, 128),     # Nq > Nk: causal rows that see no key
     (1, 300, 40, 2, 1, 64),        # whole query tiles that see no key
     (4, 2048, 2048, 12, 12, 64),   # several waves of programs
-    (1, 4096, 4096, 16, 2, 128),
 ]
+BIG = (1, 4096, 4096, 16, 2, 128)
+GROUPS = ("shapes", "strides", "big", "warm")
 TIMING = [(16, 1024, 12, 64), (4, 4096, 12, 64), (1, 16384, 12, 64), (4, 4096, 16, 128), (1, 16384, 16, 128)]
 
 
@@ -61,11 +62,13 @@ def tflops(B, H, N, D, ms):
 
 # ---- correctness ----------------------------------------------------------------------------
 
-def correctness(variant: str, out: Path) -> dict:
+def correctness(variant: str, out: Path, groups: list[str]) -> dict:
     import torch
     sys.path.insert(0, str(REPO_ROOT / "tests"))
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
     import torch.utils.deterministic as det
     from test_flash_attention import assert_as_exact_as_plain, make_inputs, NAMES
+    from bench_attention import fused_inputs
 
     from kernels import attention_reference, gluon_bwd
     from kernels.flash_op import _launch_backward, _launch_forward
@@ -116,20 +119,30 @@ def correctness(variant: str, out: Path) -> dict:
         write_json(path, result)
         print(variant, row["case"], row["causal"], row["deterministic"], row["dtype"], row["status"], flush=True)
 
-    for shape in SHAPES:
+    if "shapes" in groups:
+        for shape in SHAPES:
+            for causal in (True, False):
+                inputs = make_inputs(*shape, torch.bfloat16)
+                case(f"{shape}", *inputs, causal, True)
+                if shape in (SHAPES[2], SHAPES[6], SHAPES[8]):
+                    case(f"{shape}", *inputs, causal, False)
+            if shape in (SHAPES[3], SHAPES[5]):
+                case(f"{shape}", *make_inputs(*shape, torch.float16), True, True)
+    if "strides" in groups:   # q, k, v as views of one fused QKV projection (what the model passes)
+        for B, N, H, D in ((2, 37, 4, 64), (2, 1000, 12, 64), (1, 777, 4, 128)):
+            qkv = torch.randn(B, N, 3, H, D, device="cuda").to(torch.bfloat16)
+            q, k, v = qkv.unbind(2)
+            do = torch.randn(B, N, H, D, device="cuda").to(torch.bfloat16)
+            case(f"fused_qkv {(B, N, H, D)}", q, k, v, do, True, True)
+    if "big" in groups:
         for causal in (True, False):
-            inputs = make_inputs(*shape, torch.bfloat16)
-            case(f"{shape}", *inputs, causal, True)
-            if shape in (SHAPES[2], SHAPES[6], SHAPES[8]):
-                case(f"{shape}", *inputs, causal, False)
-        if shape in (SHAPES[3], SHAPES[5]):
-            case(f"{shape}", *make_inputs(*shape, torch.float16), True, True)
-    # q, k, v as views of one fused QKV projection (what the model passes)
-    for B, N, H, D in ((2, 37, 4, 64), (2, 1000, 12, 64), (1, 777, 4, 128)):
-        qkv = torch.randn(B, N, 3, H, D, device="cuda").to(torch.bfloat16)
-        q, k, v = qkv.unbind(2)
-        do = torch.randn(B, N, H, D, device="cuda").to(torch.bfloat16)
-        case(f"fused_qkv {(B, N, H, D)}", q, k, v, do, True, True)
+            case(f"{BIG}", *make_inputs(*BIG, torch.bfloat16), causal, True)
+    if "warm" in groups:   # compile what the timing run launches (one small call per head dim)
+        for D in sorted({d for *_, d in TIMING}):
+            _, (q, k, v), do = fused_inputs(1, 256, 2, 2, D, False, torch.device("cuda"))
+            case(f"warm D={D}", *(t.detach() for t in (q, k, v)), do, True, True)
+            if variant == "ws":
+                case(f"warm D={D}", *(t.detach() for t in (q, k, v)), do, True, False)
     result["passed"] = all(c["status"] == "ok" for c in result["cases"])
     write_json(path, result)
     return result
@@ -150,7 +163,7 @@ def cudnn_backward(q, k, v, do):
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
-def timing(variants: list[str], out: Path) -> dict:
+def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
     import torch
     import triton
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -161,8 +174,8 @@ def timing(variants: list[str], out: Path) -> dict:
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
     result = {"env": environment(torch.device("cuda")), "rows": []}
-    path = out / "timing.json"
-    for B, N, H, D in TIMING:
+    path = out / ("warm_triton.json" if warm else "timing.json")
+    for B, N, H, D in (sorted({(1, 256, 2, d) for *_, d in TIMING}) if warm else TIMING):
         row = {"B": B, "T": N, "H": H, "D": D, "causal": True, "ms": {}, "tflops": {}}
         _, (q, k, v), do = fused_inputs(B, N, H, H, D, False, torch.device("cuda"))
         q, k, v = (t.detach() for t in (q, k, v))
@@ -171,6 +184,8 @@ def timing(variants: list[str], out: Path) -> dict:
         runs = {"triton": lambda: _launch_backward(do, q, k, v, o, lse, True, scale, deterministic=True),
                 "triton-atomic": lambda: _launch_backward(do, q, k, v, o, lse, True, scale, deterministic=False),
                 "cudnn": cudnn_backward(q, k, v, do)}
+        if warm:
+            bench = lambda fn: fn()  # noqa: E731  (one call compiles)
         runs.update({f"gluon-{name}": (lambda a=VARIANTS[name]: gluon_bwd._launch(do, q, k, v, o, lse, True, scale, True, **a))
                      for name in variants})
         if "ws" in variants:
@@ -220,6 +235,8 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--worker", choices=("correct", "time"), help=argparse.SUPPRESS)
+    parser.add_argument("--groups", default=",".join(GROUPS), help=f"correctness groups, of {', '.join(GROUPS)}")
+    parser.add_argument("--warm-triton", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--correct-limit", type=float, default=95.0, help="seconds per correctness worker")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for the timing worker")
@@ -229,15 +246,21 @@ def main(argv=None):
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
+    groups = [g for g in args.groups.split(",") if g]
+    if any(g not in GROUPS for g in groups):
+        raise SystemExit(f"--groups {args.groups!r}: choose from {', '.join(GROUPS)}")
     if args.worker == "correct":
-        correctness(variants[0], args.out)
+        correctness(variants[0], args.out, groups)
         return
     if args.worker == "time":
-        timing(variants, args.out)
+        timing([] if args.warm_triton else variants, args.out, warm=args.warm_triton)
         return
     me = [sys.executable, str(Path(__file__).resolve())]
-    status = run_workers({f"correct_{v}": me + ["--worker", "correct", "--variants", v, "--out", str(args.out)]
-                          for v in variants}, args.correct_limit, args.out)
+    commands = {f"correct_{v}": me + ["--worker", "correct", "--variants", v, "--groups", args.groups,
+                                      "--out", str(args.out)] for v in variants}
+    if not args.skip_timing:   # compile our Triton kernels for the timing shapes meanwhile
+        commands["warm_triton"] = me + ["--worker", "time", "--warm-triton", "--out", str(args.out)]
+    status = run_workers(commands, args.correct_limit, args.out)
     passed = []
     for v in variants:
         path = args.out / f"correct_{v}.json"
