@@ -145,15 +145,22 @@ def _rows_layout(cols, num_warps):
 
 
 @gluon.jit
-def _row_vector(buf, parent: gl.constexpr):
-    """A [1, BLOCK_M] float32 row in shared memory as a vector to broadcast across `parent`'s rows."""
-    row = buf.load(gl.BlockedLayout([1, 1], [1, 32], [1, gl.num_warps()], [1, 0]))
-    return gl.convert_layout(gl.sum(row, axis=0), gl.SliceLayout(0, parent))
+def _row_vector(buf, parent: gl.constexpr, DIRECT: gl.constexpr):
+    """A [1, BLOCK_M] float32 row in shared memory as a vector to broadcast across `parent`'s rows.
+    DIRECT: every thread reads the columns it holds straight from shared memory (the unswizzled TMA
+    row viewed as 1-D); otherwise a plain load and a layout conversion (through shared memory,
+    with its barriers)."""
+    if DIRECT:
+        flat = compat.smem_reinterpret(buf, gl.float32, [buf.shape[1]], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        return flat.load(gl.SliceLayout(0, parent))
+    else:
+        row = buf.load(gl.BlockedLayout([1, 1], [1, 32], [1, gl.num_warps()], [1, 0]))
+        return gl.convert_layout(gl.sum(row, axis=0), gl.SliceLayout(0, parent))
 
 
 @gluon.jit
 def _tile_grads(k_s, v_s, q_s, do_s, lse_s, delta_s, ds_s, dk, dv, start_n, start_m, n_q, n_k, qk_scale,
-                CAUSAL: gl.constexpr, MASK: gl.constexpr):
+                CAUSAL: gl.constexpr, MASK: gl.constexpr, LSE_DIRECT: gl.constexpr):
     """One (key tile, query tile) step: accumulate dK and dV, return this key tile's dQ share
     (unscaled, float32). Every wgmma of the step has completed when it returns."""
     BLOCK_N: gl.constexpr = k_s.shape[0]
@@ -168,8 +175,8 @@ def _tile_grads(k_s, v_s, q_s, do_s, lse_s, delta_s, ds_s, dk, dv, start_n, star
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    lse = _row_vector(lse_s, s_layout)
-    delta = _row_vector(delta_s, s_layout)
+    lse = _row_vector(lse_s, s_layout, LSE_DIRECT)
+    delta = _row_vector(delta_s, s_layout, LSE_DIRECT)
     s_t = warpgroup_mma_wait(1, deps=(s_t,))
     p_t = gl.exp2(s_t * qk_scale - lse[None, :])
     if MASK:  # key j of query i: j < n_k, and causal j <= i + n_k - n_q (aligned bottom-right)
@@ -236,11 +243,11 @@ def _dq_rows(x, DQacc, dQ, acc_row0, out_row0, row0, rows_left, out_row_stride, 
 def _dq_share(src, dq, DQacc, dQ, acc_row0, out_row0, rows_left, out_row_stride, scale,
               MODE: gl.constexpr, FROM_SMEM: gl.constexpr):
     """_dq_rows over a whole query tile: from registers (`dq`), or from shared memory (`src`) in
-    chunks of rows small enough for a worker partition's registers (16 floats per thread)."""
+    chunks of rows small enough for a worker partition's registers (8 floats per thread)."""
     if FROM_SMEM:
         BLOCK_M: gl.constexpr = src.shape[0]
         HEAD_DIM: gl.constexpr = src.shape[1]
-        CHUNK: gl.constexpr = min(BLOCK_M, 512 * gl.num_warps() // HEAD_DIM)
+        CHUNK: gl.constexpr = min(BLOCK_M, max(4, 256 * gl.num_warps() // HEAD_DIM))   # >= the swizzle period
         gl.static_assert(BLOCK_M % CHUNK == 0, "dQ chunks must tile the query tile")
         for r in gl.static_range(0, BLOCK_M, CHUNK):
             x = src.slice(r, CHUNK).load(_rows_layout(HEAD_DIM, gl.num_warps()))
@@ -308,7 +315,7 @@ def _load_step(j, q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bu
 @gluon.jit
 def _step(i, start_m, k_s, v_s, smem, bars, descs, dk, dv, work, scalars,
           CAUSAL: gl.constexpr, MASK: gl.constexpr, DETERMINISTIC: gl.constexpr,
-          WARP_SPECIALIZE: gl.constexpr, DQ_WRITER: gl.constexpr):
+          WARP_SPECIALIZE: gl.constexpr, DQ_WRITER: gl.constexpr, LSE_DIRECT: gl.constexpr):
     """Step i of the consumers: wait for its stage, compute, hand the stage and the dQ share on."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_s, dq_bufs = smem
     ready, empty, dq_ready, dq_empty = bars
@@ -330,7 +337,7 @@ def _step(i, start_m, k_s, v_s, smem, bars, descs, dk, dv, work, scalars,
     q_s = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
     dk, dv, dq = _tile_grads(k_s, v_s, q_s, do_s, lse_bufs.index(s), delta_bufs.index(s), ds_s, dk, dv,
-                             start_n, start_m, n_q, n_k, qk_scale, CAUSAL, MASK)
+                             start_n, start_m, n_q, n_k, qk_scale, CAUSAL, MASK, LSE_DIRECT)
     h = h0 + (i // gl.maximum(per_head, 1))
     if DQ_WRITER:
         DQ_BUFS: gl.constexpr = dq_bufs.shape[0]
@@ -352,7 +359,7 @@ def _step(i, start_m, k_s, v_s, smem, bars, descs, dk, dv, work, scalars,
 @gluon.jit
 def _consume(k_s, v_s, smem, bars, kv_bar, descs, work, scalars, mid, n_m, group,
              CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-             DQ_WRITER: gl.constexpr):
+             DQ_WRITER: gl.constexpr, LSE_DIRECT: gl.constexpr):
     """The consumers' loop: per query head of the group, the masked query tiles, then the unmasked
     ones. Returns dK (unscaled) and dV, float32."""
     BLOCK_M: gl.constexpr = smem[2].shape[2]
@@ -367,11 +374,11 @@ def _consume(k_s, v_s, smem, bars, kv_bar, descs, work, scalars, mid, n_m, group
     for g in range(group):
         for m in range(lo, mid):
             dk, dv = _step(i, m * BLOCK_M, k_s, v_s, smem, bars, descs, dk, dv, work, scalars,
-                           CAUSAL, True, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER)
+                           CAUSAL, True, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER, LSE_DIRECT)
             i += 1
         for m in range(mid, n_m):
             dk, dv = _step(i, m * BLOCK_M, k_s, v_s, smem, bars, descs, dk, dv, work, scalars,
-                           CAUSAL, False, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER)
+                           CAUSAL, False, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER, LSE_DIRECT)
             i += 1
     return dk, dv
 
@@ -425,7 +432,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
                      n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
                      WARP_SPECIALIZE: gl.constexpr, DQ_WRITER: gl.constexpr, DQ_BUFS: gl.constexpr,
-                     DQ_WARPS: gl.constexpr):
+                     DQ_WARPS: gl.constexpr, LSE_DIRECT: gl.constexpr):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,). Descriptors: q/do (B, Nq, H, D) and k/v/dk/dv
     (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2 and Delta (B*H, Nq_pad) in blocks [1, BLOCK_M]."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
@@ -473,8 +480,10 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     ds_s = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     if DQ_WRITER:
+        # 32-byte chunks XOR-swizzled by row % 4: the accumulator layout's stores (8 rows x 32 bytes
+        # per warp instruction) hit 4 bank groups instead of one
         dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM],
-                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+                                            gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
     else:
         dq_bufs = ds_s
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -503,14 +512,14 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
         if DQ_WRITER:
             dk, dv = gl.warp_specialize([
                 (_consume, (k_s, v_s, smem, bars, kv_bar, descs, work, scalars, mid, n_m, group,
-                            CAUSAL, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER)),
+                            CAUSAL, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER, LSE_DIRECT)),
                 (_load_partition, (k_s4, v_s4, smem, bars, kv_bar, wdescs, work, scalars, CAUSAL, DETERMINISTIC)),
                 (_dq_partition, (k_s4, v_s4, smem, bars, kv_bar, wdescs, work, scalars, CAUSAL, DETERMINISTIC)),
-            ], [1, DQ_WARPS], [72, 72])   # one warpgroup: one register count
+            ], [1, DQ_WARPS], [56, 56])   # one warpgroup: one register count
         else:
             dk, dv = gl.warp_specialize([
                 (_consume, (k_s, v_s, smem, bars, kv_bar, descs, work, scalars, mid, n_m, group,
-                            CAUSAL, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER)),
+                            CAUSAL, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER, LSE_DIRECT)),
                 (_load_partition, (k_s4, v_s4, smem, bars, kv_bar, wdescs, work, scalars, CAUSAL, DETERMINISTIC)),
             ], [1], [24])
     else:
@@ -521,7 +530,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
             _load_step(j, q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
                        b, h0, lo, gl.maximum(per_head, 1), n_heads, j < total)
         dk, dv = _consume(k_s, v_s, smem, bars, kv_bar, descs, work, scalars, mid, n_m, group,
-                          CAUSAL, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER)
+                          CAUSAL, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER, LSE_DIRECT)
 
     # dK, dV through the K and V buffers (every wgmma that read them is done) to TMA stores,
     # which drop the rows past n_k of a ragged last tile
@@ -549,8 +558,10 @@ def _tile_layouts(dtype: torch.dtype, block_m: int, block_n: int, head_dim: int)
             gl.NVMMASharedLayout.get_default_for([1, block_m], gl.float32))
 
 
-def _variant_consts(warp_specialize: bool, dq_writer: bool, dq_bufs: int = 1, dq_warps: int = 1) -> dict:
-    return dict(WARP_SPECIALIZE=warp_specialize, DQ_WRITER=dq_writer, DQ_BUFS=dq_bufs, DQ_WARPS=dq_warps)
+def _variant_consts(warp_specialize: bool, dq_writer: bool, dq_bufs: int = 1, dq_warps: int = 1,
+                    lse_direct: bool = True) -> dict:
+    return dict(WARP_SPECIALIZE=warp_specialize, DQ_WRITER=dq_writer, DQ_BUFS=dq_bufs, DQ_WARPS=dq_warps,
+                LSE_DIRECT=lse_direct)
 
 
 def _launch_options(warp_specialize: bool, dq_writer: bool, dq_warps: int) -> dict:
@@ -566,7 +577,7 @@ def _launch_options(warp_specialize: bool, dq_writer: bool, dq_warps: int) -> di
 
 def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
                      deterministic: bool = True, warp_specialize: bool = True, dq_writer: bool = False,
-                     dq_bufs: int = 1, dq_warps: int = 1, config: dict | None = None):
+                     dq_bufs: int = 1, dq_warps: int = 1, lse_direct: bool = True, config: dict | None = None):
     """The main kernel compiled for sm_90a without a GPU (a launch's signature: descriptors, the
     pointers 16-byte aligned): CI checks it compiles, and kernel reports read its registers."""
     from triton.backends.compiler import GPUTarget
@@ -587,7 +598,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                  "n_heads": "i32", "n_kv_heads": "i32", "n_q": "i32", "n_k": "i32", "n_q_pad": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32"}
     consts = dict(STAGES=cfg["STAGES"], CAUSAL=causal, DETERMINISTIC=deterministic,
-                  **_variant_consts(warp_specialize, dq_writer, dq_bufs, dq_warps))
+                  **_variant_consts(warp_specialize, dq_writer, dq_bufs, dq_warps, lse_direct))
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("DQacc", "dQ", "Sem", "Ticket")}
@@ -675,7 +686,8 @@ def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, det
 
 
 def _launch(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, warp_specialize: bool,
-            dq_writer: bool, dq_bufs: int = 1, dq_warps: int = 1, config: dict | None = None):
+            dq_writer: bool, dq_bufs: int = 1, dq_warps: int = 1, lse_direct: bool = True,
+            config: dict | None = None):
     """The two launches (prep, main) on checked inputs; the variant arguments pick how the main
     kernel is built (the benchmarks compare them)."""
     B, n_q, H, D = q.shape
@@ -715,7 +727,7 @@ def _launch(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: 
         desc(delta, [1, block_m], llay), dq_acc, dq, sem, ticket,
         H, h_kv, n_q, n_k, n_q_pad, scale * 1.4426950408889634, scale,
         STAGES=cfg["STAGES"], CAUSAL=causal, DETERMINISTIC=deterministic,
-        **_variant_consts(warp_specialize, dq_writer, dq_bufs, dq_warps),
+        **_variant_consts(warp_specialize, dq_writer, dq_bufs, dq_warps, lse_direct),
         **_launch_options(warp_specialize, dq_writer, dq_warps))
     return dq, dk, dv
 

@@ -17,3 +17,12 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # A barrier across the warps of the running partition (bar.sync): `thread_barrier` in 3.6,
 # `barrier` in 3.9.
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+from triton.experimental.gluon.language._core import builtin  # noqa: E402
+
+
+@builtin
+def smem_reinterpret(buf, dtype, shape, layout, _semantic=None):
+    """A shared-memory view as another dtype/shape/layout: `_reinterpret` in 3.6, `reinterpret` in 3.9."""
+    method = getattr(buf, "reinterpret", None) or buf._reinterpret
+    return method(dtype, shape, layout, _semantic=_semantic)

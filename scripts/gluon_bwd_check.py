@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from _common import REPO_ROOT, environment, write_json
 VARIANTS = {
     "plain": dict(warp_specialize=False, dq_writer=False),
     "ws": dict(warp_specialize=True, dq_writer=False),
+    "ws_conv": dict(warp_specialize=True, dq_writer=False, lse_direct=False),
     "ws_dq": dict(warp_specialize=True, dq_writer=True, dq_bufs=1, dq_warps=1),
     "ws_dq2": dict(warp_specialize=True, dq_writer=True, dq_bufs=2, dq_warps=2),
 }
@@ -52,7 +54,8 @@ SHAPES = [
     (4, 2048, 2048, 12, 12, 64),   # several waves of programs
 ]
 BIG = (1, 4096, 4096, 16, 2, 128)
-GROUPS = ("shapes", "strides", "big", "warm")
+GROUPS = ("shapes", "quick", "strides", "big", "warm")
+QUICK = [SHAPES[2], SHAPES[3], SHAPES[6], SHAPES[7], SHAPES[8]]   # GQA, ragged, Nq > Nk, empty tiles, waves
 TIMING = [(16, 1024, 12, 64), (4, 4096, 12, 64), (1, 16384, 12, 64), (4, 4096, 16, 128), (1, 16384, 16, 128)]
 
 
@@ -128,6 +131,11 @@ def correctness(variant: str, out: Path, groups: list[str]) -> dict:
                     case(f"{shape}", *inputs, causal, False)
             if shape in (SHAPES[3], SHAPES[5]):
                 case(f"{shape}", *make_inputs(*shape, torch.float16), True, True)
+    if "quick" in groups:
+        for shape in QUICK:
+            for causal in (True, False):
+                case(f"{shape}", *make_inputs(*shape, torch.bfloat16), causal, True)
+        case(f"{SHAPES[8]}", *make_inputs(*SHAPES[8], torch.bfloat16), True, False)
     if "strides" in groups:   # q, k, v as views of one fused QKV projection (what the model passes)
         for B, N, H, D in ((2, 37, 4, 64), (2, 1000, 12, 64), (1, 777, 4, 128)):
             qkv = torch.randn(B, N, 3, H, D, device="cuda").to(torch.bfloat16)
@@ -141,8 +149,7 @@ def correctness(variant: str, out: Path, groups: list[str]) -> dict:
         for D in sorted({d for *_, d in TIMING}):
             _, (q, k, v), do = fused_inputs(1, 256, 2, 2, D, False, torch.device("cuda"))
             case(f"warm D={D}", *(t.detach() for t in (q, k, v)), do, True, True)
-            if variant == "ws":
-                case(f"warm D={D}", *(t.detach() for t in (q, k, v)), do, True, False)
+            case(f"warm D={D}", *(t.detach() for t in (q, k, v)), do, True, False)
     result["passed"] = all(c["status"] == "ok" for c in result["cases"])
     write_json(path, result)
     return result
@@ -188,8 +195,9 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
             bench = lambda fn: fn()  # noqa: E731  (one call compiles)
         runs.update({f"gluon-{name}": (lambda a=VARIANTS[name]: gluon_bwd._launch(do, q, k, v, o, lse, True, scale, True, **a))
                      for name in variants})
-        if "ws" in variants:
-            runs["gluon-ws-atomic"] = lambda: gluon_bwd._launch(do, q, k, v, o, lse, True, scale, False, **VARIANTS["ws"])
+        for name in variants:   # the atomic (deterministic=False) order of every variant
+            runs[f"gluon-{name}-atomic"] = (lambda a=VARIANTS[name]: gluon_bwd._launch(do, q, k, v, o, lse, True, scale,
+                                                                                     False, **a))
         result["rows"].append(row)
         for name, fn in runs.items():   # baselines first: a variant that hangs cannot take them along
             try:
@@ -256,27 +264,35 @@ def main(argv=None):
         timing([] if args.warm_triton else variants, args.out, warm=args.warm_triton)
         return
     me = [sys.executable, str(Path(__file__).resolve())]
+    work = args.out / "work"   # the workers' files; folded into one JSON at the end
+    work.mkdir(exist_ok=True)
     commands = {f"correct_{v}": me + ["--worker", "correct", "--variants", v, "--groups", args.groups,
-                                      "--out", str(args.out)] for v in variants}
+                                      "--out", str(work)] for v in variants}
     if not args.skip_timing:   # compile our Triton kernels for the timing shapes meanwhile
-        commands["warm_triton"] = me + ["--worker", "time", "--warm-triton", "--out", str(args.out)]
-    status = run_workers(commands, args.correct_limit, args.out)
-    passed = []
+        commands["warm_triton"] = me + ["--worker", "time", "--warm-triton", "--out", str(work)]
+    status = run_workers(commands, args.correct_limit, work)
+    summary = {"env": None, "worker_status": status, "correctness": {}, "passed": []}
     for v in variants:
-        path = args.out / f"correct_{v}.json"
+        path = work / f"correct_{v}.json"
         report = json.loads(path.read_text()) if path.exists() else {"cases": []}
+        summary["correctness"][v] = report
         fails = [c for c in report["cases"] if c["status"] != "ok"]
         print(f"{v}: {status[f'correct_{v}']}, {len(report['cases'])} cases, {len(fails)} failed", flush=True)
         for c in fails[:4]:
             print("   ", c["case"], c["causal"], c["deterministic"], c["dtype"], c["status"][:160], flush=True)
         if report.get("passed"):
-            passed.append(v)
-    summary = {"worker_status": status, "passed": passed}
-    if not args.skip_timing and passed:
-        summary["timing_status"] = run_workers({"time": me + ["--worker", "time", "--variants", ",".join(passed),
-                                                              "--out", str(args.out)]}, args.time_limit, args.out)
-        print((args.out / "time.log").read_text()[-3000:], flush=True)
+            summary["passed"].append(v)
+    if not args.skip_timing and summary["passed"]:
+        summary["timing_status"] = run_workers({"time": me + ["--worker", "time", "--variants", ",".join(summary["passed"]),
+                                                              "--out", str(work)]}, args.time_limit, work)
+        if (work / "timing.json").exists():
+            timed = json.loads((work / "timing.json").read_text())
+            summary["env"], summary["timing"] = timed["env"], timed["rows"]
     write_json(args.out / "gluon_bwd_check.json", summary)
+    for row in summary.get("timing", []):
+        print(row["B"], row["T"], row["H"], row["D"], {k: (round(x, 3) if isinstance(x, float) else x)
+                                                       for k, x in row["ms"].items()}, flush=True)
+    shutil.rmtree(work)
 
 
 if __name__ == "__main__":
