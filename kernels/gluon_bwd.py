@@ -39,9 +39,15 @@ once their wgmmas have read the stage. Two ways to run it:
   before computing step i, into the stage step i - 1 freed.
 - WARP_SPECIALIZE=True (`gl.warp_specialize`): the default partition (8 warps, two consumer
   warpgroups) computes; a 1-warp producer partition issues every TMA load, waiting on `empty`;
-  with DQ_WRITER also a dQ-writer partition that takes each step's dQ tile from shared memory
-  (`dq_ready` / `dq_empty` mbarriers, DQ_BUFS deep) and adds it to global memory, so that the
-  consumers never wait on another program.
+  with DQ_WRITER also a dQ-writer partition (DQ_WARPS warps) that takes each step's dQ tile from
+  shared memory (`dq_ready` / `dq_empty` mbarriers, DQ_BUFS deep) and adds it to global memory,
+  so that the consumers never wait on another program. DEFAULT_VARIANT (2 writer warps, 2
+  buffers) was the fastest measured; kernels/NOTES.md has the numbers and what bounds them.
+
+Per step the consumers synchronise twice across both warpgroups (CTA barriers): once after
+storing dS^T (dQ = dS K reads both warpgroups' rows), once when the step is done (then one thread
+releases the ring stage and the dQ buffer). L2 and Delta are read from their TMA buffers straight
+into the layout the scores have (LSE_DIRECT; the alternative loads and converts them).
 
 dQ in a fixed order (DETERMINISTIC, the default). Query tile m of head h gets one dQ share from
 every key tile that sees it: key tiles 0..c(m) of its KV head (c(m), the last one, is the causal
