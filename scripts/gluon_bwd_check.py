@@ -1,7 +1,7 @@
 """Check, then time, the Gluon (Hopper) attention backward on the GPU: every variant, one run.
 
-    python scripts/gluon_bwd_check.py --out DIR                  # all variants, correctness then timing
-    python scripts/gluon_bwd_check.py --out DIR --variants ws --skip-timing
+    FLASHTRAIN_AUTOTUNE=0 python scripts/gluon_bwd_check.py --out DIR     # ws and ws_dq2 (the default), ~4-5 min
+    python scripts/gluon_bwd_check.py --out DIR --variants plain,ws,ws_conv,ws_dq,ws_dq2 --groups quick,warm
 
 Correctness (one subprocess per variant, all at once, each with a time limit, so that a variant
 that hangs or crashes costs only itself): our Triton forward, then the Gluon backward, against
@@ -241,13 +241,13 @@ def run_workers(commands: dict[str, list[str]], limit_s: float, out: Path) -> di
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="ws,ws_dq2", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--worker", choices=("correct", "time"), help=argparse.SUPPRESS)
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"correctness groups, of {', '.join(GROUPS)}")
     parser.add_argument("--warm-triton", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-timing", action="store_true")
-    parser.add_argument("--correct-limit", type=float, default=95.0, help="seconds per correctness worker")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds for the timing worker")
+    parser.add_argument("--correct-limit", type=float, default=300.0, help="seconds per correctness worker")
+    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds for the timing worker")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     variants = [v for v in args.variants.split(",") if v]
