@@ -7,6 +7,7 @@ Gluon builtins are plain module attributes, so an alias is the builtin itself: c
 from __future__ import annotations
 
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 # TMA copies between global and shared memory: 3.6 spells them async_copy_global_to_shared /
@@ -17,3 +18,10 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # A barrier across the warps of the running partition (bar.sync): `thread_barrier` in 3.6,
 # `barrier` in 3.9.
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@builtin
+def smem_reinterpret(buf, dtype, shape, layout, _semantic=None):
+    """A shared-memory view as another dtype/shape/layout: `_reinterpret` in 3.6, `reinterpret` in 3.9."""
+    method = getattr(buf, "reinterpret", None) or buf._reinterpret
+    return method(dtype, shape, layout, _semantic=_semantic)

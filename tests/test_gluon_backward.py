@@ -1,0 +1,201 @@
+"""The Gluon (Hopper) attention backward: exactness on an sm_90 GPU, compilation and refusals on CPUs.
+
+On the GPU, our Triton forward feeds kernels.gluon_bwd.gluon_attention_backward, held to the bound
+of tests/test_flash_attention.py (at most 2x the plain formula's own error against float64,
+NaN-poisoned outputs, NaN never passes), on every shape kind that file tests at head dims 64 and 128.
+Gluon has no interpreter, so on a CPU (CI) the kernel is compiled for sm_90a instead, under this
+machine's Triton, with its registers and spills read, and the refusals are checked.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from test_flash_attention import (GPU_SHAPES, assert_as_exact_as_plain, forward_backward, make_inputs,  # noqa: F401
+                                  poison_uninitialised_memory, rel_err)
+from kernels import attention_reference
+from kernels.gluon_bwd import gluon_attention_backward, gluon_backward_unsupported
+
+REPO = Path(__file__).resolve().parents[1]
+ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+requires_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 (Hopper) GPU")
+
+
+class _TritonForwardGluonBackward(torch.autograd.Function):
+    """Our Triton forward, then the Gluon backward: the pairing these tests need."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, deterministic):
+        from kernels.flash_op import _launch_forward
+        out, lse = _launch_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = gluon_attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+
+def gluon_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, deterministic=True):
+    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    out, lse = _TritonForwardGluonBackward.apply(q, k, v, causal, scale, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def check_against_reference(q, k, v, do, causal, deterministic=True, **kw):
+    ours = forward_backward(gluon_attention, q, k, v, do, causal, deterministic=deterministic, **kw)
+    plain = forward_backward(attention_reference, q, k, v, do, causal, **kw)
+    exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), causal, **kw)
+    for name, mine, p, ref in zip(("out", "lse", "dq", "dk", "dv"), ours, plain, exact):
+        assert_as_exact_as_plain(name, mine, p, ref, do, v)
+    return ours
+
+
+# the Triton file's GPU shapes at the head dims this kernel covers, and the edge cases it adds
+SHAPES = [s for s in GPU_SHAPES if s[-1] in (64, 128)] + [
+    (1, 300, 40, 2, 1, 64),        # causal: whole query tiles that see no key
+    (1, 129, 127, 2, 2, 128),      # ragged key and query tiles at once
+    (4, 2048, 2048, 12, 12, 64),   # more programs than SMs
+]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@requires_hopper
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_q{}_k{}_H{}_kv{}_D{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_reference(shape, causal, dtype, deterministic):
+    check_against_reference(*make_inputs(*shape, dtype), causal, deterministic)
+
+
+@requires_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_qkv_views(head_dim):
+    """q, k, v as unbound views of one (B, N, 3, H, D) projection, as the model passes them."""
+    qkv = torch.randn(2, 1000, 3, 4, head_dim, device="cuda").to(torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous() and gluon_backward_unsupported(q, k, v, True) is None
+    do = torch.randn(2, 1000, 4, head_dim, device="cuda").to(torch.bfloat16)
+    check_against_reference(q, k, v, do, True)
+
+
+@requires_hopper
+def test_very_negative_scores_with_a_ragged_key_tile():
+    """L ~ -160: the zero-filled keys past Nk would give P = exp(0 - L) = inf without the mask."""
+    q, k, v, do = make_inputs(1, 40, 40, 2, 2, 64, torch.bfloat16)
+    u = q[:, :1].float() / q[:, :1].float().norm(dim=-1, keepdim=True)
+    q = (30 * u + 0.5 * q.float()).to(q.dtype)
+    k = (-30 * u + 0.5 * k.float()).to(k.dtype)
+    out, lse, *_ = check_against_reference(q, k, v, do, False)
+    assert lse.max() < -100, "the test did not produce very negative scores"
+
+
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_backward_is_bit_identical(causal):
+    q, k, v, do = make_inputs(2, 2048, 2048, 8, 2, 128, torch.bfloat16)
+    first = forward_backward(gluon_attention, q, k, v, do, causal)
+    for _ in range(3):
+        again = forward_backward(gluon_attention, q, k, v, do, causal)
+        for a, b in zip(first[2:], again[2:]):
+            assert torch.equal(a, b), "gradients differ between identical runs"
+
+
+@requires_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_agrees_with_the_triton_backward(head_dim):
+    """Two implementations of one formula: each within the float64 bound, and close to each other."""
+    from kernels import flash_attention
+    q, k, v, do = make_inputs(2, 1000, 1000, 8, 2, head_dim, torch.bfloat16)
+    ours = check_against_reference(q, k, v, do, True)
+    triton_grads = forward_backward(flash_attention, q, k, v, do, True)
+    for name, a, b in zip(("dq", "dk", "dv"), ours[2:], triton_grads[2:]):
+        assert rel_err(a, b.double()) < 2e-2, name
+
+
+# ---- CPU: refusals, compilation ---------------------------------------------------------------
+
+def _cpu(shape=(1, 8, 2, 64), dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: (_cpu(dtype=torch.float32),) * 3, "float16 and bfloat16"),
+    (lambda: (_cpu((1, 8, 2, 96)),) * 3, "head_dim 96"),
+    (lambda: (_cpu(), _cpu((1, 8, 3, 64)), _cpu((1, 8, 3, 64))), "not a multiple"),
+    (lambda: (_cpu(), _cpu((1, 8, 2, 64)), _cpu((1, 9, 2, 64))), "k and v"),
+    (lambda: (_cpu(),) * 2 + (_cpu(dtype=torch.float16),), "share q's dtype"),
+    (lambda: (torch.randn(1, 8, 2 * 64 * 3 + 4).to(torch.bfloat16)[..., :128].unflatten(-1, (2, 64)),) * 3,
+     "TMA-addressable"),
+    (lambda: (_cpu(),) * 3, "sm_90"),
+])
+def test_unsupported_inputs_get_a_reason(make, match):
+    q, k, v = make()
+    reason = gluon_backward_unsupported(q, k, v, True)
+    assert reason is not None and match in reason, reason
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        gluon_attention_backward(q, q, k, v, q, lse, True, None)
+
+
+def test_unsupported_causal_flag_and_dout_shape():
+    q = _cpu()
+    assert "causal must be True or False" in gluon_backward_unsupported(q, q, q, "yes")
+    assert "dout has shape" in gluon_backward_unsupported(q, q, q, True, dout=_cpu((1, 9, 2, 64)))
+
+
+COMPILE = r"""
+import json, sys
+sys.path.insert(0, "scripts")
+from kernel_report import ptxas_report
+from kernels import gluon_bwd
+rows = []
+for variant in sys.argv[1].split(";"):
+    kw = json.loads(variant)
+    compiled = gluon_bwd.compile_for_sm90(**kw)
+    rows.append(dict(kw, **ptxas_report(compiled), wgmma=compiled.asm["ptx"].count("wgmma.mma_async"),
+                     shared=compiled.metadata.shared))
+for head_dim in (64, 128):   # the Triton prep kernel (Delta, L2, zeroed accumulator and counters)
+    compiled = gluon_bwd.compile_prep_for_sm90(head_dim)
+    rows.append(dict(kernel="prep", head_dim=head_dim, **ptxas_report(compiled), wgmma=0, shared=0))
+print(json.dumps(rows))
+"""
+
+
+def compile_variants(variants: list[dict]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", COMPILE, ";".join(json.dumps(v) for v in variants)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_backward_compiles_for_sm90():
+    """The default variant, both head dims, causal or not, deterministic or not, and the other
+    variants once each: all compile for sm_90a under this Triton, issue wgmma and fit in shared
+    memory; so does the prep kernel. Spills are read and bounded (the D = 128 consumers run at
+    ~220 registers: kernels/NOTES.md), so that a change that adds many fails here first."""
+    from kernels.gluon_bwd import DEFAULT_VARIANT
+    variants = [dict(DEFAULT_VARIANT, head_dim=d, causal=c, deterministic=det)
+                for d in (64, 128) for c in (True, False) for det in (True, False)]
+    variants += [dict(head_dim=128, warp_specialize=False, dq_writer=False),
+                 dict(head_dim=128, warp_specialize=True, dq_writer=False),
+                 dict(head_dim=64, warp_specialize=True, dq_writer=False, lse_direct=False)]
+    rows = compile_variants(variants)
+    assert [r["head_dim"] for r in rows if r.get("kernel") == "prep"] == [64, 128]
+    for row in (r for r in rows if r.get("kernel") != "prep"):
+        assert row["wgmma"] > 0 and row["shared"] <= 232448, row
+        assert row["spill_bytes"] <= (256 if row["head_dim"] == 64 else 1536), row
