@@ -14,10 +14,10 @@ The backward is deterministic by default (two kernels, bit-identical gradients r
 run); `deterministic=False` runs one kernel that accumulates dQ with float32 atomics
 (kernels/flash_bwd.py).
 
-The forward can instead run the Gluon Hopper kernel (kernels/gluon_fwd.py; `kernel=`, chosen by
-kernels/kernel_choice.py). Triton's `triton_op` cannot trace a Gluon launch, so that forward is
-its own opaque `torch.library.custom_op` with a fake implementation (shapes only), and its
-autograd formula is the same Triton backward: both forwards write the same LSE.
+The Gluon Hopper kernels (kernels/gluon_fwd.py, kernels/gluon_bwd.py) can run instead: `kernel=`,
+chosen by kernels/kernel_choice.py. Triton's `triton_op` cannot trace a Gluon launch, so each
+Gluon direction is its own opaque `torch.library.custom_op` with a fake implementation (shapes
+only). Both forwards write the same LSE, so either backward follows either forward.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import triton
 
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import LOG2E, flash_fwd_kernel
+from kernels.gluon_bwd import gluon_attention_backward
 from kernels.gluon_fwd import gluon_attention_forward
 from kernels.kernel_choice import choose_kernel
 from kernels.masks import check_masks, document_bounds
@@ -211,8 +212,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse, launch=flash_attn_bwd):
     q, k, v, out, lse, doc_bounds = ctx.saved_tensors
-    dq, dk, dv = launch(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                        doc_bounds=doc_bounds, window=ctx.window, deterministic=ctx.deterministic)
+    if getattr(ctx, "gluon_backward", False):
+        gluon = gluon_attn_bwd if torch.compiler.is_compiling() else gluon_attention_backward
+        dq, dk, dv = gluon(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    else:
+        dq, dk, dv = launch(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                            doc_bounds=doc_bounds, window=ctx.window, deterministic=ctx.deterministic)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -221,25 +226,39 @@ flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("flashtrain::gluon_attn_fwd", mutates_args=())
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                   deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   deterministic: bool = True, gluon_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward as one opaque op: out (B, Nq, H, D), lse (B, H, Nq) float32.
-    deterministic: which Triton backward its autograd formula runs."""
+    deterministic and gluon_backward: which backward its autograd formula runs."""
     return gluon_attention_forward(q, k, v, causal, softmax_scale)
 
 
 @gluon_attn_fwd.register_fake
-def _gluon_attn_fwd_fake(q, k, v, causal, softmax_scale, deterministic=True):
+def _gluon_attn_fwd_fake(q, k, v, causal, softmax_scale, deterministic=True, gluon_backward=False):
     B, n_q, H, D = q.shape
     return q.new_empty((B, n_q, H, D)), q.new_empty((B, H, n_q), dtype=torch.float32)
 
 
+@torch.library.custom_op("flashtrain::gluon_attn_bwd", mutates_args=())
+def gluon_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, softmax_scale: float,
+                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gluon backward as one opaque op: dq, dk, dv (contiguous; dk, dv summed over each GQA group)."""
+    return gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+
+
+@gluon_attn_bwd.register_fake
+def _gluon_attn_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _gluon_setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
+    q, k, v, causal, softmax_scale, deterministic, gluon_backward = inputs
     _setup_context(ctx, (q, k, v, causal, softmax_scale, None, 0, deterministic), output)
+    ctx.gluon_backward = gluon_backward
 
 
 def _gluon_backward(ctx, dout, _dlse):
-    return _backward(ctx, dout, _dlse)[:5] + (None,)
+    return _backward(ctx, dout, _dlse)[:5] + (None, None)
 
 
 gluon_attn_fwd.register_autograd(_gluon_backward, setup_context=_gluon_setup_context)
@@ -249,17 +268,18 @@ class _EagerFlashAttention(torch.autograd.Function):
     """The same kernels and the same saved tensors as the ops above, without their dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, doc_bounds, window, deterministic, kernel):
-        if kernel == "gluon":
+    def forward(ctx, q, k, v, causal, softmax_scale, doc_bounds, window, deterministic, forward, gluon_backward):
+        if forward == "gluon":
             out, lse = gluon_attention_forward(q, k, v, causal, softmax_scale)
         else:
             out, lse = _launch_forward(q, k, v, causal, softmax_scale, doc_bounds=doc_bounds, window=window)
         _setup_context(ctx, (q, k, v, causal, softmax_scale, doc_bounds, window, deterministic), (out, lse))
+        ctx.gluon_backward = gluon_backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return _backward(ctx, dout, _dlse, launch=_launch_backward) + (None,)
+        return _backward(ctx, dout, _dlse, launch=_launch_backward) + (None, None)
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
@@ -284,20 +304,23 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     deterministic=True (default): the backward gives bit-identical gradients run to run.
     False: one backward kernel that adds dq with float32 atomics (fewer matmuls; dq's
     last bits vary from run to run, within the same error bound).
-    kernel: which forward runs, "triton", "gluon" (the Hopper kernel; a ValueError says why
-    where it cannot run) or "auto" (kernels/kernel_choice.py). The backward is Triton's.
+    kernel: which kernels run (kernels/kernel_choice.py): "triton" (kernels/flash_*.py, both
+    directions), "gluon" (the Hopper forward and backward, kernels/gluon_*.py; a ValueError says why
+    where they cannot run) or "auto" (the Gluon forward where it was measured faster, and the Triton
+    backward, which was measured faster than the Gluon one everywhere).
     """
     check_inputs(q, k, v)
     check_masks(q, k, causal, document_ids, window)
+    gluon_backward = kernel == "gluon"
     kernel = choose_kernel(kernel, q, k, v, bool(causal), masked=document_ids is not None or window is not None)
     doc_bounds = None if document_ids is None else document_bounds(document_ids)
     window = 0 if window is None or window >= k.shape[1] else int(window)  # a window of every key: plain causal
     args = (q, k, v, bool(causal), _softmax_scale(softmax_scale, q.shape[-1]), doc_bounds, window,
             _flag(deterministic, "deterministic"))
     if not torch.compiler.is_compiling():
-        out, lse = _EagerFlashAttention.apply(*args, kernel)
+        out, lse = _EagerFlashAttention.apply(*args, kernel, gluon_backward)
     elif kernel == "gluon":
-        out, lse = gluon_attn_fwd(*args[:5], args[7])
+        out, lse = gluon_attn_fwd(*args[:5], args[7], gluon_backward)
     else:
         out, lse = flash_attn_fwd(*args)
     return (out, lse) if return_lse else out

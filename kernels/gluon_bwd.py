@@ -80,6 +80,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import gluon_compat as compat
+from kernels.gluon_fwd import tma_refusal
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -614,14 +615,6 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                           options=_launch_options(warp_specialize, dq_writer, dq_warps))
 
 
-def _tma_strides_ok(t: torch.Tensor) -> bool:
-    """TMA addresses a tensor by its base and strides: last stride 1, the others and the base
-    multiples of 16 bytes."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
-
-
 def gluon_backward_unsupported(q, k, v, causal, dout=None, out=None) -> str | None:
     """None if `gluon_attention_backward` runs these inputs, else the one-line reason it does not.
 
@@ -653,9 +646,8 @@ def gluon_backward_unsupported(q, k, v, causal, dout=None, out=None) -> str | No
     if not isinstance(causal, bool):
         return f"causal must be True or False, got {causal!r}"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not _tma_strides_ok(t):
-            return (f"{name}'s strides {t.stride()} (or its address) are not TMA-addressable: the last stride "
-                    "must be 1 and the others multiples of 16 bytes")
+        if tma_refusal(name, t):
+            return tma_refusal(name, t)
     if q.device.type != "cuda":
         return f"q is on {q.device}; the Gluon backward runs on an sm_90 (Hopper) GPU"
     major, minor = torch.cuda.get_device_capability(q.device)
@@ -704,7 +696,7 @@ def _launch(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: 
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     n_m = triton.cdiv(n_q, block_m)
     n_q_pad = n_m * block_m
-    if not _tma_strides_ok(dout):
+    if tma_refusal("dout", dout):   # autograd's incoming gradient may be any layout: one copy then
         dout = dout.contiguous()
     lse = lse.contiguous()
     dev = q.device

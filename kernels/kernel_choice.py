@@ -1,14 +1,18 @@
-"""Which kernel computes flash_attention's forward: `kernel="auto" | "triton" | "gluon"`.
+"""Which kernels compute flash_attention: `kernel="auto" | "triton" | "gluon"`.
 
-- "triton": kernels/flash_fwd.py, which runs everywhere Triton does (and in its CPU interpreter)
-  and covers every head dim, dtype, mask and window.
-- "gluon": kernels/gluon_fwd.py, the Hopper kernel. Where it cannot run (no CUDA, not sm_90,
-  float32, a head dim other than 64/128, document masks or windows, a view TMA cannot read) this
-  is a one-line ValueError naming why, never a silent switch to the other kernel.
-- "auto": Gluon where it is implemented and was measured faster than Triton on the H200
-  (`_measured_faster`, from the rounds in benchmarks/gluon_fwd_h200_rounds.md), Triton elsewhere.
+- "triton": kernels/flash_fwd.py and flash_bwd.py, which run everywhere Triton does (and in its
+  CPU interpreter) and cover every head dim, dtype, mask and window.
+- "gluon": kernels/gluon_fwd.py and gluon_bwd.py, the Hopper kernels, forward and backward. Where
+  they cannot run (no CUDA, not sm_90, float32, a head dim other than 64/128, document masks or
+  windows, a view TMA cannot read) this is a one-line ValueError naming why, never a silent switch
+  to the other kernel.
+- "auto": the Gluon forward where it is implemented and was measured faster than Triton's on the
+  H200 (`_measured_faster`, from the rounds in benchmarks/gluon_fwd_h200_rounds.md), Triton's
+  elsewhere; and always the Triton backward, which was measured faster than the Gluon one at every
+  shape (benchmarks/gluon_bwd_h200_rounds.md: the Gluon backward is 0.58-0.75x cuDNN's, the
+  Triton one faster still).
 
-Both forwards write the same log-sum-exp, so either pairs with the Triton backward.
+Both forwards write the same log-sum-exp, so either backward follows either forward.
 """
 from __future__ import annotations
 

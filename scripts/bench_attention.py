@@ -7,7 +7,7 @@
     python scripts/bench_attention.py --smoke    # CPU-sized plumbing check (not a benchmark)
     python scripts/bench_attention.py --training # the shapes models train with (issue 11's table)
 
---training with every backend (ours, ours-gluon, ours-atomic, sdpa-default, sdpa-cudnn, flex) takes an
+--training with every backend (ours, ours-auto, ours-gluon, ours-atomic, sdpa-default, sdpa-cudnn, flex) takes an
 estimated ~13-15 minutes on one H200 (ours-gluon adds ~1-2 minutes: its forward compiles in ~5 s per
 head dim and causal setting, it reuses ours' backward, and it runs the 20 s sustained shapes too) (Flex compiles each of the 21 shapes, ~8 s each; our
 autotuner compiles ~17 candidates per head dim and times each at 64K and 128K, where one
@@ -155,7 +155,9 @@ class Backend:
 BACKENDS = {
     "ours": Backend("ours (Triton)", False, _ours(True)),
     "ours-atomic": Backend("ours (Triton), atomic-dQ backward (attention.deterministic=false)", False, _ours(False)),
-    "ours-gluon": Backend("ours, Gluon Hopper forward + Triton backward (attention.kernel=gluon)", False,
+    "ours-auto": Backend("ours, as attention=flash runs by default (attention.kernel=auto: the Gluon forward "
+                         "where measured faster, the Triton backward)", False, _ours(True, "auto")),
+    "ours-gluon": Backend("ours, the Gluon Hopper forward and backward (attention.kernel=gluon)", False,
                           _ours(True, "gluon")),
     "sdpa-default": Backend("SDPA, its own choice of backend", True, _sdpa(None)),
     "sdpa-flash": Backend("SDPA flash (FA2)", True, _sdpa("FLASH_ATTENTION")),
@@ -414,7 +416,7 @@ def print_shape(out, rows: list[dict]) -> None:
 # 2048-wide model with heads of 128, and the same with grouped-query attention (32 over 8).
 TRAINING_HEADS = ((12, 12, 64), (16, 16, 128), (32, 8, 128))
 TRAINING_LENGTHS = (1024, 2048, 4096, 8192, 16384, 65536, 131072)
-TRAINING_BACKENDS = ("ours", "ours-gluon", "ours-atomic", "sdpa-default", "sdpa-cudnn", "flex")
+TRAINING_BACKENDS = ("ours", "ours-auto", "ours-gluon", "ours-atomic", "sdpa-default", "sdpa-cudnn", "flex")
 SUSTAINED_S = 20.0
 
 
@@ -576,7 +578,8 @@ def write_training_outputs(stem: Path, report: dict) -> None:
              "Times are milliseconds (triton.testing.do_bench median, burst clocks); 'ours/this' is the "
              "other backend's time over ours: > 1 means ours is faster. sdpa-default is SDPA left to "
              f"choose (the backend it ran is in brackets); ours-gluon is ours with attention.kernel=gluon (the Gluon "
-             "Hopper forward, the same Triton backward); ours-atomic is ours with attention.deterministic=false "
+             "Hopper forward and backward), ours-auto attention.kernel=auto (what attention=flash runs: the "
+             "Gluon forward where it was measured faster, the Triton backward); ours-atomic is ours with attention.deterministic=false "
              "(the same forward; the backward adds dQ with float32 atomics), 'atomic/this' its ratios."
              f"{tuning_note(meta)}", "",
              markdown_table(TRAINING_HEADERS, training_rows(report))]
@@ -626,7 +629,7 @@ def run_training(out_dir: Path, names: list[str], device: torch.device, heads, l
             shape = (max(1, TOKENS // N), N, H, Hkv, D)
             out.print(f"[bold]H={H} Hkv={Hkv} D={D} T={N} B={shape[0]}[/]")
             for name in names:
-                sustained = (H, Hkv, D, N) in sustained_at and name in ("ours", "ours-gluon", "sdpa-default")
+                sustained = (H, Hkv, D, N) in sustained_at and name in ("ours", "ours-auto", "ours-gluon", "sdpa-default")
                 row = measure_training_shape(name, shape, device, bench, sustained)
                 report["training"].append(row)
                 out.print(f"    {name:>12}{' (' + row['picked'] + ')' if 'picked' in row else ''}: " + (

@@ -137,7 +137,7 @@ def _cpu(shape=(1, 8, 2, 64), dtype=torch.bfloat16):
     (lambda: (_cpu(), _cpu((1, 8, 2, 64)), _cpu((1, 9, 2, 64))), "k and v"),
     (lambda: (_cpu(),) * 2 + (_cpu(dtype=torch.float16),), "share q's dtype"),
     (lambda: (torch.randn(1, 8, 2 * 64 * 3 + 4).to(torch.bfloat16)[..., :128].unflatten(-1, (2, 64)),) * 3,
-     "TMA-addressable"),
+     "multiple of 16 bytes"),
     (lambda: (_cpu(),) * 3, "sm_90"),
 ])
 def test_unsupported_inputs_get_a_reason(make, match):

@@ -2,8 +2,10 @@
 
 On an sm_90 GPU: every variant of kernels/gluon_fwd.py in bf16 and fp16 within 2x the plain
 formula's error (test_flash_attention's bound and helpers), on poisoned memory, over the shapes
-the path covers (odd lengths, GQA, Nq != Nk, causal and not, fused-QKV strides), forward and the
-Triton backward it pairs with, repeated runs bit-identical, torch.compile(fullgraph=True).
+the path covers (odd lengths, GQA, Nq != Nk, causal and not, fused-QKV strides); through
+flash_attention, kernel="gluon" (the Gluon forward and backward) and kernel="auto" (the Gluon
+forward where chosen, the Triton backward), repeated runs bit-identical, torch.compile(fullgraph=True).
+The Gluon backward's own variants and shapes are tests/test_gluon_backward.py's.
 On the CPU: the refusals of kernel="gluon", which must be one-line ValueErrors. That the kernels
 compile for sm_90a on a CPU machine is tests/test_kernel_compile.py's.
 """
@@ -61,13 +63,15 @@ gluon = functools.partial(flash_attention, kernel="gluon")
 
 
 @requires_hopper
+@pytest.mark.parametrize("kernel", ["gluon", "auto"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES[1:6], ids=lambda s: shape_ids(*s))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_forward_backward_matches_float64_reference(dtype, shape, causal):
-    """kernel="gluon" through flash_attention: the Gluon forward, the Triton backward from its LSE."""
+def test_forward_backward_matches_float64_reference(dtype, shape, causal, kernel):
+    """Through flash_attention: kernel="gluon" (the Gluon forward and backward) and kernel="auto"
+    (the Gluon forward where it was measured faster, the Triton backward from its LSE)."""
     q, k, v, do = make_inputs(*shape, dtype)
-    ours = forward_backward(gluon, q, k, v, do, causal)
+    ours = forward_backward(functools.partial(flash_attention, kernel=kernel), q, k, v, do, causal)
     plain = forward_backward(attention_reference, q, k, v, do, causal)
     exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), causal)
     for name, mine, p, ref in zip(NAMES, ours, plain, exact):
@@ -116,8 +120,13 @@ def test_agrees_with_the_triton_forward():
 def test_custom_op_passes_opcheck():
     q, k, v, _ = make_inputs(1, 130, 130, 2, 1, 64, torch.bfloat16)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.flashtrain.gluon_attn_fwd.default, (q, k, v, True, 0.125, True),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    for gluon_backward in (False, True):
+        torch.library.opcheck(torch.ops.flashtrain.gluon_attn_fwd.default, (q, k, v, True, 0.125, True, gluon_backward),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True, kernel="gluon")
+    torch.library.opcheck(torch.ops.flashtrain.gluon_attn_bwd.default,
+                          (torch.randn_like(out), q, k, v, out.detach(), lse.detach(), True, 0.125, True),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @requires_hopper
