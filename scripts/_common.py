@@ -142,9 +142,19 @@ def existing_path(text: str) -> Path:
 
 def add_out_argument(parser, script: str, dest: str = "out") -> None:
     """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored), so an ad-hoc
-    run never rewrites the committed results; `--out benchmarks` writes those, on purpose."""
-    parser.add_argument("--out", dest=dest, type=Path, default=OUTPUTS / script,
+    run never rewrites the committed results; `--out benchmarks` writes those, on purpose. A folder
+    that is a file, lies under one or cannot be written is refused as the arguments are parsed."""
+    parser.add_argument("--out", dest=dest, type=output_folder, default=OUTPUTS / script,
                         help=f"folder for the results (default outputs/{script}/; committed results: --out benchmarks)")
+
+
+def output_folder(text: str) -> Path:
+    """An argparse `type` for an output folder (see require_output_dir)."""
+    try:
+        require_output_dir(Path(text), "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
+    return Path(text)
 
 
 def attention_list(text: str, flag: str = "--attention") -> list[str]:
@@ -229,14 +239,15 @@ def require_output_file(path: Path | None, flag: str) -> None:
 def require_output_dir(path: Path, flag: str) -> None:
     """Refuse an output folder that is a file, lies under a file or cannot be written, before
     anything is computed (the folder itself is made when the first result is written)."""
+    named = f"{flag} {path}".strip()
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag} {path} is a file, not a folder")
+        raise ValueError(f"{named} is a file, not a folder")
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+        raise ValueError(f"{named}: {parent} is a file, not a folder")
     existing = path if path.exists() else parent
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {existing} is not writable")
+        raise ValueError(f"{named}: {existing} is not writable")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

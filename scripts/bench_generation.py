@@ -191,7 +191,6 @@ def main(argv: list[str]) -> dict:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise ValueError(f"--modes: {unknown[0]!r} is not a decode mode; valid: {', '.join(MODES)}")
-    _common.require_output_dir(args.out_dir, "--out")
 
     from training.device import resolve_device
 

@@ -195,7 +195,7 @@ def draw(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the throughput runs")
     parser.add_argument("--out", type=Path, help="folder for the results (required)")
     parser.add_argument("--name", help="file stem (default parallel_<gpu>)")

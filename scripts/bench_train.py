@@ -22,7 +22,6 @@ found; the committed summary is `benchmarks/train_<gpu>_profile.txt`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -270,7 +269,7 @@ def profile(step, steps: int, device) -> dict:
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("--attention", default="sdpa,flash", help="comma-separated: sdpa, flash, naive")
     parser.add_argument("--lengths", default="1024,4096,16384", help="comma-separated sequence lengths")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per optimizer step")
