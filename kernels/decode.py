@@ -30,12 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.flash_fwd import LN2, LOG2E
 from kernels.flash_op import check_inputs
 from kernels.masks import check_masks
 
 SPLIT = 256          # keys per split program: 16 splits per head at a 4K cache, 128 at 32K
-LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -73,6 +72,7 @@ def flash_decode_split_kernel(
     start_lo = tl.maximum(first, tl.min(tl.where(live, lo, n_valid), 0)) // BLOCK_N * BLOCK_N
     end = tl.minimum(first + SPLIT_N, tl.max(tl.where(live, hi, 0), 0))
 
+    scale = tl.cast(qk_scale, tl.float32)   # fp64 where torch.compile passes Python floats
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -84,7 +84,7 @@ def flash_decode_split_kernel(
         in_cache = (n < n_valid)[:, None] & (cols < HEAD_DIM)[None, :]
         k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kn + cols[None, :] * stride_kd,
                     mask=in_cache, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale        # (BLOCK_R, BLOCK_N), log2 domain
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale           # (BLOCK_R, BLOCK_N), log2 domain
         seen = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & live[:, None]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
