@@ -6,8 +6,9 @@
 Each argument is a run folder (its config.yaml and metrics.jsonl) or a folder of run folders (a
 sweep). The table has the config keys whose values differ between the runs, the steps and tokens
 reached, the last train and validation loss, the best validation loss and its step, and the median
-tokens/s; it is printed and written to <out>/<name>.md. <out>/<name>.png draws train and validation
-loss against tokens seen, one colour per run, labelled by what differs. Finished, interrupted and
+tokens/s; it is printed and written to <out>/<name>.md and .json (with every run's config and
+metrics rows). <out>/<name>.png draws train and validation loss against tokens seen, one colour per
+run, labelled by what differs. Finished, interrupted and
 running runs alike (what metrics.jsonl holds so far). --out defaults to outputs/compare_runs/.
 """
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
-from _common import (add_out_argument, argument_parser, markdown_table, new_figure, print_table, run_cli,
-                     save_figure, write_text)
+from _common import (add_out_argument, argument_parser, environment, markdown_table, new_figure, print_table,
+                     run_cli, save_figure, write_json, write_text)
 
 STYLES = ("-", "--", ":", "-.")   # with the colour: runs whose curves coincide stay visible
 
@@ -73,10 +74,17 @@ def main(argv: list[str]) -> dict:
     stem = args.out / args.name
     title = f"{len(runs)} run(s): " + (", ".join(keys) if keys else "no config differences")
     print_table(title, headers, rows)
-    write_text(stem.with_suffix(".md"), f"# {title}\n\nRuns: {', '.join(str(p) for p in args.runs)}\n\n"
+    import torch
+
+    meta = environment(torch.device("cpu"))   # of this comparison; each run's own device is in its config
+    write_json(stem.with_suffix(".json"), {"environment": meta, "headers": headers, "rows": rows,
+                                           "runs": [{"path": str(r.path), "config": r.config, "metrics": r.rows}
+                                                    for r in runs]})
+    write_text(stem.with_suffix(".md"), f"# {title}\n\nRuns: {', '.join(str(p) for p in args.runs)}. Compared "
+               f"{meta['date']} at commit {meta['git_commit']} (`{meta['command']}`).\n\n"
                + markdown_table(headers, rows))
     plot(runs, keys, stem.with_suffix(".png"), title)
-    print(f"wrote {stem}.md, {stem}.png")
+    print(f"wrote {stem}.md, .json, .png")
     return {"headers": headers, "rows": rows, "keys": keys}
 
 

@@ -29,6 +29,9 @@ def test_table_and_png_from_two_runs(two_runs, tmp_path):
     (a, b) = result["rows"]
     assert a[1:4] == ["0.001", "4", "1,024"] and b[1:4] == ["0.003", "4", "1,024"]
     assert all(cell != "-" for cell in a + b) and a[4] != b[4]   # both have losses, and they differ
+    saved = __import__("json").loads((tmp_path / "c.json").read_text())
+    assert saved["rows"] == result["rows"] and [len(r["metrics"]) for r in saved["runs"]] == [4, 4]
+    assert {"date", "git_commit", "torch"} <= set(saved["environment"])
     md = (tmp_path / "c.md").read_text()
     assert "| optim.lr |" in md and md.count("| 0.00") == 2
     png = tmp_path / "c.png"
