@@ -16,8 +16,10 @@ the greedy tokens are compared: `graph` must equal `static` exactly (the same ke
 are compared with `eager` (whose attention sums in another order). Prefill: one prompt of
 --prefill-len tokens through the cache (last position's logits only), median of
 --prefill-repeats after a warm-up. Random weights: speed does not depend on their values.
-Writes <out>/generation_<device>.{json,md} (--out: default outputs/bench_generation/, committed
-results with --out benchmarks), rewritten after every measurement.
+Cases run smallest first with every implementation and mode side by side, and prefill last, so a
+run cut short still compares them. Writes <out>/generation_<device>.{json,md} (--out: default
+outputs/bench_generation/, committed results with --out benchmarks), rewritten after every
+measurement.
 """
 from __future__ import annotations
 
@@ -93,13 +95,16 @@ def measure(fn, device, *args) -> dict:
     return result
 
 
+VOCAB = 50257   # GPT-2's tokenizer: the random prompts' ids, the model's head sized from it as training would
+
+
 def build(model_overrides: list[str], attention: str, device, dtype):
     from model import build_model
     from training.config import compose
 
     cfg = compose(model_overrides)
     torch.manual_seed(0)
-    model = build_model(cfg.model, vocab_size=50257, attention=attention)
+    model = build_model(cfg.model, vocab_size=VOCAB, attention=attention)
     return model.to(device=device, dtype=dtype).eval(), cfg.model
 
 
@@ -212,13 +217,13 @@ def main(argv: list[str]) -> dict:
               "warmup_steps": args.warmup_steps, "modes": modes, "notes": notes, "decode": [], "prefill": [],
               "environment": environment(device)}
     tokens: dict[tuple, torch.Tensor] = {}
-    for attention in attentions:
-        model, model_cfg = build(args.model, attention, device, dtype)
-        result["model"] = model_cfg.name
-        for prompt_len in args.prompt_lens:
-            for batch in args.batch_sizes:
-                g = torch.Generator().manual_seed(prompt_len * 1000 + batch)   # the same prompts in every mode
-                prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
+    models = {attention: build(args.model, attention, device, dtype) for attention in attentions}   # the same weights
+    result["model"] = next(iter(models.values()))[1].name
+    for prompt_len in args.prompt_lens:   # the smallest cases first, every implementation and mode side by side
+        for batch in args.batch_sizes:
+            g = torch.Generator().manual_seed(prompt_len * 1000 + batch)   # the same prompts in every mode
+            prompt = torch.randint(0, VOCAB, (batch, prompt_len), generator=g).to(device)
+            for attention, (model, _) in models.items():
                 for mode in modes:
                     row = measure(decode_case, device, model, prompt, args.decode_steps, args.warmup_steps, mode)
                     if "tokens" in row:
@@ -227,10 +232,10 @@ def main(argv: list[str]) -> dict:
                                              "prompt_len": prompt_len, **row})
                     compare_tokens(result["decode"], tokens)
                     write_results(path, result)
+    for attention, (model, _) in models.items():
         row = measure(prefill_case, device, model, args.prefill_len, args.prefill_repeats)
         result["prefill"].append({"attention": attention, "prompt_len": args.prefill_len, **row})
         write_results(path, result)
-        del model
     print_table(f"decoding, {result['model']}", ["attention", "mode", "batch", "prompt", "tokens/s", "same as eager"],
                 [(r["attention"], r["mode"], r["batch"], r["prompt_len"], r.get("error") or f"{r['tokens_per_s']:,.0f}",
                   same_cell(r, BASELINE)) for r in result["decode"]])
