@@ -4,7 +4,8 @@
 Exit status: 0 finished; 1 the loss went NaN/inf (no checkpoint written after it); 2 bad input
 (config key or value, data path, folder, checkpoint, a run.dir in use), reported in one line before
 any step runs, or a write error such as a full disk during training (older checkpoints kept); 130 (Ctrl-C)
-or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun with resume=auto.
+or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun with resume=auto (a second
+Ctrl-C stops at once, without saving, also 130, in one line).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from training.config import exit_on_config_error, plain
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
+SWEEP_DIR: list[str] = []    # a multirun's folder, for the table printed when it ends
 
 
 def train(cfg: DictConfig, outcome: dict | None = None) -> int:
@@ -47,6 +49,11 @@ def train(cfg: DictConfig, outcome: dict | None = None) -> int:
             if outcome is not None:
                 outcome["val_loss"] = trainer.val_loss
             return status
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before the loop): one line, not a traceback; ends a sweep too
+        from training.checkpoint import last_checkpoint_note
+        note = last_checkpoint_note(trainer.run_dir) if trainer is not None else "nothing was trained yet"
+        print(f"error: interrupted: stopped at once, without saving; {note}", file=sys.stderr)
+        raise SystemExit(130) from None
     finally:
         trainer = None      # let go of the model (DDP/FSDP hold the group) before leaving the group,
         close_distributed()  # which collects it first (see its docstring)
@@ -57,6 +64,8 @@ def main(cfg: DictConfig) -> float | None:
     """One run; returns its final validation loss (what Hydra's sweepers, e.g. Optuna, minimise).
     In a multirun a failed job is reported and the sweep goes on; the process exits non-zero at the end."""
     outcome: dict = {}
+    if HydraConfig.get().mode == RunMode.MULTIRUN and not SWEEP_DIR:
+        SWEEP_DIR.append(HydraConfig.get().sweep.dir)
     status = train(plain(cfg), outcome)
     if status and HydraConfig.get().mode == RunMode.MULTIRUN:
         FAILED_JOBS.append(status)
@@ -81,5 +90,8 @@ if __name__ == "__main__":
     sys.argv = one_folder_per_run(sys.argv)
     with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
         main()
+    if SWEEP_DIR:
+        from training.summary import sweep_summary
+        print(sweep_summary(SWEEP_DIR[0]), flush=True)
     if FAILED_JOBS:
         sys.exit(max(FAILED_JOBS))

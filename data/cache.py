@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from tqdm.auto import tqdm
 from data.digest import file_sha256, name_key
 from data.tokenizer import token_dtype
 
+log = logging.getLogger(__name__)
 CACHE_VERSION = 1
 FILES = ("tokens.bin", "offsets.npy", "keys.npy")
 BATCH_CHARS = 4_000_000   # text handed to the tokenizer per call (parallel inside the call)
@@ -113,12 +117,15 @@ def remove_stale_builds(tokens_dir: Path) -> None:
 
 
 def build(path: Path, source, tokenizer, progress: bool = True) -> None:
-    """Tokenize every document of `source` into a new cache folder at `path`."""
+    """Tokenize every document of `source` into a new cache folder at `path`. The progress bar is
+    drawn only on a terminal (a log file would get every frame); a line says what was built."""
     path.mkdir(parents=True)
     dtype = token_dtype(tokenizer.vocab_size)
     eot = np.array([tokenizer.eot_id], dtype=dtype)
     offsets, keys, n_bytes = [0], [], 0
-    bar = tqdm(total=source.num_documents, unit="doc", desc=f"tokenizing {source.name}", disable=not progress)
+    began = time.perf_counter()
+    bar = tqdm(total=source.num_documents, unit="doc", desc=f"tokenizing {source.name}",
+               disable=not (progress and sys.stderr.isatty()))
 
     def flush(batch: list[tuple[str, str]], out) -> None:
         nonlocal n_bytes
@@ -160,6 +167,9 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
     tmp = path / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path / "manifest.json")
+    if progress:
+        log.info("tokenized %s: %s documents, %s tokens in %.1f s (%s)", source.name, f"{len(keys):,}",
+                 f"{offsets[-1]:,}", time.perf_counter() - began, tokenizer.name)
 
 
 def load(path: Path, verify: bool = True) -> TokenCache:

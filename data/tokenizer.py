@@ -7,7 +7,9 @@ Every tokenizer has `encode(str) -> list[int]`, `decode(list[int]) -> str`, `voc
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -15,6 +17,7 @@ import numpy as np
 
 from data.digest import file_sha256
 
+log = logging.getLogger(__name__)
 EOT_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"   # the copy a run keeps in its run.dir
 BPE_VERSION = 1   # bump when train_bpe changes, so cached BPEs are retrained
@@ -121,6 +124,21 @@ def build_tokenizer(cfg, source, cache_dir: Path, progress: bool = True):
     raise ValueError(f"unknown tokenizer.name {name!r} (expected bytes, bpe or pretrained)")
 
 
+def configured_vocab_size(cfg) -> int:
+    """The vocabulary size the `tokenizer` config gives, without a corpus: the bytes tokenizer's 257,
+    a BPE's configured `vocab_size` (what training asks the trainer for), a pretrained file's own.
+    For tools that feed random tokens and need the model sized as training would size it."""
+    if cfg.name == "bytes":
+        return ByteTokenizer.vocab_size
+    if cfg.name == "bpe":
+        return int(cfg.vocab_size)
+    if cfg.name == "pretrained":
+        if not cfg.get("path"):
+            raise ValueError("tokenizer=pretrained needs tokenizer.path=<tokenizer.json>")
+        return JsonTokenizer(cfg.path, "pretrained", cfg.get("eot_token") or EOT_TOKEN).vocab_size
+    raise ValueError(f"unknown tokenizer.name {cfg.name!r} (expected bytes, bpe or pretrained)")
+
+
 def save_tokenizer(tokenizer, folder: Path) -> Path | None:
     """Keep the run's tokenizer.json in `folder` (run.dir), so evaluation and generation load the
     model with no corpus and no re-tokenizing. The bytes tokenizer has no file: its name says it all."""
@@ -158,8 +176,10 @@ def _cached_bpe(cfg, source, cache_dir: Path, progress: bool) -> JsonTokenizer:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         if progress:
-            print(f"training a {vocab_size}-token byte-level BPE on {source.fingerprint} -> {path}")
-        train_bpe(_capped_texts(source, train_bytes), vocab_size, min_frequency, path, progress)
+            log.info("training a %d-token byte-level BPE on %s -> %s", vocab_size, source.fingerprint, path)
+        # tokenizers' own bars print blank lines when not on a terminal: only draw them on one
+        train_bpe(_capped_texts(source, train_bytes), vocab_size, min_frequency, path,
+                  progress and sys.stdout.isatty() and sys.stderr.isatty())
     return JsonTokenizer(path, "bpe")
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import flash_attention
+from kernels.decode import decode_mask, decode_reference, flash_decode
 from kernels.kernel_choice import check_kernel
 from kernels.masks import check_masks, visible_mask
 from kernels.reference import attention_reference
@@ -53,7 +54,7 @@ def sdpa_attention(q, k, v, causal=False, softmax_scale=None, *, document_ids=No
     return out.transpose(1, 2)
 
 
-# To register another implementation, add one line here.
+# To register another implementation, add one line here (and its decode step to DECODE below).
 ATTENTION: dict[str, AttentionFn] = {
     "naive": attention_reference,   # materialises the N x N scores: the baseline
     "sdpa": sdpa_attention,
@@ -72,6 +73,27 @@ def check_attention_dropout(name: str, attention_dropout: float) -> None:
         raise ValueError(f"model.attention_dropout={attention_dropout} needs attention={' or '.join(ATTENTION_DROPOUT)} "
                          f"to train (attention={name} computes attention without dropout); "
                          f"set model.attention_dropout=0 to train with {name}")
+
+
+def sdpa_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):
+    """SDPA over a static KV cache's whole buffers, the keys past `cache_len` (a device tensor)
+    masked by an explicit boolean mask: the decode entry of `sdpa` (see DECODE)."""
+    check_masks(q, k, True, None, window)
+    mask = decode_mask(q.shape[1], k.shape[1], cache_len, window)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+# Each implementation's decode step over a static KV cache (model/kv_cache.py: StaticKVCache):
+# fn(q, k_buffer, v_buffer, cache_len, softmax_scale=None, *, window=None), the new queries being
+# the last of the `cache_len` valid keys (a one-element device tensor), so a step's shapes never
+# change and it can be replayed from a CUDA graph. Ours is split over the keys (kernels/decode.py).
+DECODE: dict[str, AttentionFn] = {
+    "naive": decode_reference,
+    "sdpa": sdpa_decode,
+    "flash": flash_decode,
+}
 
 
 def _check_name(name: str) -> str:
@@ -99,6 +121,11 @@ def get_attention(name: str, deterministic: bool = True, kernel: str = "auto") -
     if check_kernel(str(kernel)) != "auto":
         kwargs["kernel"] = str(kernel)
     return partial(fn, **kwargs) if kwargs else fn
+
+
+def get_decode_attention(name: str) -> AttentionFn:
+    """The decode entry (see DECODE) of attention `name`."""
+    return DECODE[_check_name(name)]
 
 
 def resolve_attention(name: str, device, attention_dropout: float = 0.0) -> str:

@@ -1,17 +1,29 @@
 """Autoregressive decoding: prefill the prompt into a KV cache, then one token per model call.
 
 `decode` yields each step's logits and chosen tokens and leaves stopping to the caller (a stop
-string is a property of the decoded text, not of one token). With `use_cache=False` every step
-reruns the whole sequence instead: the slow reference the cache is tested against.
+string is a property of the decoded text, not of one token). How a step runs (`mode`):
+
+- "eager": a KVCache whose views grow with the sequence, every kernel launched from Python;
+- "static": a StaticKVCache, so a one-token step has fixed shapes (its attention is the
+  implementation's decode entry over the whole buffer, the valid length on the device);
+- "graph" (CUDA): the static step captured once as a CUDA graph and replayed: one launch
+  instead of a few hundred, which is what bounds a small model's decoding on a GPU.
+
+"static" and "graph" run the same kernels, so they give the same logits to the bit; against
+"eager" they differ only by the attention's summation order. With `use_cache=False` every step
+reruns the whole sequence instead: the slow reference the caches are tested against.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, StaticKVCache
+
+MODES = ("eager", "static", "graph")
 
 
 @dataclass(frozen=True)
@@ -22,8 +34,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0: greedy)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0: no limit)")
         if not 0 < self.top_p <= 1:
@@ -48,15 +60,52 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
+class CudaGraphStep:
+    """One-token decode steps of `model` over a StaticKVCache, captured once as a CUDA graph.
+
+    Before capture the step runs twice on a side stream (cuBLAS workspaces, Triton compilation),
+    each time writing a scratch key at the cache's next slot, which the first real step
+    overwrites; the position is put back after each. Calling the step copies the tokens into
+    the graph's input, replays it (which advances the cache's device position) and moves the
+    host mirror on; the logits it returns are the graph's own buffer, rewritten by the next call.
+    """
+
+    def __init__(self, model, cache: StaticKVCache, tokens: torch.Tensor):
+        self.model, self.cache = model, cache
+        self.tokens = tokens.clone()
+        position, length = cache.position.clone(), cache.length
+        side = torch.cuda.Stream(tokens.device)
+        side.wait_stream(torch.cuda.current_stream(tokens.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                model(self.tokens, cache=cache, logits_to_keep=1)
+                cache.position.copy_(position)
+                cache.length = length
+        torch.cuda.current_stream(tokens.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model(self.tokens, cache=cache, logits_to_keep=1)
+        cache.length = length   # capture ran no kernel: only the host mirror moved
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.cache.length >= self.cache.max_len:
+            raise ValueError(f"{self.cache.length + 1} tokens do not fit the KV cache of {self.cache.max_len}")
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        self.cache.length += 1
+        return self.logits
+
+
 @torch.no_grad()
 def decode(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(), *,
            generator: torch.Generator | None = None, vocab_size: int | None = None,
-           use_cache: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+           use_cache: bool = True, mode: str = "eager") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (logits (B, V) float32, next tokens (B,)) for up to max_new_tokens steps.
 
     prompt (B, T) token ids, every row the same length (the attention functions take no padding
     mask). vocab_size masks the head's rows past the tokenizer's (padding, never trained).
-    Prompt plus new tokens must fit model.max_seq_len, refused here before any work.
+    Prompt plus new tokens must fit model.max_seq_len, refused here before any work. `mode`:
+    eager | static | graph (see the module's docstring; graph needs CUDA).
     """
     batch, prompt_len = prompt.shape
     limit = model.config.max_seq_len
@@ -65,11 +114,26 @@ def decode(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling 
     if prompt_len > limit:
         raise ValueError(f"the prompt has {prompt_len} tokens, more than the model's context "
                          f"(model.max_seq_len={limit})")
+    if mode not in MODES:
+        raise ValueError(f"decode mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "graph" and prompt.device.type != "cuda":
+        raise ValueError(f"decode mode 'graph' needs a CUDA device (the prompt is on {prompt.device}); "
+                         "use 'static' or 'eager'")
     max_new_tokens = min(max_new_tokens, limit - prompt_len)
-    cache = KVCache(model.config.n_layer, batch, prompt_len + max_new_tokens) if use_cache else None
-    tokens, step_input = prompt, prompt
-    for _ in range(max_new_tokens):
-        logits = model(step_input if use_cache else tokens, cache=cache, logits_to_keep=1)[:, -1].float()
+    cache = None
+    if use_cache:
+        size = (model.config.n_layer, batch, prompt_len + max_new_tokens)
+        cache = KVCache(*size) if mode == "eager" else StaticKVCache(*size, device=prompt.device)
+    tokens, step_input, graph_step = prompt, prompt, None
+    for i in range(max_new_tokens):
+        if graph_step is not None:
+            out = graph_step(step_input)
+        elif mode == "graph" and i > 0:   # the first one-token step: capture it
+            graph_step = CudaGraphStep(model, cache, step_input)
+            out = graph_step(step_input)
+        else:
+            out = model(step_input if use_cache else tokens, cache=cache, logits_to_keep=1)
+        logits = out[:, -1].to(torch.float32, copy=True)   # a graph's output buffer is rewritten next step
         if vocab_size is not None and vocab_size < logits.shape[-1]:
             logits[:, vocab_size:] = float("-inf")
         chosen = next_tokens(logits, sampling, generator)

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.masks import document_bounds
-from model.attention import ATTENTION_DROPOUT, check_attention_dropout, get_attention
+from model.attention import ATTENTION_DROPOUT, check_attention_dropout, get_attention, get_decode_attention
 from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.layers import Block, init_block_, init_linear_, make_norm
@@ -42,6 +42,7 @@ class GPT(nn.Module):
         self.drops_attention = config.attention_dropout > 0 and attention in ATTENTION_DROPOUT
         self.window = window   # each query sees the last `window` keys (Mistral's sliding window)
         attention_fn = get_attention(attention, deterministic, kernel)
+        self.decode_attention = get_decode_attention(attention)   # a static KV cache's one-token steps
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.pos_emb == "learned" else None
         self.dropout = nn.Dropout(config.dropout)
@@ -77,8 +78,8 @@ class GPT(nn.Module):
         - positions: an int, the first token's position (default 0, or the cache's length), or a
           (T,) / (B, T) integer tensor of every token's true position (a context-parallel rank's
           chunks, model.context_parallel); RoPE and learned position embeddings use it;
-        - cache: a KVCache; these tokens' keys and values are added to it and attention reads
-          all cached tokens (the new ones are the last rows of the causal mask);
+        - cache: a KVCache (or StaticKVCache); these tokens' keys and values are added to it and
+          attention reads all cached tokens (the new ones are the last rows of the causal mask);
         - logits_to_keep: > 0 returns only the last that many positions' logits (a long
           prompt's full logits would not fit);
         - reduction: "sum" returns the summed loss of the non-ignored tokens (a context-parallel
@@ -91,7 +92,7 @@ class GPT(nn.Module):
             raise ValueError("document_ids cannot be used with a KV cache: generation decodes one document "
                              "(split a packed prompt into its documents)")
         if positions is None:
-            positions = cache.length if cache is not None else 0
+            positions = cache.next_positions(seq_len) if cache is not None else 0
         if isinstance(positions, int):
             if positions + seq_len > self.config.max_seq_len:
                 raise ValueError(f"sequence length {positions + seq_len} exceeds "
@@ -118,7 +119,7 @@ class GPT(nn.Module):
                     x = block(x, rope, document_ids, self.window, self.drops_attention and self.training)
         else:
             for layer, block in enumerate(self.blocks):
-                x = block.forward_cached(x, rope, cache, layer, self.window)
+                x = block.forward_cached(x, rope, cache, layer, self.window, self.decode_attention)
             cache.advance(seq_len)
         x = self.norm_out(x)
         if targets is None:

@@ -166,12 +166,16 @@ class Block(nn.Module):
         y = self.attend(*self._stage(self.pre_attention, x, rope), document_ids, window, drop=drop)
         return self._stage(self.post_attention, x, y)
 
-    def forward_cached(self, x: torch.Tensor, rope, cache, layer: int, window=None) -> torch.Tensor:
+    def forward_cached(self, x: torch.Tensor, rope, cache, layer: int, window=None, decode=None) -> torch.Tensor:
         """The block for generation: x's keys and values join `cache`, queries attend to all of it.
         One new token sees every cached key, so its attention needs no causal mask (a sliding
-        window is causal, aligned bottom-right: the new rows of the mask)."""
+        window is causal, aligned bottom-right: the new rows of the mask). A static cache's
+        one-token step hands over its whole buffers and the valid length as a device tensor:
+        `decode` (the attention's DECODE entry, model/attention.py) masks the rest."""
         q, k, v = self.pre_attention(x, rope)
-        k, v = cache.append(layer, k, v)
+        k, v, valid = cache.append(layer, k, v)
+        if valid is not None:
+            return self.post_attention(x, decode(q, k, v, valid, window=window))
         return self.post_attention(x, self.attend(q, k, v, window=window,
                                                   causal=q.shape[1] > 1 or window is not None))
 

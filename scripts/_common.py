@@ -8,6 +8,7 @@ arrive, so a run killed half-way still leaves what it measured.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -102,19 +103,88 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
 OUTPUTS = REPO_ROOT / "outputs"   # git-ignored; benchmarks/ holds committed results only
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with train.py's error style: a bad or missing argument raises ValueError, which
+    run_cli prints as one `error: ...` line (exit status 2); the usage text is for --help only."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (--help lists the options)")
+
+
+def argument_parser(doc: str | None, **kwargs) -> ArgumentParser:
+    """Every tool's parser: its whole docstring (the examples) as --help's description."""
+    return ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+
+def existing_file(flag: str, stdin: bool = False):
+    """An argparse `type` for an input file: a missing one is refused naming the flag
+    (`argument --prompt-file: no such file: p.txt`); '-' is stdin where `stdin`."""
+    def check(text: str) -> Path:
+        path = Path(text)
+        if stdin and text == "-":
+            return path
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"no such file: {text}")
+        return path
+    check.__name__ = flag
+    return check
+
+
+def existing_path(text: str) -> Path:
+    """An argparse `type` for a checkpoint, weights file or run folder that must exist."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
+    return path
+
+
 def add_out_argument(parser, script: str, dest: str = "out") -> None:
     """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored), so an ad-hoc
-    run never rewrites the committed results; `--out benchmarks` writes those, on purpose."""
-    parser.add_argument("--out", dest=dest, type=Path, default=OUTPUTS / script,
+    run never rewrites the committed results; `--out benchmarks` writes those, on purpose. A folder
+    that is a file, lies under one or cannot be written is refused as the arguments are parsed."""
+    parser.add_argument("--out", dest=dest, type=output_folder, default=OUTPUTS / script,
                         help=f"folder for the results (default outputs/{script}/; committed results: --out benchmarks)")
 
 
-def attention_list(text: str) -> list[str]:
+def output_folder(text: str) -> Path:
+    """An argparse `type` for an output folder (see require_output_dir)."""
+    try:
+        require_output_dir(Path(text), "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
+    return Path(text)
+
+
+def attention_list(text: str, flag: str = "--attention") -> list[str]:
     """`--attention a,b,c`: the attention implementation(s) a tool runs, comma-separated."""
     names = [n for n in text.split(",") if n]
     if not names:
-        raise ValueError(f"--attention {text!r}: name at least one implementation")
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: name at least one")
     return names
+
+
+def runnable_attentions(names: list[str], device: torch.device, notes: list[str]) -> list[str]:
+    """The implementations of `names` that can run on `device`, resolved ('auto' becomes one);
+    each left out gets a sentence in `notes` (for the console and the results' header) instead
+    of an error inside the results. An unknown name, or none left, is a one-line ValueError."""
+    from model.attention import ATTENTION, resolve_attention
+
+    kept = []
+    for name in names:
+        if name != "auto" and name not in ATTENTION:
+            raise ValueError(f"--attention: {name!r} is not registered; valid: {', '.join(ATTENTION)}")
+        try:
+            resolved = resolve_attention(name, device)
+        except ValueError as exc:
+            notes.append(f"{name} left out: {str(exc).split(';')[0]}.")
+            continue
+        if resolved not in kept:
+            kept.append(resolved)
+    if not kept:
+        raise ValueError(f"--attention {','.join(names)}: none of them runs on {device.type} ({' '.join(notes)})")
+    return kept
 
 
 def tuning_note(meta: dict[str, Any]) -> str:
@@ -164,6 +234,20 @@ def require_output_file(path: Path | None, flag: str) -> None:
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+
+
+def require_output_dir(path: Path, flag: str) -> None:
+    """Refuse an output folder that is a file, lies under a file or cannot be written, before
+    anything is computed (the folder itself is made when the first result is written)."""
+    named = f"{flag} {path}".strip()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{named} is a file, not a folder")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"{named}: {parent} is a file, not a folder")
+    existing = path if path.exists() else parent
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{named}: {existing} is not writable")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

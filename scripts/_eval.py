@@ -13,7 +13,8 @@ LOSS_CHUNK = 2048   # positions per float32 cross-entropy slice (bounds the upca
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, or a run dir (its newest checkpoint)")
+    parser.add_argument("checkpoint", type=_common.existing_path,
+                        help="a checkpoint file, or a run dir (its newest checkpoint)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--attention", default=None, help="naive | sdpa | flash (default: auto for the device)")
     _common.add_out_argument(parser, "eval", dest="out_dir")   # loss_by_position_<name>, passkey_<name>, ...

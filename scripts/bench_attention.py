@@ -43,7 +43,6 @@ outputs/bench_attention/ (git-ignored), `--out benchmarks` writes the committed 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -715,8 +714,7 @@ def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="mode", const="quick",
                       help="N in {4K, 16K}, memory up to 32K (1-2 minutes on an H200)")

@@ -18,7 +18,6 @@ Results print only; kernels/NOTES.md records them.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -106,7 +105,7 @@ def wall_time_per_call(fn, calls: int = 200) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("--stub", action="store_true", help="no-op launches on tiny CPU tensors (no GPU needed)")
     parser.add_argument("--shape", default="16/1024/12/12/64", help="B/T/H/Hkv/D (CUDA; default gpt2-small at 1K)")
     parser.add_argument("--profile", type=int, default=15, help="cProfile lines to print (0: none)")

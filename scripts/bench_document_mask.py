@@ -22,7 +22,6 @@ forward 4 * H * D * pairs, forward+backward 3.5x that. Results: <out>/document_m
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -192,7 +191,7 @@ def write_outputs(stem: Path, report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("--smoke", action="store_true", help="CPU-sized shapes that only check the plumbing")
     parser.add_argument("--length", type=int, default=65536, help="tokens per window (default 65536)")
     parser.add_argument("--heads", default="12/12/64", help="H/Hkv/D (default 12/12/64, gpt2-small)")

@@ -11,7 +11,6 @@ pinned host-to-device copy to what is timed.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -38,7 +37,7 @@ def bench(sampler, batch_size: int, n_batches: int, device: torch.device) -> dic
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (data=..., tokenizer=...)")
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--batch-size", type=int, default=4)

@@ -38,9 +38,10 @@ from _common import (REPO_ROOT, device_slug, environment, markdown_table, new_fi
                      write_json, write_text)
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-THROUGHPUT = ["experiment=gpt2-small-4k", "tokenizer=bytes", "trainer.batch_size=4", "trainer.grad_accum=2",
-              "trainer.log_every=5", "trainer.eval_every=40", "trainer.eval_batches=8", "trainer.ckpt_every=0",
-              "trainer.keep_ckpts=1", "trainer.progress=false", "logger=none"]
+# GPT-2's 50,304-row head, as measured in benchmarks/parallel_h200_*.md (the preset now sizes it from its tokenizer)
+THROUGHPUT = ["experiment=gpt2-small-4k", "tokenizer=bytes", "model.vocab_size=50304", "trainer.batch_size=4",
+              "trainer.grad_accum=2", "trainer.log_every=5", "trainer.eval_every=40", "trainer.eval_batches=8",
+              "trainer.ckpt_every=0", "trainer.keep_ckpts=1", "trainer.progress=false", "logger=none"]
 MEMORY = ["model=gpt-1b", "attention=sdpa", "trainer.seq_len=4096", "trainer.batch_size=1", "trainer.grad_accum=2",
           "trainer.compile=false", "trainer.progress=false", "logger=none"]
 SETUPS = [("1 GPU", 1, "ddp"), ("2 GPUs, DDP", 2, "ddp"), ("2 GPUs, FSDP2", 2, "fsdp")]
@@ -195,7 +196,7 @@ def draw(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the throughput runs")
     parser.add_argument("--out", type=Path, help="folder for the results (required)")
     parser.add_argument("--name", help="file stem (default parallel_<gpu>)")

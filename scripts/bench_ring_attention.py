@@ -14,7 +14,6 @@ out of memory is recorded as a result. Writes <out>/ring_attention_<gpu>_x<C>.js
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -98,7 +97,7 @@ def write_outputs(stem: Path, report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("--lengths", default=None, help="comma-separated whole-sequence token counts")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny lengths: plumbing only")
     add_out_argument(parser, "bench_ring_attention")

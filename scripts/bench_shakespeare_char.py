@@ -536,7 +536,9 @@ def report(args) -> None:
 # ----------------------------------------------------------------------------- cli
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from _common import argument_parser   # one-line errors (its subcommands' parsers are of its class)
+
+    parser = argument_parser(__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train nanoGPT and our runs side by side, pack their logs")
     r.add_argument("--text", type=Path, required=True, help="tiny-shakespeare's input.txt")

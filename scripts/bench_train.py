@@ -22,7 +22,6 @@ found; the committed summary is `benchmarks/train_<gpu>_profile.txt`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -270,7 +269,7 @@ def profile(step, steps: int, device) -> dict:
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("--attention", default="sdpa,flash", help="comma-separated: sdpa, flash, naive")
     parser.add_argument("--lengths", default="1024,4096,16384", help="comma-separated sequence lengths")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per optimizer step")
@@ -296,8 +295,12 @@ def main(argv: list[str]) -> dict:
     if args.smoke:
         args.overrides = ["model=tiny", "model.vocab_size=512", "data.max_bytes=2000000", *args.overrides]
     out = console()
-    report = {"metadata": environment(device), "settings": {k: (str(v) if isinstance(v, Path) else v)
-                                                            for k, v in vars(args).items()}}
+    notes: list[str] = []   # what this device cannot run is left out, with the reason
+    args.attention = _common.runnable_attentions(args.attention, device, notes)
+    for note in notes:
+        out.print(f"[yellow]{note}[/]")
+    report = {"metadata": environment(device), "notes": notes,
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     stem = args.out / f"train_{device_slug(device)}{'_smoke' if args.smoke else ''}"
     if args.first_step:
         report["first_step"] = first_step(args, device, out)
@@ -340,7 +343,8 @@ def write_report(stem: Path, report: dict) -> None:
         "gpt2-small, bf16 autocast, fused AdamW, torch.compile, 16K tokens per optimizer step. "
         "bare: forward, backward and optimizer step on batches already on the GPU (CUDA events); real: "
         "train.py's own steady-state tokens/s; loop overhead = 1 - real / bare. MFU against "
-        "the GPU's dense bf16 peak.", "", markdown_table(*table(report))]))
+        "the GPU's dense bf16 peak." + "".join(f" {n}" for n in report.get("notes", [])), "",
+        markdown_table(*table(report))]))
 
 if __name__ == "__main__":
     run_cli(main)

@@ -16,7 +16,6 @@ the .md and .png from a saved result, without training.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -163,7 +162,7 @@ def write_outputs(result: dict, stem: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs, as for train.py")
     parser.add_argument("--attention", type=attention_list, default=["naive", "flash"], metavar="BASE,OTHER",
                         help="the two implementations compared (default naive,flash)")

@@ -8,7 +8,6 @@ the token cache written if they are not cached yet, so this also works as a `pre
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def data_stats(bundle) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (data=..., tokenizer=...)")
     parser.add_argument("--json", type=Path, help="also write the statistics as JSON here")
     parser.add_argument("--markdown", type=Path, help="also write the tables as Markdown here")

@@ -32,7 +32,7 @@ def bucket_means(position_loss: np.ndarray, n_buckets: int) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.argument_parser(__doc__)
     add_checkpoint_args(parser)
     parser.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's trainer.seq_len)")
     parser.add_argument("--batch-size", type=int, default=1)

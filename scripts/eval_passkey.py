@@ -9,7 +9,6 @@ when greedy decoding would write the key. Writes <out>/passkey_<name>.{json,md,p
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
@@ -64,7 +63,7 @@ def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> 
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.argument_parser(__doc__)
     add_checkpoint_args(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
                         help="prompt lengths in tokens (default: powers of two from 256 below the run's seq_len, and the seq_len)")

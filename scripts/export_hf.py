@@ -15,16 +15,17 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 
-from _common import run_cli
+from _common import existing_path, require_output_dir, run_cli
 
 
 def main(argv: list[str]) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, a weights-only model.safetensors, "
+    parser = _common.argument_parser(__doc__)
+    parser.add_argument("checkpoint", type=existing_path, help="a checkpoint file, a weights-only model.safetensors, "
                         "or a run dir (its newest checkpoint)")
     parser.add_argument("out_dir", type=Path, help="the folder to write (must not hold a config.json yet)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
+    require_output_dir(args.out_dir, "out_dir")
     if (args.out_dir / "config.json").exists():
         raise ValueError(f"{args.out_dir} already holds an export (config.json); choose another folder")
 

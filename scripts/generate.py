@@ -8,6 +8,11 @@ The checkpoint's tokenizer (rebuilt from its config, as training built it) encod
 Prompts of the same token length run together, up to --batch-size at a time (the attention
 functions take no padding mask); each row stops at its stop string, at the end-of-document token, or after
 --max-new-tokens. A prompt longer than the model's context is refused (exit status 2).
+
+On a GPU the weights are cast to the run's precision (bf16) and each one-token step is replayed
+from a CUDA graph over a static KV cache (--decode-mode graph, model/generation.py); on a CPU the
+steps run eagerly. Greedy decoding gives the same tokens in every mode up to the attention's
+summation order.
 """
 from __future__ import annotations
 
@@ -20,15 +25,17 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import run_cli
+from _common import argument_parser, existing_file, existing_path, require_output_file, run_cli
+
+DECODE_MODES = ("auto", "eager", "static", "graph")   # auto: graph on CUDA, eager elsewhere
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint file, a weights-only model.safetensors, "
-                        "or a run dir (its newest checkpoint)")
+    parser = argument_parser(__doc__)
+    parser.add_argument("checkpoint", type=existing_path, help="a checkpoint file, a weights-only model.safetensors, "
+                        "a run dir (its newest checkpoint) or outputs/latest")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
-    parser.add_argument("--prompt-file", action="append", default=[], type=Path,
+    parser.add_argument("--prompt-file", action="append", default=[], type=existing_file("--prompt-file", stdin=True),
                         help="a file whose whole text is one prompt, '-' for stdin (repeatable)")
     parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
     parser.add_argument("--batch-size", type=int, default=16, help="most sequences decoded together")
@@ -41,12 +48,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ignore-eot", action="store_true", help="keep going after the end-of-document token")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--attention", default=None, help="naive | sdpa | flash (default: auto for the device)")
+    parser.add_argument("--decode-mode", default="auto", choices=DECODE_MODES,
+                        help="eager | static (static KV cache) | graph (static cache + CUDA graph; "
+                             "default auto: graph on CUDA, eager elsewhere)")
     parser.add_argument("--jsonl", type=Path, default=None, help="write one JSON object per completion here")
     args = parser.parse_args(argv)
     if min(args.num_samples, args.max_new_tokens, args.batch_size) < 1:
         raise ValueError("--num-samples, --max-new-tokens and --batch-size must be at least 1")
     if any(s == "" for s in args.stop):
         raise ValueError("--stop must not be empty")
+    require_output_file(args.jsonl, "--jsonl")
     return args
 
 
@@ -65,28 +76,34 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[:min(ends)], True) if ends else (text, False)
 
 
-def complete_batch(model, tokenizer, ids: list[list[int]], args, sampling, generator, device, precision) -> list[dict]:
+def decode_mode(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    if requested == "graph" and device.type != "cuda":
+        raise ValueError(f"--decode-mode graph needs a CUDA device (the model is on {device.type}); use static or eager")
+    return requested
+
+
+def complete_batch(model, tokenizer, ids: list[list[int]], args, sampling, generator, device) -> list[dict]:
     """Decode one batch of equal-length prompts until every row has stopped."""
     from model.generation import decode
-    from training.device import autocast
 
     prompt = torch.tensor(ids, device=device)
     new: list[list[int]] = [[] for _ in ids]
     reasons: list[str | None] = [None] * len(ids)
-    with autocast(device, precision):
-        for _, chosen in decode(model, prompt, args.max_new_tokens, sampling, generator=generator,
-                                vocab_size=tokenizer.vocab_size):
-            for row, token in enumerate(chosen.tolist()):
-                if reasons[row] is not None:
-                    continue
-                if token == tokenizer.eot_id and not args.ignore_eot:
-                    reasons[row] = "eot"
-                    continue
-                new[row].append(token)
-                if args.stop and cut_at_stop(tokenizer.decode(new[row]), args.stop)[1]:
-                    reasons[row] = "stop"
-            if all(reasons):
-                break
+    for _, chosen in decode(model, prompt, args.max_new_tokens, sampling, generator=generator,
+                            vocab_size=tokenizer.vocab_size, mode=args.decode_mode):
+        for row, token in enumerate(chosen.tolist()):
+            if reasons[row] is not None:
+                continue
+            if token == tokenizer.eot_id and not args.ignore_eot:
+                reasons[row] = "eot"
+                continue
+            new[row].append(token)
+            if args.stop and cut_at_stop(tokenizer.decode(new[row]), args.stop)[1]:
+                reasons[row] = "stop"
+        if all(reasons):
+            break
     results = []
     for row, tokens in enumerate(new):
         text, _ = cut_at_stop(tokenizer.decode(tokens), args.stop)
@@ -102,6 +119,9 @@ def main(argv: list[str]) -> list[dict]:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)   # bad values refused before loading
     prompts = read_prompts(args)
     model, cfg, tokenizer, device, path = load_for_eval(args)
+    args.decode_mode = decode_mode(args.decode_mode, device)
+    if cfg.trainer.precision == "bf16":   # the weights themselves: a CUDA graph cannot replay autocast's casts
+        model.to(torch.bfloat16)
     encoded = [tokenizer.encode(p) for p in prompts]
     limit = model.config.max_seq_len
     for i, ids in enumerate(encoded):
@@ -118,8 +138,7 @@ def main(argv: list[str]) -> list[dict]:
     results: list[dict | None] = [None] * len(rows)
     batches = [rows_[i:i + args.batch_size] for rows_ in groups.values() for i in range(0, len(rows_), args.batch_size)]
     for members in batches:
-        done = complete_batch(model, tokenizer, [rows[r][1] for r in members], args, sampling, generator,
-                              device, cfg.trainer.precision)
+        done = complete_batch(model, tokenizer, [rows[r][1] for r in members], args, sampling, generator, device)
         for r, result in zip(members, done):
             i = rows[r][0]
             results[r] = {"prompt_index": i, "prompt": prompts[i], "prompt_tokens": len(encoded[i]), **result}

@@ -239,7 +239,7 @@ def run_workers(commands: dict[str, list[str]], limit_s: float, out: Path) -> di
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", default="ws,ws_dq2", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--worker", choices=("correct", "time"), help=argparse.SUPPRESS)
@@ -296,4 +296,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    _common.run_cli(main)

@@ -201,7 +201,7 @@ def merge_rounds(paths: list[Path], out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.argument_parser(__doc__)
     from kernels import gluon_fwd
 
     parser.add_argument("--variants", default=",".join(gluon_fwd.VARIANTS))

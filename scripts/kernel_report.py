@@ -21,7 +21,6 @@ beside this one (`pip install --target DIR triton==X`) and put DIR first on PYTH
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -180,7 +179,7 @@ def report(kernels: list[str], dims: list[int], shape: tuple[int, int, int, int]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {', '.join(KERNELS)}")
     parser.add_argument("--dims", default="64,128", help="comma-separated head dims (64, 128, 256)")
     parser.add_argument("--shape", default="1/16384/16/16", help="B/T/H/Hkv of the call whose strides specialise the launch")

@@ -19,10 +19,13 @@ compilation and model init every time), which matters when a million-token step 
 Any other error ends that implementation's search, recorded as an error, and the run moves on;
 if the GPU itself is broken (a kernel fault), the run stops and keeps what it measured.
 
-On the CPU there is no device limit to hit: pass `memory_budget_mb`, and every tensor created
-during the step is counted (live bytes, plus the model and optimizer state); a step whose count
-passes the budget fails like an out-of-memory. That exercises the same search and outputs with a
-tiny model, but only CUDA runs give real figures, which the output says.
+On the CPU there is no device limit to hit: every tensor created during the step is counted
+(live bytes, plus the model and optimizer state) against a budget, and a step whose count passes
+it fails like an out-of-memory: `memory_budget_mb=N` in all, or by default the model and optimizer
+state plus CPU_STEP_BUDGET_MB for the step. That exercises the same search and outputs with a tiny
+model, but only CUDA runs give real figures, which the output says. An implementation that cannot
+run on the device (flash without CUDA) is left out with a note. model.vocab_size=null (model=tiny)
+takes the tokenizer's size, as training does (tokens here are random).
 
 Writes <out>/<name>.json (after every probe), .md (the table) and two PNGs: peak memory
 against length, and the maximum per implementation; --out defaults to outputs/max_context/
@@ -43,7 +46,6 @@ after an interrupted backward); the ranks are symmetric, so they run out at the 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -57,12 +59,13 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from _common import (OUTPUTS, add_out_argument, attention_list, console, device_slug, draw_safely, environment,
-                     error_text, human_bytes,
+                     error_text, human_bytes, runnable_attentions,
                      markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
                      save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
 from _memory import allocated_bytes, is_oom, peak_meter, release_memory
 
 RETIME_BELOW_S = 2.0  # a step shorter than this is timed again: the first call at a length compiles
+CPU_STEP_BUDGET_MB = 256   # the CPU's default budget for one step, beyond the model and optimizer state
 
 
 # ----------------------------------------------------------------------------- search (pure)
@@ -164,6 +167,8 @@ class StepProbe:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         release_memory(device)
+        if device.type == "cpu" and self.budget is None:   # the default: the state, plus one step's share
+            self.budget = self._allocated() + CPU_STEP_BUDGET_MB * 2**20
 
     def _allocated(self) -> int:
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -274,6 +279,26 @@ def with_features(cfg: DictConfig, name: str) -> DictConfig:
     return run_cfg
 
 
+def fill_from_device_and_tokenizer(cfg: DictConfig, device: torch.device) -> None:
+    """What the config leaves to the machine, decided before any work and said in `cfg.notes`: the
+    implementations this device can run (flash needs CUDA), and model.vocab_size=null as the
+    tokenizer's size rounded up to 64, as training sizes it (random tokens here, no corpus read)."""
+    from omegaconf import open_dict
+
+    from data.tokenizer import configured_vocab_size
+    from model.config import VOCAB_MULTIPLE
+
+    notes: list[str] = []
+    impls = runnable_attentions(list(cfg.impls), device, notes)
+    with open_dict(cfg):
+        cfg.impls, cfg.notes = impls, notes
+        if cfg.model.vocab_size is None:
+            size = configured_vocab_size(cfg.tokenizer)
+            cfg.model.vocab_size = -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+            notes.append(f"model.vocab_size={cfg.model.vocab_size}: tokenizer={cfg.tokenizer.name}'s {size:,} "
+                         "tokens rounded up to a multiple of 64.")
+
+
 def validate(cfg: DictConfig, device: torch.device, world_size: int = 1) -> None:
     """Raise ValueError naming the first bad tool key before any model is built."""
     from model.attention import ATTENTION
@@ -300,9 +325,6 @@ def validate(cfg: DictConfig, device: torch.device, world_size: int = 1) -> None
                          f"{2 * size} (every probed length is split into {2 * size} equal chunks)")
     for impl in cfg.impls:
         check_attention(impl, size)
-    if cfg.model.vocab_size is None:
-        raise ValueError("model.vocab_size is null: tokens here are random, so no tokenizer sets it; "
-                         "pass model.vocab_size=<n>")
     if cfg.cap > cfg.model.max_seq_len:
         raise ValueError(f"cap={cfg.cap} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
                          f"pass model.max_seq_len={cfg.cap} as well")
@@ -313,9 +335,6 @@ def validate(cfg: DictConfig, device: torch.device, world_size: int = 1) -> None
                                 == "none" for name in cfg.features):
         raise ValueError("partial_step=true needs activation checkpointing in every feature set: without it "
                          "the peak need not come at the top block's backward")
-    if device.type == "cpu" and cfg.memory_budget_mb is None:
-        raise ValueError("memory_budget_mb is null: on the CPU there is no device limit to find; set a "
-                         "budget (e.g. memory_budget_mb=64) or run on CUDA for real figures")
     if device.type == "cuda" and cfg.memory_budget_mb is not None:
         raise ValueError(f"memory_budget_mb={cfg.memory_budget_mb}: CUDA runs search the real memory "
                          "limit; leave it null")
@@ -407,8 +426,11 @@ def write_outputs(stem: Path, report: dict) -> None:
         lines.append(f"{world} processes (torchrun), each sequence split over {size} of them: peak memory is the "
                      "largest of any one GPU, the step time the slowest rank's, tokens/s counts all ranks.")
     if meta["device_type"] != "cuda":
-        lines.append(f"CPU run against a {settings['memory_budget_mb']} MiB live-tensor budget: it exercises "
-                     "the tool; only CUDA runs give real figures.")
+        budget = (f"a {settings['memory_budget_mb']} MiB" if settings["memory_budget_mb"] else
+                  f"the model and optimizer state + {settings['cpu_step_budget_mb']} MiB")
+        lines.append(f"CPU run against {budget} live-tensor budget: it exercises the tool; only CUDA runs give "
+                     "real figures.")
+    lines += settings.get("notes", [])
     write_text(stem.with_suffix(".md"), "\n".join(lines) + "\n\n"
                + markdown_table(HEADERS, summary_rows(report["results"], memory_limit(report), settings["batch_size"])))
 
@@ -439,6 +461,7 @@ def plot(stem: Path, report: dict) -> None:
     results = report["results"]
     features = list(dict.fromkeys(r["features"] for r in results))
     impls = list(dict.fromkeys(r["impl"] for r in results))
+    colour = {impl: f"C{i % 10}" for i, impl in enumerate(impls)}   # one colour per implementation, in both plots
     device_bytes = report["metadata"].get("device_memory_bytes")
     peaks = [p["peak_bytes"] for r in results for p in r["probes"] if p["fits"]]
     scale, unit = memory_unit(peaks + ([device_bytes] if device_bytes else []))
@@ -447,7 +470,7 @@ def plot(stem: Path, report: dict) -> None:
         for r in (r for r in results if r["features"] == name):
             fitted = sorted((p["length"], p["peak_bytes"] / scale) for p in r["probes"] if p["fits"])
             if fitted:
-                ax.plot(*zip(*fitted), marker="o", label=r["impl"])
+                ax.plot(*zip(*fitted), marker="o", color=colour[r["impl"]], label=r["impl"])
         if device_bytes:
             ax.axhline(device_bytes / scale, color="grey", ls="--", lw=1, label="device memory")
         if ax.lines:
@@ -468,7 +491,9 @@ def plot(stem: Path, report: dict) -> None:
             if r and r["max_length"]:
                 xs.append(j + (i - (len(impls) - 1) / 2) * width)
                 heights.append(r["max_length"])
-        bars = ax.bar(xs, heights, width, label=impl)
+        if not heights:   # nothing fitted (or it failed): no bars, so no legend entry either
+            continue
+        bars = ax.bar(xs, heights, width, color=colour[impl], label=impl)
         ax.bar_label(bars, labels=[tokens_label(h) for h in heights], fontsize=8)
     ax.set_xticks(range(len(features)), features)
     found = [r["max_length"] for r in results if r["max_length"]]
@@ -478,7 +503,8 @@ def plot(stem: Path, report: dict) -> None:
     ax.set(xlabel="memory features", ylabel="longest sequence (tokens)",
            title=f"{report['model']['name']}, batch {report['settings']['batch_size']}: longest training "
                  f"step, {report['metadata']['device']}")
-    ax.legend()
+    if ax.containers:
+        ax.legend()
     save_figure(fig, stem.with_name(stem.name + "_max.png"))
 
 
@@ -519,6 +545,7 @@ def run(cfg: DictConfig) -> dict:
 
     device, world = resolve_device(cfg.device), env_world()[1]
     validate(cfg, device, world)
+    fill_from_device_and_tokenizer(cfg, device)
     env = init_distributed(device.type, cfg.trainer.dist_timeout_s, cfg.trainer.context_parallel)
     try:
         if device.type == "cuda" and env.enabled:
@@ -540,7 +567,12 @@ def run_searches(cfg: DictConfig, device: torch.device, env) -> dict:
                 for key in ("impls", "features", "skip", "batch_size", "start", "granularity", "cap",
                             "memory_budget_mb", "feature_sets", "partial_step")}
     settings["precision"] = resolve_precision(cfg.trainer.precision, device)
-    settings.update(world_size=env.world_size, context_parallel=size, parallel=cfg.trainer.parallel)
+    settings.update(world_size=env.world_size, context_parallel=size, parallel=cfg.trainer.parallel,
+                    notes=list(cfg.notes))
+    if device.type == "cpu" and cfg.memory_budget_mb is None:
+        settings["cpu_step_budget_mb"] = CPU_STEP_BUDGET_MB
+    for note in cfg.notes:
+        out.print(f"[yellow]{note}[/]")
     meta = environment(device)
     report = {"metadata": meta, "settings": settings,
               "model": OmegaConf.to_container(cfg.model, resolve=True), "results": []}
@@ -592,8 +624,7 @@ def parse_args(argv: list[str], script: str = "max_context", attention: str = ",
                description: str = __doc__, writes: bool = True):
     """max_context.py's options (profile_step.py, which prints its table and `writes` nothing,
     shares them): --attention, --out, --name, key=value."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=f"Search keys and memory-feature sets: configs/{script}.yaml")
+    parser = _common.argument_parser(description, epilog=f"Search keys and memory-feature sets: configs/{script}.yaml")
     parser.add_argument("--attention", type=attention_list, default=attention_list(attention),
                         help=f"comma-separated attention implementations (default {attention})")
     if writes:

@@ -12,7 +12,6 @@ outputs/plot_max_context/, `--out benchmarks` for the committed plot) and prints
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -56,7 +55,7 @@ def plot(series: dict, out: Path, title: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("results", nargs="+", type=Path, help="max_context.py JSON files (one per GPU count)")
     add_out_argument(parser, "plot_max_context")
     args = parser.parse_args(argv)

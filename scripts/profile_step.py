@@ -16,7 +16,7 @@ import torch
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 from _common import run_cli
-from max_context import StepProbe, compose_config, parse_args, validate, with_features
+from max_context import StepProbe, compose_config, fill_from_device_and_tokenizer, parse_args, validate, with_features
 
 
 def main(argv: list[str]) -> None:
@@ -30,6 +30,7 @@ def main(argv: list[str]) -> None:
         raise ValueError("profile_step.py needs CUDA: it profiles GPU kernels")
     device = torch.device("cuda")
     validate(cfg, device)
+    fill_from_device_and_tokenizer(cfg, device)
     impl, name = cfg.impls[0], cfg.features[0]
     probe = StepProbe(with_features(cfg, name), impl, device, None)
     print(f"{impl} · {name} · {cfg.length:,} tokens: warm-up step {probe.timed_step(cfg.length):.2f} s")

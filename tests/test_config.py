@@ -35,6 +35,13 @@ def test_every_preset_composes_and_resolves(group, name):
         validate_config(cfg)
 
 
+@pytest.mark.parametrize("name", [n for g, n in PRESETS if g == "experiment"])
+def test_every_experiment_sizes_the_vocabulary_from_its_tokenizer(name):
+    """A head wider than the tokenizer's vocabulary is parameters no token trains (gpt2-small's
+    50,304 rows beside an 8,192-token BPE were 32M of them)."""
+    assert compose([f"experiment={name}", "run.dir=/tmp/unused"]).model.vocab_size is None
+
+
 def test_command_line_wins_over_an_experiment():
     cfg = compose(["experiment=gpt2-small-4k", "attention=naive", "trainer.seq_len=1024", "run.dir=x"])
     assert (cfg.model.name, cfg.attention.name, cfg.trainer.seq_len) == ("gpt2-small", "naive", 1024)

@@ -21,9 +21,10 @@ def tokens(model, *shape):
     return torch.randint(0, VOCAB, shape).to(model.lm_head.weight.device)
 
 
-def run(model, prompt, steps, use_cache, sampling=Sampling(temperature=0), seed=None):
+def run(model, prompt, steps, use_cache, sampling=Sampling(temperature=0), seed=None, mode="eager"):
     generator = None if seed is None else torch.Generator(prompt.device).manual_seed(seed)
-    out = list(decode(model, prompt, steps, sampling, generator=generator, vocab_size=VOCAB, use_cache=use_cache))
+    out = list(decode(model, prompt, steps, sampling, generator=generator, vocab_size=VOCAB, use_cache=use_cache,
+                      mode=mode))
     return torch.stack([l for l, _ in out], 1), torch.stack([t for _, t in out], 1)
 
 
@@ -44,6 +45,56 @@ def test_cached_greedy_decoding_equals_recomputing(attention, dtype, tol, pos_em
     torch.testing.assert_close(cached_logits, full_logits, rtol=0, atol=tol)
     # and the first step is the plain forward's last position
     torch.testing.assert_close(cached_logits[:, 0, :VOCAB], model(prompt)[:, -1, :VOCAB].float(), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("attention,dtype,tol,changes", [
+    ("naive", torch.float64, 1e-10, {}),
+    ("sdpa", torch.float64, 1e-10, {}),
+    ("sdpa", torch.float64, 1e-10, {"pos_emb": "learned"}),
+    ("flash", torch.float32, 2e-5, {}),   # kernels/decode.py in Triton's interpreter
+])
+def test_static_cache_decoding_equals_the_eager_cache(attention, dtype, tol, changes):
+    """The static cache's fixed-shape steps (device-side position, the decode entry over the whole
+    buffer) give the eager cache's greedy tokens and logits."""
+    model = tiny(attention, dtype, **changes)
+    prompt = tokens(model, 2, 7)
+    steps = 6 if attention == "flash" else 20
+    eager_logits, eager = run(model, prompt, steps, use_cache=True)
+    static_logits, static = run(model, prompt, steps, use_cache=True, mode="static")
+    assert torch.equal(static, eager)
+    torch.testing.assert_close(static_logits, eager_logits, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+def test_static_cache_keeps_a_sliding_window(attention):
+    torch.manual_seed(0)
+    model = build_model(TINY, vocab_size=VOCAB, attention=attention, window=5).to(torch.float64).eval()
+    prompt = tokens(model, 1, 9)
+    eager_logits, eager = run(model, prompt, 12, use_cache=True)
+    static_logits, static = run(model, prompt, 12, use_cache=True, mode="static")
+    full_logits, _ = run(model, prompt, 12, use_cache=False)
+    assert torch.equal(static, eager)
+    torch.testing.assert_close(static_logits, full_logits, rtol=0, atol=1e-10)
+
+
+def test_graph_mode_is_refused_without_cuda_and_unknown_modes_are_named():
+    model = tiny()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="decode mode 'graph' needs a CUDA device"):
+            next(decode(model, torch.zeros(1, 3, dtype=torch.long), 2, mode="graph"))
+    with pytest.raises(ValueError, match="decode mode 'fast': expected one of eager, static, graph"):
+        next(decode(model, torch.zeros(1, 3, dtype=torch.long), 2, mode="fast"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["flash", "sdpa"])
+def test_cuda_graph_decoding_equals_the_static_steps_to_the_bit(attention):
+    torch.manual_seed(0)
+    model = build_model({**TINY, "max_seq_len": 256}, vocab_size=VOCAB, attention=attention).cuda().to(torch.bfloat16).eval()
+    prompt = torch.randint(0, VOCAB, (2, 33), device="cuda")
+    static_logits, static = run(model, prompt, 40, use_cache=True, mode="static")
+    graph_logits, graph = run(model, prompt, 40, use_cache=True, mode="graph")
+    assert torch.equal(graph, static) and torch.equal(graph_logits, static_logits)
 
 
 def test_cached_sampling_with_a_seed_is_reproducible_and_equals_recomputing():
@@ -104,7 +155,8 @@ def test_sampling_truncation():
     # probabilities 0.64, 0.24, 0.09, 0.03: the nucleus of 0.8 is the top two
     assert set(next_tokens(logits, Sampling(top_p=0.8), gen).tolist()) == {1, 3}
     assert set(next_tokens(logits, Sampling(top_p=1.0, temperature=5.0), gen).tolist()) == {0, 1, 2, 3}
-    for bad in (dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)):
+    for bad in (dict(temperature=-1), dict(temperature=float("inf")), dict(temperature=float("nan")),
+                dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)):
         with pytest.raises(ValueError):
             Sampling(**bad)
 

@@ -118,3 +118,39 @@ def test_gluon_forward_compiles_for_sm90_without_spills():
     assert len(results) >= 6, results
     for name, r in results.items():
         assert r["wgmma"] and r["spill_bytes"] == 0 and r["shared_bytes"] <= 232448, (name, r)
+
+
+DECODE_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "scripts")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernel_report import ptxas_report
+from kernels.decode import flash_decode_merge_kernel, flash_decode_split_kernel
+
+def compile_for_hopper(kernel, pointers, floats, constexprs, warps):
+    # Inductor-style: every int an unspecialised i32, floats as given
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name) or ("fp64" if name in floats else "i32")
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return ptxas_report(compiled)["spill_bytes"]
+
+split_ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "PartO": "*fp32", "PartLse": "*fp32", "Len": "*i64"}
+results = {}
+# gpt2-small (one query head per KV head, D = 64), and GQA 8:1 at D = 128 with a window
+for tag, consts in (("mha64", dict(GROUP=1, HEAD_DIM=64, BLOCK_R=1, BLOCK_N=64, BLOCK_D=64, WINDOW=False)),
+                    ("gqa128_window", dict(GROUP=8, HEAD_DIM=128, BLOCK_R=8, BLOCK_N=16, BLOCK_D=128, WINDOW=True))):
+    results["split_" + tag] = compile_for_hopper(flash_decode_split_kernel, split_ptrs, {"qk_scale"},
+                                                 dict(consts, SPLIT_N=256), 4)
+results["merge"] = compile_for_hopper(flash_decode_merge_kernel, {"PartO": "*fp32", "PartLse": "*fp32", "Out": "*bf16"},
+                                      set(), dict(HEAD_DIM=64, BLOCK_S=32, BLOCK_D=64), 1)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_decode_kernels_compile_for_sm90_without_spills():
+    """kernels/decode.py, as a CUDA-graph decode step launches it (no GPU here to run it)."""
+    assert compile_in_subprocess(DECODE_SCRIPT) == {"split_mha64": 0, "split_gqa128_window": 0, "merge": 0}

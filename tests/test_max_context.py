@@ -163,13 +163,28 @@ def test_cpu_run_end_to_end(tmp_path, single_thread):
     ("features=[plain,turbo]", "'turbo' is not in feature_sets"),
     ("skip=[flash/plain]", "skip: 'flash/plain'"),
     ("cap=4194304", "model.max_seq_len"),
-    ("memory_budget_mb=null", "memory_budget_mb is null"),
 ])
 def test_bad_settings_are_refused_before_any_model_is_built(override, message):
     cfg = config_from_args(["model.vocab_size=256", "--attention", "naive", "memory_budget_mb=8",
                             "device=cpu", *override.split()])
     with pytest.raises(ValueError, match=message):
         max_context.validate(cfg, torch.device("cpu"))
+
+
+def test_the_obvious_cpu_command_needs_no_budget_vocabulary_or_gpu(tmp_path, single_thread, monkeypatch):
+    """No memory_budget_mb, model.vocab_size from the tokenizer, flash (no CUDA, no interpreter) left
+    out with a note: the README's command style works on a CPU on the first try."""
+    import model.attention
+    monkeypatch.setattr(model.attention, "INTERPRET", False)
+    report = max_context.run(config_from_args(["--attention", "naive,sdpa,flash", "model.n_layer=1", "start=256",
+                                               "granularity=256", "cap=512", "device=cpu", "--out", str(tmp_path)]))
+    assert [r["impl"] for r in report["results"]] == ["naive", "sdpa"]
+    assert all(r["error"] is None and r["max_length"] == 512 for r in report["results"])
+    settings = report["settings"]
+    assert settings["cpu_step_budget_mb"] == max_context.CPU_STEP_BUDGET_MB and report["model"]["vocab_size"] == 320
+    assert any(n.startswith("flash left out: attention=flash needs a CUDA device") for n in settings["notes"])
+    md = (tmp_path / "max_context_cpu.md").read_text()
+    assert "flash left out" in md and "state + 256 MiB live-tensor budget" in md and "| flash |" not in md
 
 
 def test_extend_needs_an_earlier_report(tmp_path):

@@ -85,3 +85,68 @@ def test_data_stats_json_into_a_folder_is_one_line_and_leaves_no_tmp(tmp_path, m
                                    "--json", str(folder)], monkeypatch, capsys)
     assert line == f"error: --json {folder} is a folder: pass a file path"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stats"] and not list(folder.iterdir())
+
+
+TOOLS = sorted(p.stem for p in (REPO / "scripts").glob("*.py") if not p.stem.startswith("_"))
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_tool_answers_a_bad_option_in_one_line_and_help_with_usage(tool, monkeypatch, capsys):
+    """One argparse style for all: a bad option is one `error:` line and exit status 2 (no usage
+    text); --help prints the usage and the tool's examples and exits 0."""
+    import importlib
+
+    module = importlib.import_module(tool)
+    line = run_script(module, ["--no-such-option"], monkeypatch, capsys)
+    assert "--no-such-option" in line or "required" in line, line
+    monkeypatch.setattr(sys, "argv", [module.__file__, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(module.main)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
+    assert "argparse.ArgumentParser(" not in (REPO / "scripts" / f"{tool}.py").read_text()
+
+
+def test_a_missing_input_file_names_its_flag(trained, monkeypatch, capsys):
+    import generate
+
+    line = run_script(generate, [str(trained), "--prompt-file", "missing.txt"], monkeypatch, capsys)
+    assert line == "error: argument --prompt-file: no such file: missing.txt (--help lists the options)"
+    line = run_script(generate, ["no/such/run", "--prompt", "x"], monkeypatch, capsys)
+    assert line == "error: argument checkpoint: no such file or folder: no/such/run (--help lists the options)"
+    line = run_script(generate, [str(trained), "--prompt", "x", "--temperature", "inf"], monkeypatch, capsys)
+    assert line == "error: temperature=inf must be a finite number >= 0 (0: greedy)"
+
+
+def test_output_paths_are_checked_before_any_work(trained, tmp_path, monkeypatch, capsys):
+    import eval_loss_by_position
+    import export_hf
+    import export_weights
+    import generate
+
+    a_file = tmp_path / "file.txt"
+    a_file.write_text(SENTINEL)
+    assert run_script(generate, [str(trained), "--prompt", "x", "--jsonl", str(tmp_path)], monkeypatch,
+                      capsys) == f"error: --jsonl {tmp_path} is a folder: pass a file path"
+    assert run_script(export_hf, [str(trained), str(a_file)], monkeypatch,
+                      capsys) == f"error: out_dir {a_file} is a file, not a folder"
+    assert run_script(export_weights, [str(trained), str(tmp_path)], monkeypatch,
+                      capsys) == f"error: out {tmp_path} is a folder: pass a file path"
+    assert run_script(eval_loss_by_position, [str(trained), "--device", "cpu", "--out", str(a_file / "x")],
+                      monkeypatch, capsys) == f"error: argument --out: {a_file / 'x'}: {a_file} is a file, not a folder (--help lists the options)"
+    assert a_file.read_text() == SENTINEL
+
+
+def test_export_weights_never_replaces_the_runs_own_file_by_default(trained, monkeypatch, capsys):
+    import export_weights
+
+    own = (trained / "model.safetensors").read_bytes()
+    monkeypatch.setattr(sys, "argv", ["export_weights.py", str(trained / "checkpoints" / "step_00000002.pt")])
+    run_cli(export_weights.main)
+    written = trained / "model_step_00000002.safetensors"
+    assert written.is_file() and (trained / "model.safetensors").read_bytes() == own
+    line = run_script(export_weights, [str(trained)], monkeypatch, capsys)   # the same default again
+    assert line == f"error: {written} exists; name another output file, or pass --force to replace it"
+    line = run_script(export_weights, [str(trained), str(trained / "model.safetensors")], monkeypatch, capsys)
+    assert line == f"error: {trained / 'model.safetensors'} exists; pass --force to replace it"
+    assert (trained / "model.safetensors").read_bytes() == own

@@ -81,3 +81,15 @@ def test_bad_tokenizer_settings(source, tmp_path):
 
 def test_token_dtype_by_vocab():
     assert token_dtype(257) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+
+
+def test_bpe_training_and_tokenizing_print_no_frames_or_blank_lines_off_a_terminal(source, tmp_path, capfd):
+    """With progress on, but stdout and stderr not terminals (a log file, here pytest's capture):
+    the tokenizers library's bars would print blank lines and tqdm `\\r` frames; neither appears."""
+    from data.cache import load_or_build
+
+    cfg = OmegaConf.create({"name": "bpe", "vocab_size": 320, "min_frequency": 2, "train_max_bytes": None})
+    tok = build_tokenizer(cfg, source, tmp_path / "cache", progress=True)
+    load_or_build(tmp_path / "cache", source.for_tokenizer(tok), tok, progress=True)
+    out, err = capfd.readouterr()
+    assert "\r" not in out + err and "\n\n" not in "\n" + out and "\n\n" not in "\n" + err, (out, err)

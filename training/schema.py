@@ -227,6 +227,7 @@ class WandbLogger(LoggerConfig):
 class RunConfig:
     dir: str = "${hydra:runtime.output_dir}"
     name: Optional[str] = None
+    latest: Optional[str] = "outputs/latest"   # a link to the newest run in its default folder (null: none)
 
 
 # ----------------------------------------------------------------------------- whole configs

@@ -40,6 +40,7 @@ from training.optim import build_optimizer, lr_at
 from training.rng import rng_state, seed_everything
 from training.runlock import RunDirLock
 from training.signals import StopRequest
+from training.summary import RunReport
 
 log = logging.getLogger("train")
 # Keys outside the `model` group that change what the model computes: a resume must keep them.
@@ -356,6 +357,7 @@ class Trainer:
             OmegaConf.save(cfg, self.run_dir / "config.yaml")
             save_tokenizer(self.data.tokenizer, self.run_dir)  # evals and generation need no corpus
             loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id)
+            report = RunReport(cfg, self.run_dir, env.world_size, self.step)   # where the run is, how to resume it
             log.info("%s: %s params, attention=%s%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
                      f"{cfg.run.num_params:,}", cfg.attention.name,
                      f" (forward kernel: {cfg.attention.kernel})" if cfg.attention.name == "flash" else "",
@@ -440,8 +442,9 @@ class Trainer:
         if loggers:
             loggers.close(exit_code=exit_code)
         if exit_code and main:
-            log.warning("%s received: checkpoint saved at step %d; rerun with resume=auto to continue",
-                        signal_name(exit_code - 128), self.step)
+            log.warning("%s received: checkpoint saved at step %d", signal_name(exit_code - 128), self.step)
+        if main:
+            report.finish(self.step, t.max_steps, self.tokens, exit_code)
         return exit_code
 
 

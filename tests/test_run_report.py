@@ -1,0 +1,104 @@
+"""What a run says: where it is and how to resume it first, a summary last, outputs/latest, and a
+log without progress frames, blank lines or tracebacks when output is not a terminal."""
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainrun import REPO, cache_dir, run_in_process, subprocess_env, tiny_overrides  # noqa: F401
+from training.summary import duration, point_latest, resume_command
+
+
+def messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "train"]
+
+
+def test_a_run_announces_itself_and_ends_with_a_summary(tmp_path, cache_dir, caplog):
+    caplog.set_level(logging.INFO, logger="train")
+    run_dir = tmp_path / "run"
+    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=4, **{"trainer.eval_every": 2})) == 0
+    lines = messages(caplog)
+    assert lines[0] == f"run folder: {run_dir}"
+    assert lines[1].startswith("resume with: python ") and lines[1].endswith(f"run.dir={run_dir} resume=auto")
+    done, files, sample = lines[-3:]
+    assert done.startswith("done: 4 steps, 1,024 tokens in ") and " | train loss " in done, done
+    rows = [r for r in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in r]
+    assert len(rows) == 2 and " | val loss " in done and "(best " in done and "at step " in done
+    assert files == (f"checkpoint: {run_dir}/checkpoints/step_00000004.pt | weights: {run_dir}/model.safetensors")
+    assert sample.startswith("sample: python ") and f"generate.py {run_dir} --prompt 'def '" in sample
+
+    caplog.clear()   # a resumed run counts its own steps and keeps the best val of the whole run
+    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=6, resume="auto", **{"trainer.eval_every": 2})) == 0
+    done = messages(caplog)[-3]
+    assert done.startswith("done: steps 4 -> 6 (2 this run), 1,536 tokens in "), done
+
+
+def test_the_resume_command_repeats_the_overrides_and_quotes_them(monkeypatch):
+    command = resume_command("runs/a", 1, ["model=gpt2-small", "run.dir=old", "resume=auto", "hydra.run.dir=x",
+                                           "data.paths=[~/my corpus]"])
+    assert command.startswith("python ") and command.endswith(
+        " model=gpt2-small 'data.paths=[~/my corpus]' run.dir=runs/a resume=auto")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")   # torchrun's, on one node
+    assert resume_command("runs/a", 2, []).startswith("torchrun --standalone --nproc_per_node=2 ")
+    assert [duration(s) for s in (8.25, 75, 3725)] == ["8.2s", "1m 15s", "1h 02m"]
+
+
+def test_latest_is_a_link_replaced_in_one_rename_and_never_a_folder_written_through(tmp_path):
+    outputs = tmp_path / "outputs"
+    first, second = outputs / "2026-12-01" / "10-00-00", outputs / "2026-12-01" / "11-00-00"
+    first.mkdir(parents=True), second.mkdir(parents=True)
+    link = outputs / "latest"
+    assert point_latest(link, first) and os.readlink(link) == "2026-12-01/10-00-00"
+    assert point_latest(link, second) and link.resolve() == second.resolve()
+    elsewhere = tmp_path / "runs" / "a"
+    elsewhere.mkdir(parents=True)
+    assert point_latest(link, elsewhere) and os.readlink(link) == str(elsewhere.resolve())
+    assert sorted(p.name for p in outputs.iterdir()) == ["2026-12-01", "latest"]   # no temporary link left
+    link.unlink()
+    link.mkdir()                                  # a real folder of that name is not ours to replace
+    (link / "keep").write_text("mine")
+    assert not point_latest(link, first) and (link / "keep").read_text() == "mine"
+
+
+def wait_for(path: Path, text: str, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} never appeared in {path}: {path.read_text() if path.exists() else ''}")
+
+
+@pytest.mark.slow
+def test_a_default_run_logged_to_files_points_latest_and_stops_in_one_line(tmp_path, cache_dir):
+    """`python train.py` with its output redirected: the log opens with the run folder,
+    outputs/latest points at it, stderr has no progress frame, and Ctrl-C twice ends in one line."""
+    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=100_000) if not o.startswith("run.dir=")]
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides, "trainer.progress=true"],
+                                cwd=tmp_path, env=subprocess_env(), stdout=stdout, stderr=stderr)
+        try:
+            wait_for(out, "step 3/", proc)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    log_lines = out.read_text().splitlines()
+    assert "run folder: outputs/" in log_lines[0] and "(outputs/latest points here)" in log_lines[0], log_lines[:3]
+    run_dir = tmp_path / log_lines[0].split("run folder: ")[1].split(" ")[0]
+    assert (tmp_path / "outputs" / "latest").resolve() == run_dir.resolve()
+    assert all(line.strip() for line in log_lines), "blank line in the log"
+    errors = err.read_text()
+    assert "\r" not in errors and "Traceback" not in errors, errors
+    assert proc.returncode == 130, errors
+    # the second Ctrl-C stopped at once (one line); or the first had already saved at the step boundary
+    assert errors.strip() == "" or len(errors.strip().splitlines()) == 1, errors
