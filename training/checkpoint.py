@@ -13,6 +13,7 @@ never deleted, never counted as kept.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import re
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from training.rng import set_rng_state
-from training.runfiles import RecordingWriter, SPACE_ERRNOS, new_file, os_error_in
+from training.runfiles import RecordingWriter, new_file, os_error_in
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,9 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     except OSError as e:
         error = os_error_in(e) or e
         reason = error.strerror or str(error) or type(error).__name__
-        hint = ": free some space and rerun with resume=auto" if error.errno in SPACE_ERRNOS else ""
+        hint = {errno.ENOSPC: ": free some space and rerun with resume=auto",
+                errno.EDQUOT: ": free some space (disk quota) and rerun with resume=auto",
+                errno.EFBIG: ": raise the file-size limit (ulimit -f) and rerun with resume=auto"}.get(error.errno, "")
         raise CheckpointWriteError(error.errno, f"could not write checkpoint {path} ({reason}); the older "
                                                 f"checkpoints are untouched{hint}") from e
     _verified[_file_id(path)] = lineage_id(state)

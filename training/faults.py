@@ -24,7 +24,7 @@ def fault_line(exc: BaseException) -> str | None:
     import torch
 
     if isinstance(exc, torch.OutOfMemoryError):
-        what = _first_line(exc).split(". ")[0].removeprefix("CUDA out of memory").strip(" .") or "no detail"
+        what = _first_line(exc).removeprefix("CUDA out of memory").strip(" .").split(". ")[0] or "no detail"
         return f"CUDA out of memory ({what}): {MEMORY_KNOBS}"
     if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM)):
         return f"out of host (CPU) memory ({_first_line(exc)[:160]}): {MEMORY_KNOBS}"

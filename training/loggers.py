@@ -85,7 +85,7 @@ class WandbRun:
                                   settings=wandb.Settings(init_timeout=float(logger.get("init_timeout_s", 60.0))))
         except wandb.errors.Error as e:  # no network, no API key: before any step, in one line
             reason = " ".join(str(e).split())[:240] or type(e).__name__
-            raise ValueError(f"logger=wandb could not start a {settings.get('mode', 'wandb')} run ({reason}): use "
+            raise ValueError(f"logger=wandb could not start its {settings.get('mode', 'wandb')} run ({reason}): use "
                              f"logger.mode=offline (and `wandb sync` later), or check the network and "
                              f"WANDB_API_KEY") from None
         self.id = self.run.id

@@ -236,11 +236,17 @@ def check_param_groups(path, saved: dict, optimizer) -> None:
 
 class _DeferredOptimizerState:
     """Stands in for the optimizer while a checkpoint is restored into the unwrapped model: the
-    optimizer is built after DDP/FSDP wrapping, and its state is loaded then."""
+    optimizer is built after DDP/FSDP wrapping, and its state is loaded then.
+
+    The moments are copied out of the checkpoint: it is memory-mapped, and the optimizer would
+    keep its tensors (a load onto the same device and dtype does not copy), so the file's space
+    would stay in use after pruning deletes it, until the process ends."""
     state: dict | None = None
 
     def load_state_dict(self, state: dict) -> None:
-        self.state = state
+        from torch.utils._pytree import tree_map
+
+        self.state = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state)
 
 
 # ----------------------------------------------------------------------------- the run
