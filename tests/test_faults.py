@@ -339,3 +339,41 @@ def test_repeated_sigint_under_a_launcher_is_one_request_and_a_dead_launcher_a_s
     monkeypatch.setattr(signals, "LAUNCHER_PID", os.getppid() + 100_000)  # not our parent: it died, we were adopted
     orphan = signals.StopRequest()
     assert orphan.signum == signal.SIGHUP and orphan.exit_code == 129
+
+
+# --------------------------------------------------------------------------- configs run code (item 6)
+
+EVIL = """# @package _global_
+hydra:
+  callbacks:
+    payload:
+      _target_: os.makedirs
+      _args_: [{marker}]
+"""
+
+
+def test_hydra_callbacks_from_a_config_are_refused_before_hydra_runs_them(tmp_path, capsys, monkeypatch):
+    """The issue: a preset's hydra.callbacks ran torch.load(..., weights_only=False) (Hydra's own
+    blocklist stops os.system and exec, not that)."""
+    import train
+
+    marker = tmp_path / "payload-ran"
+    (tmp_path / "presets" / "experiment").mkdir(parents=True)
+    (tmp_path / "presets" / "experiment" / "evil.yaml").write_text(EVIL.format(marker=marker))
+    argv = [f"run.dir={tmp_path / 'run'}", f"hydra.searchpath=[file://{tmp_path / 'presets'}]", "experiment=evil"]
+    monkeypatch.delenv(train.ALLOW_CALLBACKS, raising=False)
+    with pytest.raises(SystemExit) as stop:
+        train.check_before_hydra(argv)
+    assert stop.value.code == 2 and not marker.exists()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: hydra.callbacks (payload) would run code named in a config file before training starts; "
+        f"flashtrain runs them only with {train.ALLOW_CALLBACKS}=1 (README, Configs are code)"]
+    monkeypatch.setenv(train.ALLOW_CALLBACKS, "1")
+    train.check_before_hydra(argv)  # explicitly allowed: left to Hydra
+
+
+def test_no_config_of_ours_names_hydra_callbacks():
+    from training.config import CONFIG_DIR, hydra_callbacks
+
+    presets = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+    assert presets and hydra_callbacks([f"experiment={','.join(presets)}"]) == []  # each preset, as a sweep
