@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 
@@ -62,8 +63,8 @@ def set_deterministic(enabled: bool, device: torch.device) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = False
-    if enabled:
-        import torch._inductor.config  # noqa: F401 (a few seconds, only for a run that asks for this)
+    if enabled:  # a few seconds of imports, only for a run that asks for this
+        importlib.import_module("torch._inductor.config")
     inductor_config = sys.modules.get("torch._inductor.config")  # not imported: nothing to turn off
     if inductor_config is not None and hasattr(inductor_config, "deterministic"):
         inductor_config.deterministic = enabled

@@ -37,8 +37,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from training import schema
-from training.checkpoint import (CheckpointError, check_model_config, check_unchanged, checkpoint_dir, lineage_id,
-                                 list_checkpoints, load_checkpoint, peek_lineage, step_of)
+from training.checkpoint import (DATA_CHANGES, CheckpointError, check_model_config, check_unchanged, checkpoint_dir,
+                                 lineage_id, list_checkpoints, load_checkpoint, peek_lineage, step_of)
 from training.export import WEIGHTS_NAME
 from training.runfiles import append_line
 
@@ -329,8 +329,6 @@ def superseded_dir(run_dir: str | Path, start: Start) -> Path | None:
 def record(run_dir: str | Path, start: Start, aside: Path | None, data_change: dict | None = None) -> None:
     """Move a rewind's later checkpoints and final weights to `aside`, then append the start to
     lineage.jsonl (and a data change to data_changes.jsonl). Called once the run is accepted."""
-    from training.checkpoint import DATA_CHANGES
-
     run_dir = Path(run_dir)
     if aside is not None:
         (aside / "checkpoints").mkdir(parents=True, exist_ok=True)
