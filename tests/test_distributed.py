@@ -407,6 +407,7 @@ def test_global_batch_that_the_ranks_cannot_split_is_one_line_before_any_work(tm
                                                                                 monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as torchrun starts rank 0 (a lone WORLD_SIZE is refused)
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, **{"trainer.grad_accum": 3})) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == ("error: trainer.grad_accum=3 is not divisible by the 2 processes: the global batch is "

@@ -26,7 +26,6 @@ recorded and logged. Keys that change only how the run is observed or executed
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -36,7 +35,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from training import schema
 from training.checkpoint import (DATA_CHANGES, CheckpointError, check_model_config, check_unchanged, checkpoint_dir,
                                  lineage_id, list_checkpoints, load_checkpoint, peek_lineage, step_of)
 from training.export import WEIGHTS_NAME
@@ -51,16 +49,17 @@ TRAINING_GROUPS = ("trainer", "optim", "data")
 # Keys outside the `model` group that change what the model computes: a resume must keep them.
 COMPUTE_KEYS = ("data.document_mask", "attention.window")
 # Keys that change how a run is observed, stored or executed, not the numbers it computes.
-# (data.document_mask changes what the model computes: COMPUTE_KEYS refuses it.)
 FREE_ON_RESUME = {
     "trainer": ("progress", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_ckpts", "compile",
                 "peak_flops", "dist_timeout_s", "parallel", "context_parallel", "deterministic"),
     "optim": ("fused",),
-    "data": ("cache_dir", "verify_cache", "allow_changed", "document_mask"),
+    "data": ("cache_dir", "verify_cache", "allow_changed"),
 }
-# The order of the training windows follows from these: a run cannot continue under others (the
-# data sampler refuses its saved position), so allow_changes cannot name them either.
-FIXED_ON_RESUME = ("seed", "trainer.seq_len")
+# Keys a run can never continue under another value of, each refused by the check that knows what
+# it means (old checkpoints included), so not compared here and not open to allow_changes.
+CHECKED_ELSEWHERE = {"seed": "the data sampler", "trainer.seq_len": "the data sampler",
+                     "data.windows": "the data sampler", "optim.decay_embeddings": "the optimizer's parameter groups",
+                     "data.document_mask": "the model"}
 
 
 @dataclass
@@ -247,38 +246,26 @@ def _plan_path(run_dir: Path, path: Path, usable: dict, own: str | None) -> Star
 
 def check_allow_changes(cfg: DictConfig) -> None:
     for entry in cfg.get("allow_changes") or []:
-        if entry in FIXED_ON_RESUME:
-            raise ValueError(f"allow_changes: {entry} cannot change within a run (the order of the training windows "
-                             f"follows from it): start a new run.dir")
+        if entry in CHECKED_ELSEWHERE:
+            raise ValueError(f"allow_changes: {entry} cannot change within a run ({CHECKED_ELSEWHERE[entry]} depends "
+                             f"on it): start a new run.dir")
         if str(entry).split(".")[0] not in TRAINING_GROUPS:
             raise ValueError(f"allow_changes: {entry!r} is not a training setting (expected trainer, optim, data or "
                              f"one of their keys, e.g. trainer.max_steps)")
 
 
-def _with_defaults(group: str, node) -> dict:
-    """A group's values with the schema's defaults for keys it lacks (a checkpoint older than a key)."""
-    node = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
-    cls = schema.schema_of(group, node)
-    defaults = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
-    return {k: (str(v) if isinstance(v, schema.Choice) else v) for k, v in {**defaults, **node}.items()}
-
-
 def training_differences(saved_cfg: dict, cfg: DictConfig) -> dict[str, list]:
-    """{"group.key": [checkpoint's value, this run's]} over the training groups and the seed,
-    leaving out FREE_ON_RESUME."""
+    """{"group.key": [checkpoint's value, this run's]} over the training groups,
+    leaving out FREE_ON_RESUME and CHECKED_ELSEWHERE. A key the checkpoint's config lacks (added since) is not compared:
+    what runs before it did is the concern of the check that reads it (the data sampler's state,
+    the optimizer's parameter groups), not the schema's default."""
     diffs = {}
     for group in TRAINING_GROUPS:
-        old, new = _with_defaults(group, saved_cfg.get(group, {})), _with_defaults(group, cfg[group])
-        for key in sorted(set(old) | set(new)):
-            if key not in FREE_ON_RESUME.get(group, ()) and old.get(key) != new.get(key):
-                diffs[f"{group}.{key}"] = [old.get(key), new.get(key)]
-    if saved_cfg.get("seed", cfg.seed) != cfg.seed:
-        diffs["seed"] = [saved_cfg.get("seed"), cfg.seed]
+        old, new = saved_cfg.get(group, {}), OmegaConf.to_container(cfg[group], resolve=True)
+        for key in sorted(set(old) & set(new)):
+            name = f"{group}.{key}"
+            if key not in FREE_ON_RESUME.get(group, ()) and name not in CHECKED_ELSEWHERE and old[key] != new[key]:
+                diffs[name] = [old[key], new[key]]
     return diffs
 
 
@@ -290,11 +277,6 @@ def accepted_changes(start: Start, cfg: DictConfig, run_dir: Path) -> dict[str, 
     """The differences from the checkpoint's training config this start accepts; CheckpointError
     listing the others. A branch accepts them all (logged)."""
     diffs = training_differences(start.state["config"], cfg)
-    fixed = {k: v for k, v in diffs.items() if k in FIXED_ON_RESUME}
-    if fixed:
-        raise CheckpointError(f"checkpoint {start.checkpoint} was trained with {_describe(fixed)}: the order of the "
-                              f"training windows follows from {' and '.join(FIXED_ON_RESUME)}, so a run cannot "
-                              f"continue under other values; pass the checkpoint's, or start a new run.dir")
     if start.event == "branch":
         if diffs:
             log.warning("branch from %s with other training settings: %s", start.checkpoint, _describe(diffs))

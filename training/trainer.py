@@ -257,10 +257,10 @@ class Trainer:
     def __init__(self, cfg: DictConfig, env: DistEnv | None = None):
         device = resolve_config(cfg)
         t, world = cfg.trainer, env.world_size if env else env_world()[1]
+        if env is None:  # WORLD_SIZE left in a shell: say that, not what the world size would imply
+            check_launcher(world)
         check_context_parallel(cfg, world)  # before any work
         micro_steps = local_grad_accum(t.grad_accum, world, context_parallel_size(cfg))
-        if env is None:
-            check_launcher(world)
         self.env = env or init_distributed(device.type, t.dist_timeout_s, context_parallel_size(cfg))
         if not self.env.enabled and t.parallel == "fsdp":
             log.warning("trainer.parallel=fsdp has no effect in a single process (start several with torchrun)")
