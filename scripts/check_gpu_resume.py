@@ -3,10 +3,10 @@
     python scripts/check_gpu_resume.py --out benchmarks                  # H200: gpt2-small, T = 1K, ~2-3 min
     python scripts/check_gpu_resume.py --out benchmarks --default-resume # also kill/resume without it (+1 min)
     python scripts/check_gpu_resume.py --out /tmp/x --steps 12 --ckpt-every 4 --kill-at 8 \\
-        device=cpu model=tiny model.vocab_size=null trainer.seq_len=64 trainer.batch_size=4 data.max_bytes=2000000
+        device=cpu model=tiny trainer.seq_len=64 trainer.batch_size=4 data.max_bytes=2000000
 
 Every run is `python train.py` itself (a subprocess, logger=none, offline corpus), `--steps`
-optimizer steps of gpt2-small (its 50,304-row head; the bytes tokenizer uses 256 of them) with
+optimizer steps of gpt2-small (with its 50,304-row head, over the byte tokenizer's ids) with
 checkpoints every `--ckpt-every` steps:
 
 1. `deterministic`: trainer.deterministic=true, uninterrupted: the reference losses, and tokens/s;
@@ -41,7 +41,7 @@ import torch
 
 from _common import REPO_ROOT, add_out_argument, device_slug, environment, markdown_table, run_cli, write_json, write_text
 
-GPT2 = ["model=gpt2-small", "model.vocab_size=50304", "trainer.seq_len=1024", "trainer.batch_size=16",
+GPT2 = ["model=gpt2-small", "trainer.seq_len=1024", "trainer.batch_size=16",
         "trainer.compile=false", "logger=none", "trainer.progress=false", "trainer.log_every=1",
         "trainer.eval_every=0", "trainer.eval_batches=2", "data.max_bytes=8000000"]
 COMPARED = ("loss", "grad_norm", "lr", "val_loss")   # every logged value but the timings

@@ -17,12 +17,13 @@ resumed from.
   (nothing is deleted). A checkpoint of another run starts a branch: allowed only into a folder
   that holds no run yet; the branch gets its own id and records where it came from.
 
-Continuing a run (auto, or a rewind) compares the training config (`trainer`, `optim`, `data`,
-`seed`) with the checkpoint's: a difference that changes the numbers the run computes is refused
-in one line listing the keys unless named in `allow_changes=[key, group, ...]`; accepted changes
-go into lineage.jsonl. A branch may change them (that is what a branch is for): they are
-recorded and logged. Keys that change only how the run is observed or executed
-(`FREE_ON_RESUME`) may always change.
+Continuing a run (auto, or a rewind) compares the training config (`trainer`, `optim`, `data`)
+with the checkpoint's: a difference that changes the numbers the run computes is refused in one
+line listing the keys unless named in `allow_changes=[key, group, ...]`; accepted changes go
+into lineage.jsonl. A branch may change them (that is what a branch is for): they are recorded
+and logged. Keys that change only how the run is observed or executed (`FREE_ON_RESUME`) may
+always change; those no run can continue under another value of (`CHECKED_ELSEWHERE`: the seed,
+the sequence length, ...) are refused by the check that reads them.
 """
 from __future__ import annotations
 
@@ -255,10 +256,10 @@ def check_allow_changes(cfg: DictConfig) -> None:
 
 
 def training_differences(saved_cfg: dict, cfg: DictConfig) -> dict[str, list]:
-    """{"group.key": [checkpoint's value, this run's]} over the training groups,
-    leaving out FREE_ON_RESUME and CHECKED_ELSEWHERE. A key the checkpoint's config lacks (added since) is not compared:
-    what runs before it did is the concern of the check that reads it (the data sampler's state,
-    the optimizer's parameter groups), not the schema's default."""
+    """{"group.key": [checkpoint's value, this run's]} over the training groups, leaving out
+    FREE_ON_RESUME and CHECKED_ELSEWHERE. A key the checkpoint's config lacks (added since) is not
+    compared: what runs before it did is the concern of the check that reads it (the data
+    sampler's state, the optimizer's parameter groups), not the schema's default."""
     diffs = {}
     for group in TRAINING_GROUPS:
         old, new = saved_cfg.get(group, {}), OmegaConf.to_container(cfg[group], resolve=True)
