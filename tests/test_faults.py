@@ -316,9 +316,11 @@ def test_a_second_ctrl_c_is_one_line_and_status_130(tmp_path, cache_dir, capsys,
         return step(self, next_batch)
 
     monkeypatch.setattr(TrainStep, "__call__", interrupted_at_step_6)
-    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=12)) == 130
+    with pytest.raises(SystemExit) as stop:  # a sweep ends too
+        run_in_process(tiny_overrides(tmp_path, cache_dir, steps=12))
+    assert stop.value.code == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: stopped at once by Ctrl-C, without saving; the last good checkpoint is "
+        f"error: interrupted: stopped at once, without saving; the last good checkpoint is "
         f"{checkpoint_path(tmp_path, 4)}")
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
