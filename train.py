@@ -2,59 +2,84 @@
 `torchrun --nproc_per_node=N train.py ...` (see README.md).
 
 Exit status: 0 finished; 1 the loss went NaN/inf (no checkpoint written after it); 2 bad input
-(config key or value, data path, folder, checkpoint, a run.dir in use), reported in one line before
-any step runs, or a write error such as a full disk during training (older checkpoints kept); 130 (Ctrl-C)
-or 143 (SIGTERM) stopped at a step boundary after saving a checkpoint: rerun with resume=auto (a second
-Ctrl-C stops at once, without saving, also 130, in one line).
+(config key or value, data path, folder, checkpoint, a run.dir in use) or the machine (out of memory,
+a full disk, no network for wandb), reported in one line (before any step where it can be known;
+older checkpoints kept); 130 (Ctrl-C) or 143 (SIGTERM) stopped at a step boundary after saving a
+checkpoint (a second Ctrl-C: at once, without saving), 129 under torchrun when the launcher died:
+rerun with resume=auto.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
+from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config import exit_on_config_error, plain
+from training.config import exit_on_config_error, hydra_callbacks, is_main_process, plain
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
 SWEEP_DIR: list[str] = []    # a multirun's folder, for the table printed when it ends
+ALLOW_CALLBACKS = "FLASHTRAIN_ALLOW_HYDRA_CALLBACKS"   # =1: run the hydra.callbacks a config names
 
 
-def train(cfg: DictConfig, outcome: dict | None = None) -> int:
+def report(line: str, every_rank: bool = False) -> int:
+    """One error line on stderr (rank 0 only, unless each rank sees its own); exit status 2."""
+    if every_rank or is_main_process():
+        print(f"error: {line.splitlines()[0] if line else line}", file=sys.stderr)
+    return 2
+
+
+def train(cfg: DictConfig, outcome: dict | None = None, on_start: Callable[[], Callable | None] | None = None) -> int:
     """Set up (bad input -> one line on stderr, exit status 2), then train; `outcome` receives the
-    final validation loss."""
-    from training.distributed import close_distributed  # torch: imported only once a run starts,
-    from training.trainer import Trainer                # so `--help` answers at once
+    final validation loss. `on_start` runs on rank 0 once the run is accepted (train.py keeps
+    Hydra's files then); it may return a function to run when the run ends."""
+    from training.distributed import RankError, close_distributed  # torch: imported only once a run starts,
+    from training.faults import fault_line                         # so `--help` answers at once
+    from training.trainer import Trainer
 
-    trainer = None
+    trainer, finish = None, None
     try:
         try:
             trainer = Trainer(cfg)
         except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:  # CheckpointError is a ValueError
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-            return 2
+            return report(str(e), every_rank=isinstance(e, RankError))
+        except Exception as e:  # noqa: BLE001 (the machine's faults in one line; anything else is a bug)
+            line = fault_line(e)
+            if line is None:
+                raise
+            return report(line, every_rank=True)
         with trainer.lock:
             if trainer.step >= cfg.trainer.max_steps:
+                try:
+                    trainer.export_missing_weights()
+                except OSError as e:
+                    return report(fault_line(e) or str(e), every_rank=True)
                 if trainer.env.is_main:
                     print(f"nothing to do: {trainer.resumed_from} is at step {trainer.step}, trainer.max_steps="
                           f"{cfg.trainer.max_steps} is reached; raise trainer.max_steps to train further",
                           file=sys.stderr)
                 return 0
+            if on_start is not None and trainer.env.is_main:
+                finish = on_start()
             status = trainer.fit()
             if outcome is not None:
                 outcome["val_loss"] = trainer.val_loss
             return status
     except KeyboardInterrupt:  # a second Ctrl-C (or one before the loop): one line, not a traceback; ends a sweep too
-        from training.checkpoint import last_checkpoint_note
-        note = last_checkpoint_note(trainer.run_dir) if trainer is not None else "nothing was trained yet"
+        note = trainer.note() if trainer is not None and hasattr(trainer, "start") else "nothing was trained yet"
         print(f"error: interrupted: stopped at once, without saving; {note}", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
+        if finish is not None:
+            finish()
         trainer = None      # let go of the model (DDP/FSDP hold the group) before leaving the group,
         close_distributed()  # which collects it first (see its docstring)
 
@@ -66,7 +91,8 @@ def main(cfg: DictConfig) -> float | None:
     outcome: dict = {}
     if HydraConfig.get().mode == RunMode.MULTIRUN and not SWEEP_DIR:
         SWEEP_DIR.append(HydraConfig.get().sweep.dir)
-    status = train(plain(cfg), outcome)
+    hydra_cfg, task_yaml = HydraConfig.get(), OmegaConf.to_yaml(cfg)
+    status = train(plain(cfg), outcome, on_start=lambda: keep_hydra_files(hydra_cfg, task_yaml))
     if status and HydraConfig.get().mode == RunMode.MULTIRUN:
         FAILED_JOBS.append(status)
         logging.getLogger("train").error("job %d failed (exit status %d); the sweep goes on",
@@ -75,6 +101,55 @@ def main(cfg: DictConfig) -> float | None:
     if status:
         sys.exit(status)
     return outcome.get("val_loss")
+
+
+def keep_hydra_files(hydra_cfg: DictConfig, task_yaml: str) -> Callable[[], None]:
+    """What Hydra writes itself into its output dir (configs/train.yaml turns that off: it would
+    happen before the run is checked, and a refused run must not touch an existing run's files),
+    written once the run is accepted: .hydra/{config,hydra,overrides}.yaml and the log file.
+    Returns what detaches the log file when the run ends."""
+    from training.runfiles import open_append, write_text
+
+    out = Path(hydra_cfg.runtime.output_dir)
+    (out / ".hydra").mkdir(parents=True, exist_ok=True)
+    write_text(out / ".hydra" / "config.yaml", task_yaml)
+    write_text(out / ".hydra" / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
+    write_text(out / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(list(hydra_cfg.overrides.task)))
+    root = logging.getLogger()
+    handler = logging.StreamHandler(open_append(out / f"{hydra_cfg.job.name}.log"))
+    handler.setFormatter(root.handlers[0].formatter if root.handlers else logging.Formatter(LOG_FORMAT))
+    root.addHandler(handler)
+
+    def detach() -> None:
+        root.removeHandler(handler)
+        handler.close()
+        handler.stream.close()
+    return detach
+
+
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"   # Hydra's own
+
+
+def check_before_hydra(argv: list[str]) -> None:
+    """What must be refused before Hydra starts (it creates run.dir and instantiates callbacks
+    first): a run.dir that cannot be a folder, and hydra.callbacks from a config (code)."""
+    for value in (a.split("=", 1)[1] for a in argv if a.startswith("run.dir=")):
+        folder = Path(value).expanduser()
+        if not value.strip():
+            sys.exit(report("run.dir='': expected a folder for the run"))
+        if folder.exists() and not folder.is_dir():
+            sys.exit(report(f"run.dir={value} is not a folder"))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            sys.exit(report(f"run.dir={value} cannot be created ({e.strerror or e})"))
+    flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
+    if flags or os.environ.get(ALLOW_CALLBACKS) == "1":  # --help, --cfg, another config (-cn, -cp): not a run of ours
+        return
+    names = hydra_callbacks([a for a in argv if "=" in a])
+    if names:
+        sys.exit(report(f"hydra.callbacks ({', '.join(names)}) would run code named in a config file before "
+                        f"training starts; flashtrain runs them only with {ALLOW_CALLBACKS}=1 (README, Configs are code)"))
 
 
 def one_folder_per_run(argv: list[str]) -> list[str]:
@@ -89,6 +164,7 @@ def one_folder_per_run(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     sys.argv = one_folder_per_run(sys.argv)
     with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
+        check_before_hydra(sys.argv[1:])
         main()
     if SWEEP_DIR:
         from training.summary import sweep_summary

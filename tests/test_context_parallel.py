@@ -238,6 +238,7 @@ def test_unsupported_context_parallel_is_one_line_exit_2(tmp_path, cache_dir, ca
                                                          message):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as torchrun starts rank 0 (a lone WORLD_SIZE is refused)
     assert run_in_process(cp_overrides(tmp_path, cache_dir, **extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {message}"), err

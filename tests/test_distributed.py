@@ -1,6 +1,7 @@
 """Several processes on the CPU (gloo): DDP and FSDP2 steps against the single-process step,
-checkpoints moved between 1 and 2 processes, a killed rank and a stop signal under torchrun, and
-two processes building one token cache at once."""
+checkpoints moved between 1 and 2 processes, a killed rank, stop signals and a killed launcher
+under torchrun (and training.launch's exit statuses), and two processes building one token cache
+at once."""
 from __future__ import annotations
 
 import os
@@ -127,8 +128,9 @@ def model_from_default() -> dict:
 
 # ----------------------------------------------------------------------------- train.py under torchrun
 
-def torchrun_command(overrides: list[str], nproc: int = WORLD) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+def torchrun_command(overrides: list[str], nproc: int = WORLD, launcher: str = "torch.distributed.run") -> list[str]:
+    """torchrun itself, or (launcher="training.launch") torchrun with train.py's exit statuses."""
+    return [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}",
             str(REPO / "train.py"), *overrides]
 
 
@@ -209,8 +211,9 @@ def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def start_and_interrupt(overrides: list[str], run_dir: Path, after_steps: int, act) -> int:
-    launcher = subprocess.Popen(torchrun_command(overrides), cwd=REPO, env=subprocess_env(),
+def start_and_interrupt(overrides: list[str], run_dir: Path, after_steps: int, act,
+                        launcher: str = "torch.distributed.run") -> int:
+    launcher = subprocess.Popen(torchrun_command(overrides, launcher=launcher), cwd=REPO, env=subprocess_env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < after_steps) and \
@@ -236,15 +239,72 @@ def test_killed_rank_then_resume_auto_is_bit_identical(tmp_path, cache_dir, ddp_
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_stops_every_rank_at_one_step(tmp_path, cache_dir):
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_to_torchrun_stops_every_rank_at_one_step(tmp_path, cache_dir, sig, status):
+    """Through `python -m training.launch` (torchrun with train.py's statuses; torchrun itself exits 1)."""
     run_dir = tmp_path / "run"
     overrides = dist_overrides(run_dir, cache_dir, 200, resume="auto", **{"trainer.ckpt_every": 0,
                                                                          "trainer.eval_every": 0})
-    start_and_interrupt(overrides, run_dir, after_steps=5, act=lambda p: p.send_signal(signal.SIGTERM))
+    assert start_and_interrupt(overrides, run_dir, after_steps=5, act=lambda p: p.send_signal(sig),
+                               launcher="training.launch") == status
     saved = list_checkpoints(run_dir / "checkpoints")
     assert len(saved) == 1  # one consistent checkpoint, written once
     stopped_at = load_checkpoint(saved[0])["step"]
     assert 5 <= stopped_at < 200 and len(losses(run_dir)) == stopped_at
+
+
+@pytest.mark.slow
+def test_workers_of_a_killed_launcher_save_and_stop_instead_of_training_on(tmp_path, cache_dir):
+    """The issue: SIGKILL to torchrun left both workers training as orphans (589 metric rows 20 s later)."""
+    run_dir = tmp_path / "run"
+    overrides = dist_overrides(run_dir, cache_dir, 100_000, **{"trainer.ckpt_every": 0, "trainer.eval_every": 0})
+    workers: dict[int, int] = {}
+
+    def kill_launcher(launcher: subprocess.Popen) -> None:
+        workers.update(worker_pids(launcher))
+        launcher.send_signal(signal.SIGKILL)
+
+    start_and_interrupt(overrides, run_dir, after_steps=5, act=kill_launcher)
+    assert len(workers) == WORLD
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in workers.values() if Path(f"/proc/{pid}").exists()]
+    for pid in alive:  # only our own workers, by pid, so a failure leaves no process behind
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the workers trained on after their launcher died"
+    (saved,) = list_checkpoints(run_dir / "checkpoints")  # saved at the step boundary where they noticed
+    assert load_checkpoint(saved)["step"] == len(losses(run_dir)) < 100_000
+
+
+@pytest.mark.slow
+def test_a_config_error_under_the_launcher_is_one_line_from_rank_0_and_its_status(tmp_path, cache_dir):
+    result = subprocess.run(torchrun_command(dist_overrides(tmp_path, cache_dir, **{"optim.lr": "abc"}),
+                                             launcher="training.launch"),
+                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: optim.lr='abc': must be a number > 0"]
+
+
+def test_the_launcher_maps_a_second_signal_and_a_failed_worker_to_train_pys_statuses(monkeypatch):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    import torch.distributed.run as torchrun_module
+    import training.launch as launch
+
+    def second_ctrl_c(args):  # what torchrun raises again when Ctrl-C comes while it waits for the workers
+        raise SignalException("got signal: 2", sigval=signal.SIGINT)
+
+    monkeypatch.setattr(torchrun_module, "run", second_ctrl_c)
+    assert launch.main(["--standalone", "--nproc_per_node=2", "train.py"]) == 130
+
+    def worker_failed(args):
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file="")
+        raise ChildFailedError("train.py", {0: failure})
+
+    monkeypatch.setattr(torchrun_module, "run", worker_failed)
+    assert launch.main(["--standalone", "--nproc_per_node=2", "train.py"]) == 2
 
 
 # ----------------------------------------------------------------------------- the sampler over 1 -> 2 -> 1 processes
@@ -347,6 +407,7 @@ def test_global_batch_that_the_ranks_cannot_split_is_one_line_before_any_work(tm
                                                                                 monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as torchrun starts rank 0 (a lone WORLD_SIZE is refused)
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, **{"trainer.grad_accum": 3})) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == ("error: trainer.grad_accum=3 is not divisible by the 2 processes: the global batch is "

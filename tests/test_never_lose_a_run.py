@@ -85,13 +85,13 @@ def test_resume_after_a_corrupt_newest_checkpoint_keeps_its_own_checkpoints(tmp_
     assert run_in_process(base) == 0
     step20 = checkpoint_path(tmp_path, 20)
     step20.write_bytes(step20.read_bytes()[:5000])
-    again = tiny_overrides(tmp_path, cache_dir, steps=16, resume="auto",
+    again = tiny_overrides(tmp_path, cache_dir, steps=16, resume="auto", allow_changes="[trainer.max_steps]",
                            **{"trainer.ckpt_every": 4, "trainer.keep_ckpts": 1})
     assert run_in_process(again) == 0
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000016.pt", "step_00000020.pt"]
     up_to_16 = losses(tmp_path)
     assert [r[0] for r in up_to_16] == list(range(1, 17))
-    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=20, resume="auto",
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=20, resume="auto", allow_changes="[trainer.max_steps]",
                                          **{"trainer.ckpt_every": 4, "trainer.keep_ckpts": 1})) == 0
     assert losses(tmp_path)[:16] == up_to_16  # resumed from step 16 (a restart from 0 rewrites 11-16)
 
@@ -155,7 +155,8 @@ def test_kill_9_leaves_no_stale_lock_and_a_live_run_is_not_disturbed(tmp_path, c
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=2, resume="auto")) == 0
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=2, resume="auto",
+                                         allow_changes="[trainer.max_steps]")) == 0
 
 
 # --------------------------------------------------------------------------- model config on resume (item 3)
@@ -242,9 +243,11 @@ def test_changed_data_refuses_with_a_way_forward_and_allow_changed_records_it(tm
     overrides = _drop_max_bytes(files_overrides(run_dir, cache_dir, data_dir))
     assert run_in_process(overrides) == 0
     os.utime(data_dir / "doc0.txt")  # a touch alone changes nothing
-    assert run_in_process(_drop_max_bytes(files_overrides(run_dir, cache_dir, data_dir, steps=6, resume="auto"))) == 0
+    assert run_in_process(_drop_max_bytes(files_overrides(run_dir, cache_dir, data_dir, steps=6, resume="auto",
+                                                          allow_changes="[trainer.max_steps]"))) == 0
     edit_keeping_size_and_mtime(data_dir / "doc2.txt")
-    resume = _drop_max_bytes(files_overrides(run_dir, cache_dir, data_dir, steps=8, resume="auto"))
+    resume = _drop_max_bytes(files_overrides(run_dir, cache_dir, data_dir, steps=8, resume="auto",
+                                             allow_changes="[trainer.max_steps]"))
     assert run_in_process(resume) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "was trained on data files-" in err and "pass data.allow_changed=true" in err, err

@@ -1,19 +1,21 @@
-"""Checkpoints: atomic writes, the newest complete one for `resume=auto`, validation on load.
+"""Checkpoints: atomic writes, the newest complete one of a run for `resume=auto`, validation on load.
 
 A checkpoint is one `torch.save` file, `checkpoints/step_00000100.pt`, holding the model,
-optimizer, step, tokens seen, every RNG state, the data sampler's position, the resolved config
-and the wandb run id. It is written to `<name>.tmp`, fsynced and renamed, so a crash leaves
-either the old set of files or the new one; a file that still fails to load (a disk error, a
+optimizer, step, tokens seen, every RNG state, the data sampler's position, the resolved config,
+the wandb run id and the run's lineage (its id, and the checkpoint it branched from). It is
+written to `<name>.tmp` (created exclusively: a planted link is never followed), fsynced and
+renamed, so a crash leaves either the old set of files or the new one; a failed write (a full
+disk, a file-size limit) removes the temp file. A file that still fails to load (a disk error, a
 copy cut short) is skipped by `resume=auto` with a warning naming it. Loading uses
-`weights_only=True`: a checkpoint cannot run code.
+`weights_only=True`: a checkpoint cannot run code. Pruning and `resume=auto` look only at the
+files of one run (training.resume decides which): another run's checkpoint in the same folder is
+never deleted, never counted as kept.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import logging
-import os
 import re
 import time
 from pathlib import Path
@@ -22,14 +24,16 @@ import torch
 from torch import nn
 
 from training.rng import set_rng_state
+from training.runfiles import RecordingWriter, new_file, os_error_in
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2      # 2 added "checksum"; version 1 files (no checksum) still load
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3      # 2 added "checksum", 3 "lineage"; older files still load (a version 2 file has no lineage)
+READABLE_VERSIONS = (1, 2, 3)
 REQUIRED_KEYS = ("step", "tokens", "model", "optimizer", "rng", "sampler", "config",
                  "wandb_id")
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+ANY_RUN = "*"   # pruning / picking over every file, whichever run wrote it (lineage ids are hex)
 
 
 class CheckpointError(ValueError):
@@ -40,8 +44,9 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permissions); the older ones are untouched."""
 
 
-# Files known to verify, by (path, size, mtime, inode): those this process wrote or checked.
-_verified: set[tuple] = set()
+# Files known to verify, by (path, size, mtime, inode) -> their lineage id: those this process
+# wrote or checked.
+_verified: dict[tuple, str | None] = {}
 
 
 def _file_id(path: Path) -> tuple:
@@ -83,19 +88,17 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def lineage_id(state: dict) -> str | None:
+    """The id of the run that wrote a checkpoint's state; None for files from before lineages."""
+    lineage = state.get("lineage")
+    return lineage.get("id") if isinstance(lineage, dict) else None
 
 
 def save_checkpoint(path: str | Path, state: dict) -> Path:
-    """Write `state` with its checksum atomically: temp file, fsync, rename, fsync the folder.
+    """Write `state` with its checksum atomically: exclusive temp file, fsync, rename, fsync the folder.
 
-    A failed write (a full disk) removes the partial temp file and raises CheckpointWriteError;
-    the checkpoints already there are untouched.
+    A failed write (a full disk, a file-size limit, an interrupt) removes the partial temp file;
+    write errors raise CheckpointWriteError naming the cause. The checkpoints already there are untouched.
     """
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
@@ -103,22 +106,25 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     state = {"format_version": FORMAT_VERSION, **state}
     state["checksum"] = state_checksum(state)
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        with new_file(path) as f:
+            writer = RecordingWriter(f)
+            try:
+                torch.save(state, writer)
+            except RuntimeError as e:  # torch's zip writer hides the OSError of a failed write
+                if writer.error is None:
+                    raise
+                raise writer.error from e
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        reason = e.strerror or str(e) or type(e).__name__
-        hint = ": free some space and rerun with resume=auto" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        raise CheckpointWriteError(e.errno, f"could not write checkpoint {path} ({reason}); the older "
-                                            f"checkpoints are untouched{hint}") from e
-    _verified.add(_file_id(path))
+        error = os_error_in(e) or e
+        reason = error.strerror or str(error) or type(error).__name__
+        hint = {errno.ENOSPC: ": free some space and rerun with resume=auto",
+                errno.EDQUOT: ": free some space (disk quota) and rerun with resume=auto",
+                errno.EFBIG: ": raise the file-size limit (ulimit -f) and rerun with resume=auto"}.get(error.errno, "")
+        raise CheckpointWriteError(error.errno, f"could not write checkpoint {path} ({reason}); the older "
+                                                f"checkpoints are untouched{hint}") from e
+    _verified[_file_id(path)] = lineage_id(state)
     return path
 
 
@@ -131,23 +137,55 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def is_usable(path: Path) -> bool:
-    """Whether the checkpoint loads and matches its checksum (remembered for files seen intact)."""
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's file name."""
+    return int(_NAME.match(Path(path).name).group(1))
+
+
+def peek_lineage(path: Path) -> str | None:
+    """The run id a checkpoint names, read without checking its checksum (cheap: its tensors are
+    memory-mapped, not read); CheckpointError when it does not load as one of ours."""
+    path = Path(path)
     try:
-        if _file_id(path) in _verified:
-            return True
-        load_checkpoint(path)
+        found = _verified.get(_file_id(path), False)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {e.strerror or e}") from e
+    return lineage_id(_read(path)) if found is False else found
+
+
+def checkpoint_lineage(path: Path) -> str | None:
+    """The lineage id of a checkpoint that loads and matches its checksum (remembered for files
+    seen intact); CheckpointError or OSError otherwise."""
+    found = _verified.get(_file_id(path), False)
+    return lineage_id(load_checkpoint(path)) if found is False else found
+
+
+def is_usable(path: Path) -> bool:
+    """Whether the checkpoint loads and matches its checksum."""
+    try:
+        checkpoint_lineage(path)
     except (OSError, CheckpointError):
         return False
     return True
 
 
-def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> None:
-    """Keep the newest `keep` usable checkpoints; delete older usable ones and stale temp files.
+def is_of_run(path: Path, run_id: str | None) -> bool:
+    """Whether `path` is a usable checkpoint written by run `run_id` (any run's for ANY_RUN)."""
+    try:
+        if run_id != ANY_RUN and peek_lineage(path) != run_id:
+            return False
+    except CheckpointError:
+        return False
+    return is_usable(path)
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep: int, run_id: str | None = ANY_RUN) -> None:
+    """Keep the newest `keep` usable checkpoints of run `run_id`; delete its older ones and stale temp files.
 
     Unusable files are never counted as kept (nor deleted: they are evidence, and `resume=auto`
-    skips them with a warning), so the newest usable checkpoint always survives. Only the run
-    holding the folder's lock calls this, so a `.tmp` here is not another writer's.
+    skips them with a warning), so the newest usable checkpoint always survives; another run's
+    files are neither counted nor deleted. Only the run holding the folder's lock calls this, so a
+    `.tmp` here is not another writer's.
     """
     if keep < 1:
         raise ValueError(f"keep={keep}: pruning must keep at least one checkpoint")
@@ -155,6 +193,12 @@ def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> None:
         stale.unlink(missing_ok=True)
     kept = 0
     for path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            foreign = run_id != ANY_RUN and peek_lineage(path) != run_id
+        except CheckpointError:
+            foreign = False  # unreadable: whoever wrote it, it is evidence
+        if foreign:
+            continue
         if not is_usable(path):
             log.warning("checkpoint %s is unusable: kept on disk, not counted among the %d kept", path, keep)
         elif kept < keep:
@@ -163,9 +207,8 @@ def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> None:
             path.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """Read and check a checkpoint's structure; CheckpointError (one line, naming it) otherwise."""
-    path = Path(path)
+def _read(path: Path) -> dict:
+    """A checkpoint's state, structure checked, tensors memory-mapped (not yet read)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -181,7 +224,15 @@ def load_checkpoint(path: str | Path) -> dict:
     if state["format_version"] not in READABLE_VERSIONS:
         raise CheckpointError(f"checkpoint {path} has format_version {state['format_version']}, "
                               f"this code reads {', '.join(map(str, READABLE_VERSIONS))}")
-    if state["format_version"] >= 2:
+    return state
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Read and check a checkpoint's structure and checksum; CheckpointError (one line, naming it)
+    otherwise. A file this process already verified (same size, mtime, inode) is not re-hashed."""
+    path = Path(path)
+    state = _read(path)
+    if state["format_version"] >= 2 and _file_id(path) not in _verified:
         try:
             actual = state_checksum(state)
         except Exception as e:  # a flipped byte can also make a tensor's storage unreadable
@@ -189,46 +240,22 @@ def load_checkpoint(path: str | Path) -> dict:
         if state.get("checksum") != actual:
             raise CheckpointError(f"checkpoint {path} is corrupt: its contents do not match the stored "
                                   f"checksum {state.get('checksum')}")
-        _verified.add(_file_id(path))
+        _verified[_file_id(path)] = lineage_id(state)
     return state
 
 
-def latest_checkpoint(ckpt_dir: str | Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads, with its state; unreadable ones are skipped with a warning."""
+def latest_checkpoint(ckpt_dir: str | Path, run_id: str | None = ANY_RUN) -> tuple[Path, dict] | None:
+    """The newest checkpoint of run `run_id` that loads, with its state; unreadable ones are
+    skipped with a warning, another run's are passed over."""
     for path in reversed(list_checkpoints(ckpt_dir)):
         try:
-            return path, load_checkpoint(path)
+            state = load_checkpoint(path)
         except CheckpointError as e:
             log.warning("skipping %s", e)
+            continue
+        if run_id == ANY_RUN or lineage_id(state) == run_id:
+            return path, state
     return None
-
-
-def find_resume_checkpoint(resume: str | None, run_dir: str | Path) -> tuple[Path, dict] | None:
-    """What `resume=` asks for: nothing (a fresh run), the newest usable checkpoint, or one file.
-
-    A fresh run refuses a run dir that already holds checkpoints rather than interleave with them;
-    `resume=auto` refuses one whose checkpoints are all unusable rather than start over on top of
-    their metrics.
-    """
-    ckpt_dir = checkpoint_dir(run_dir)
-    if resume is None:
-        if list_checkpoints(ckpt_dir):
-            raise ValueError(f"run.dir={run_dir} already holds checkpoints: pass resume=auto to continue "
-                             f"that run, or choose another run.dir")
-        return None
-    if resume == "auto":
-        found = latest_checkpoint(ckpt_dir)
-        if found is None:
-            present = list_checkpoints(ckpt_dir)
-            if present:
-                raise CheckpointError(f"resume=auto: none of the {len(present)} checkpoint(s) in {ckpt_dir} is "
-                                      f"usable (see the warnings above); move them aside to start over from step 0")
-            log.info("resume=auto: no checkpoint in %s, starting from step 0", ckpt_dir)
-        return found
-    if Path(resume).is_dir():
-        raise CheckpointError(f"resume={resume} is a folder: pass a checkpoint file (<run.dir>/checkpoints/"
-                              f"step_XXXXXXXX.pt), or run.dir={resume} resume=auto to continue that run")
-    return Path(resume), load_checkpoint(resume)
 
 
 # Model keys that do not change the function or the weights (exact memory features).
@@ -309,17 +336,17 @@ def _sampler_state_for_new_data(saved: dict, sampler) -> dict:
 
 
 def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, optimizer, sampler,
-                           data_fingerprint: str, model_cfg: dict, allow_data_change: bool = False,
-                           run_dir: str | Path | None = None) -> None:
+                           data_fingerprint: str, model_cfg: dict, allow_data_change: bool = False) -> dict | None:
     """Put a run back exactly where `state` left it: weights, optimizer moments, data position, RNGs.
 
     Refuses another model config, and a checkpoint of other data (the sampler position would
     index different tokens) unless `allow_data_change`, which continues at the same point of the
-    epoch on the new data and appends the change to <run_dir>/data_changes.jsonl.
+    epoch on the new data. Returns the data change to record (<run_dir>/data_changes.jsonl, written
+    once the run is accepted), or None.
     """
     check_model_config(path, state["config"].get("model", {}), model_cfg)
     saved_fp = state["config"].get("run", {}).get("data_fingerprint")
-    sampler_state = state["sampler"]
+    sampler_state, change = state["sampler"], None
     if saved_fp != data_fingerprint:
         if not allow_data_change:
             raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads "
@@ -327,11 +354,8 @@ def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, o
         log.warning("data changed since %s: %s -> %s; continuing (data.allow_changed=true)", path, saved_fp,
                     data_fingerprint)
         sampler_state = _sampler_state_for_new_data(sampler_state, sampler)
-        if run_dir is not None:
-            with open(Path(run_dir) / DATA_CHANGES, "a") as f:
-                f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                    "step": state["step"], "checkpoint": str(path), "from": saved_fp,
-                                    "to": data_fingerprint}) + "\n")
+        change = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": state["step"],
+                  "checkpoint": str(path), "from": saved_fp, "to": data_fingerprint}
     restore_model(model, state, path, model_cfg)
     optimizer.load_state_dict(state["optimizer"])
     try:
@@ -339,9 +363,10 @@ def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, o
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     set_rng_state(state["rng"])
+    return change
 
 
-def last_checkpoint_note(run_dir: str | Path) -> str:
-    """Where the last good checkpoint is, for messages of a run that stopped."""
-    good = next((p for p in reversed(list_checkpoints(checkpoint_dir(run_dir))) if is_usable(p)), None)
+def last_checkpoint_note(run_dir: str | Path, run_id: str | None = ANY_RUN) -> str:
+    """Where the last good checkpoint of run `run_id` is, for messages of a run that stopped."""
+    good = next((p for p in reversed(list_checkpoints(checkpoint_dir(run_dir))) if is_of_run(p, run_id)), None)
     return f"the last good checkpoint is {good}" if good else "no checkpoint was saved yet"

@@ -9,6 +9,7 @@ config is final, `build_model` and `build_data` for the groups they are given.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -51,6 +52,38 @@ def plain(cfg: DictConfig) -> DictConfig:
     return values
 
 
+def hydra_callbacks(overrides: list[str]) -> list[str]:
+    """The names under `hydra.callbacks` in the config `python train.py <overrides>` composes (for
+    a multirun, in each swept value's config). Hydra instantiates those `_target_`s before the
+    task runs: code from a config file, which train.py refuses unless explicitly allowed."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base = [o.input_line if not o.is_sweep_override() else f"{o.get_key_element()}={next(o.sweep_string_iterator())}"
+            for o in parsed]
+    variants = [base] + [base[:i] + [f"{o.get_key_element()}={value}"] + base[i + 1:]
+                         for i, o in enumerate(parsed) if o.is_sweep_override() and o.is_discrete_sweep()
+                         for value in list(o.sweep_string_iterator())[1:]]
+    names: list[str] = []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            for variant in variants:
+                callbacks = hydra_compose(config_name="train", overrides=variant, return_hydra_config=True).hydra.callbacks
+                names += [name for name in (callbacks or {}) if name not in names]
+    finally:
+        GlobalHydra.instance().clear()
+    return names
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun launch, or a lone process: the one that reports what all ranks see."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 # ----------------------------------------------------------------------------- one-line errors
 
 def _field(cls: type, name: str):
@@ -77,6 +110,8 @@ def expectation(annotation, metadata) -> str:
     if annotation is bool:
         return "must be true or false"
     if annotation is int:
+        if "ge" in bounds and "le" in bounds:
+            return f"must be an integer in [{bounds['ge']}, {bounds['le']}]"
         if bounds.get("ge") == 1:
             return "must be a positive integer"
         return f"must be an integer >= {bounds['ge']}" if "ge" in bounds else "must be an integer"
@@ -153,7 +188,8 @@ def exit_on_config_error():
     except Exception as exc:  # noqa: BLE001 (only config errors are caught; the rest re-raised)
         if user_wants_traceback or not is_config_error(exc):
             raise
-        print(f"error: {config_error_line(exc)}", file=sys.stderr)
+        if is_main_process():  # every rank of a torchrun launch composes the same config
+            print(f"error: {config_error_line(exc)}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -188,9 +224,10 @@ def check_fields(cls: type, node, prefix: str = "") -> DictConfig:
         bounds = f.metadata.get("range")
         if bounds is None or f.name not in node:
             continue
-        value = typed[f.name]
-        _require(value is None or _in_range(value, bounds), f"{prefix}{f.name}", value,
-                 expectation(hints[f.name], f.metadata))
+        value, expected = typed[f.name], expectation(hints[f.name], f.metadata)
+        _require(value is None or not isinstance(value, float) or math.isfinite(value), f"{prefix}{f.name}", value,
+                 expected.replace("a number", "a finite number"))
+        _require(value is None or _in_range(value, bounds), f"{prefix}{f.name}", value, expected)
     return typed
 
 
@@ -247,6 +284,21 @@ def _check_masks(cfg: DictConfig) -> None:
     _require(cp == 1 or cfg.attention.get("kernel", "auto") == "auto", "trainer.context_parallel", cp,
              f"the ring's blocks pick their forward kernel per call (auto); attention.kernel="
              f"{cfg.attention.get('kernel')} would be ignored: use attention.kernel=auto or trainer.context_parallel=1")
+    _require(not cfg.trainer.deterministic or cfg.attention.deterministic, "trainer.deterministic", True,
+             "needs attention.deterministic=true (the atomic backward adds dQ in a different order each run)")
+
+
+def _check_run_folders(cfg: DictConfig) -> None:
+    """An empty folder name would make the run write into the current folder."""
+    import os
+
+    if "run" in cfg and not OmegaConf.is_interpolation(cfg.run, "dir"):
+        _require(str(cfg.run.get("dir")).strip() != "", "run.dir", cfg.run.get("dir"), "expected a folder for the run")
+    if OmegaConf.is_interpolation(cfg.data, "cache_dir"):
+        return
+    empty_env = " (FLASHTRAIN_CACHE is set to an empty string)" if os.environ.get("FLASHTRAIN_CACHE") == "" else ""
+    _require(str(cfg.data.get("cache_dir")).strip() != "", "data.cache_dir", cfg.data.get("cache_dir"),
+             f"expected a folder for the token cache{empty_env}")
 
 
 def validate_config(cfg: DictConfig, root: str = "train") -> None:
@@ -257,6 +309,8 @@ def validate_config(cfg: DictConfig, root: str = "train") -> None:
     for group in groups:
         check_group(group, cfg[group])
     _check_masks(cfg)
+    if root == "train":
+        _check_run_folders(cfg)
     top = {k: cfg[k] for k in cfg if k not in schema.GROUPS and not OmegaConf.is_missing(cfg, k)
            and not OmegaConf.is_interpolation(cfg, k)}  # an interpolated key is checked at its source
     check_fields(cls, top)

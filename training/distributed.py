@@ -72,6 +72,21 @@ def env_world() -> tuple[int, int, int]:
     return rank, world, local
 
 
+class RankError(ValueError):
+    """Bad input seen by one rank only (its device, its environment): every rank reports its own."""
+
+
+def check_launcher(world: int) -> None:
+    """Several processes only under torchrun: RANK/WORLD_SIZE left in a shell's environment would
+    make a lone process wait up to trainer.dist_timeout_s for peers that never come."""
+    from training.signals import launched_by_torchrun
+
+    if world > 1 and not launched_by_torchrun():
+        raise RankError(f"WORLD_SIZE={world} (RANK={os.environ.get('RANK')}) is set, but this process was not "
+                        f"started by torchrun: unset WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT "
+                        f"to train in one process, or launch with torchrun")
+
+
 def local_grad_accum(grad_accum: int, world_size: int, context_parallel: int = 1) -> int:
     """Micro-batches per rank per optimizer step: the global batch (batch_size x grad_accum
     sequences) stays what the config says, whatever the number of processes; the C ranks of a
@@ -97,7 +112,7 @@ def init_distributed(device_type: str, timeout_s: float, context_parallel: int =
         return DistEnv()
     if device_type == "cuda":
         if local >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA device(s)")
+            raise RankError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA device(s)")
         torch.cuda.set_device(local)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():

@@ -18,8 +18,12 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def save_weights(state_dict: dict, path: str | Path, config: dict) -> Path:
-    """Write the weights atomically (temp file, rename); tensors sharing storage are kept once."""
+    """Write the weights atomically (temp file, rename); tensors sharing storage are kept once.
+    A failed write (a full disk) removes the temp file and raises OSError with the system's reason;
+    a link at the temp name is removed, never followed."""
     from safetensors.torch import save_file
+
+    from training.runfiles import os_error_in, temp_path
 
     seen, tensors = set(), {}
     for name, tensor in state_dict.items():
@@ -29,9 +33,17 @@ def save_weights(state_dict: dict, path: str | Path, config: dict) -> Path:
         seen.add(key)
         tensors[name] = tensor.detach().to("cpu").contiguous()
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "flashtrain", "config": json.dumps(config)})
-    os.replace(tmp, path)
+    tmp = temp_path(path)
+    try:
+        tmp.unlink(missing_ok=True)
+        save_file(tensors, str(tmp), metadata={"format": "flashtrain", "config": json.dumps(config)})
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        error = os_error_in(e) if isinstance(e, Exception) else None
+        if error is None or isinstance(e, OSError):
+            raise
+        raise OSError(error.errno, f"could not write {path} ({error.strerror})") from e
     return path
 
 

@@ -2,7 +2,8 @@
 
 One row per logged step: step, loss, lr, tokens, tokens_per_s (mfu on CUDA, val_loss on eval
 steps). On resume the rows after the checkpoint's step are dropped first, so the file of a
-resumed run reads like that of a run never interrupted.
+resumed run reads like that of a run never interrupted (a rewind keeps them in its
+`superseded/` folder).
 """
 from __future__ import annotations
 
@@ -12,17 +13,21 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from training.runfiles import open_append, write_text
+
+
 class MetricsFile:
     """Append-only JSON lines, flushed per row so a killed run keeps what it logged."""
 
-    def __init__(self, path: str | Path, resume_step: int | None) -> None:
+    def __init__(self, path: str | Path, resume_step: int | None, set_aside: Path | None = None) -> None:
         self.path = Path(path)
         rows = self.read(self.path) if resume_step is not None and self.path.exists() else []
         kept = [r for r in rows if r["step"] <= resume_step] if resume_step is not None else []
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a")
+        if set_aside is not None:  # a rewind: the rows of the abandoned steps are kept there
+            set_aside.mkdir(parents=True, exist_ok=True)
+            write_text(set_aside / self.path.name, _lines([r for r in rows if r["step"] > resume_step]))
+        write_text(self.path, _lines(kept))
+        self._file = open_append(self.path)
 
     @staticmethod
     def read(path: str | Path) -> list[dict]:
@@ -41,6 +46,10 @@ class MetricsFile:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _lines(rows: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
 
 
 # What a null config value falls back to when wandb's own environment variable is unset too.
@@ -69,8 +78,16 @@ class WandbRun:
         import wandb
 
         self._wandb = wandb
-        self.run = wandb.init(**wandb_settings(logger), dir=str(run_dir), id=run_id, resume="allow",
-                              config=config, name=name, tags=list(logger.tags))
+        settings = wandb_settings(logger)
+        try:
+            self.run = wandb.init(**settings, dir=str(run_dir), id=run_id, resume="allow", config=config, name=name,
+                                  tags=list(logger.tags),
+                                  settings=wandb.Settings(init_timeout=float(logger.get("init_timeout_s", 60.0))))
+        except wandb.errors.Error as e:  # no network, no API key: before any step, in one line
+            reason = " ".join(str(e).split())[:240] or type(e).__name__
+            raise ValueError(f"logger=wandb could not start its {settings.get('mode', 'wandb')} run ({reason}): use "
+                             f"logger.mode=offline (and `wandb sync` later), or check the network and "
+                             f"WANDB_API_KEY") from None
         self.id = self.run.id
 
     def log(self, row: dict) -> None:
@@ -84,10 +101,11 @@ class Loggers:
     """The run's metric sinks behind one `log(row)`."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, config: dict, resume_step: int | None,
-                 wandb_id: str | None) -> None:
-        self.metrics = MetricsFile(run_dir / "metrics.jsonl", resume_step)
+                 wandb_id: str | None, set_aside: Path | None = None) -> None:
+        # wandb first: it is the one that can fail (no network), and then the metrics stay untouched
         self.wandb = (WandbRun(cfg.logger, run_dir, config, wandb_id, cfg.run.get("name"))
                       if cfg.logger.name == "wandb" else None)
+        self.metrics = MetricsFile(run_dir / "metrics.jsonl", resume_step, set_aside)
 
     @property
     def wandb_id(self) -> str | None:

@@ -11,12 +11,16 @@ import fcntl
 import os
 from pathlib import Path
 
+from training.runfiles import refuse_links
+
 LOCK_NAME = ".lock"
 
 
 def ensure_writable(folder: str | Path, what: str) -> Path:
     """Create `folder` if needed and prove a file can be written in it; one-line ValueError if not."""
     folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what}={folder} is not a folder")
     probe = folder / f".write-test-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -32,8 +36,9 @@ class RunDirLock:
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = ensure_writable(run_dir, "run.dir")
+        refuse_links(self.run_dir)  # the lock file included: never opened through a link
         self.path = self.run_dir / LOCK_NAME
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -168,6 +168,7 @@ class PretrainedTokenizer(TokenizerConfig):
 
 
 BETAS = "expected two values in [0, 1), e.g. [0.9,0.95]"
+SEED_MAX = 2**63 - 1   # what torch.manual_seed and the samplers take
 
 
 @dataclass
@@ -203,6 +204,7 @@ class TrainerConfig:
     parallel: Parallel = Parallel.ddp
     dist_timeout_s: float = ranged(600.0, gt=0)
     context_parallel: int = ranged(1, ge=1)
+    deterministic: bool = False        # true: every CUDA kernel of the step deterministic (bit-identical resume)
 
 
 @dataclass
@@ -221,6 +223,7 @@ class WandbLogger(LoggerConfig):
     entity: Optional[str] = None
     mode: Optional[WandbMode] = None   # null: wandb's WANDB_MODE, else offline
     tags: List[str] = _list()
+    init_timeout_s: float = ranged(60.0, gt=0)   # online: how long to wait for W&B before failing in one line
 
 
 @dataclass
@@ -242,9 +245,10 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
-    seed: int = 1337
+    seed: int = ranged(1337, ge=0, le=SEED_MAX)
     device: Device = Device.auto
     resume: Optional[str] = None       # null | auto | path/to/checkpoint
+    allow_changes: List[str] = _list()  # training keys a resume may change (training.resume)
     run: RunConfig = MISSING
 
 

@@ -1,12 +1,29 @@
 """Ctrl-C and SIGTERM as requests to stop at the next step boundary, after a checkpoint.
 
-The handler only sets a flag: stopping mid-step would save a half-applied update. A second
-Ctrl-C stops at once (KeyboardInterrupt) for a user who does not want to wait. The process then
-exits with the shell's convention for the signal: 130 for SIGINT, 143 for SIGTERM.
+The handler only sets a flag: stopping mid-step would save a half-applied update. The process
+then exits with the shell's convention for the signal: 130 for SIGINT, 143 for SIGTERM.
+
+Alone (`python train.py`), a second Ctrl-C stops at once (KeyboardInterrupt, which train.py
+turns into one line and status 130) for a user who does not want to wait. Under torchrun the
+worker is not the one the user talks to: a terminal's Ctrl-C reaches it twice (from the
+terminal and again from the launcher), so repeats are the same request, and the launcher
+decides when to stop waiting. A worker whose launcher died (killed with SIGKILL: nothing
+forwarded) notices at the next step boundary (its parent process changed) and stops there after
+saving, as for SIGHUP (status 129), instead of training on as an orphan.
 """
 from __future__ import annotations
 
+import os
 import signal
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+# The launcher's pid, taken when training starts importing (before any step, so a launcher
+# that dies early is noticed too).
+LAUNCHER_PID = os.getppid() if launched_by_torchrun() else None
 
 
 class StopRequest:
@@ -15,13 +32,21 @@ class StopRequest:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self._signum: int | None = None
         self._previous: dict = {}
+        self._launcher = LAUNCHER_PID
 
     def _handle(self, signum, frame) -> None:
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+        if self._launcher is None and self._signum == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.signum = signum
+        if self._signum is None:
+            self._signum = signum
+
+    @property
+    def signum(self) -> int | None:
+        if self._signum is None and self._launcher is not None and os.getppid() != self._launcher:
+            self._signum = signal.SIGHUP  # the launcher is gone
+        return self._signum
 
     @property
     def requested(self) -> bool:
@@ -43,3 +68,10 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def stop_reason(signum: int) -> str:
+    """What made the run stop, for its last message."""
+    if signum == signal.SIGHUP and launched_by_torchrun():
+        return "the launcher (torchrun) is gone"
+    return f"{signal.Signals(signum).name} received"

@@ -23,28 +23,28 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.tokenizer import save_tokenizer
 from model.context_parallel import use_context_parallel
-from training.checkpoint import (CheckpointError, CheckpointWriteError, check_unchanged, checkpoint_dir, checkpoint_path,
-                                 find_resume_checkpoint, last_checkpoint_note, prune_checkpoints,
-                                 restore_training_state, save_checkpoint)
+from training.checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_dir, checkpoint_path,
+                                 last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint)
 from training.config import validate_config
 from training.context_parallel import check_context_parallel, context_parallel_loss, context_parallel_size
-from training.device import autocast, resolve_device, resolve_precision
-from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, env_world, init_distributed, is_sharded,
-                                  local_grad_accum, set_gradient_sync, wrap_model)
+from training.device import autocast, resolve_device, resolve_precision, set_deterministic
+from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, check_launcher, env_world, init_distributed,
+                                  is_sharded, local_grad_accum, set_gradient_sync, wrap_model)
 from training.evaluate import evaluate_loss
 from training.export import WEIGHTS_NAME, save_weights
+from training.faults import fault_line
 from training.hf import apply_init_from, load_hf_weights
 from training.loggers import Loggers
 from training.metrics import Throughput, peak_flops
 from training.optim import build_optimizer, lr_at
+from training.resume import plan_start, record, superseded_dir
 from training.rng import rng_state, seed_everything
+from training.runfiles import write_text
 from training.runlock import RunDirLock
-from training.signals import StopRequest
+from training.signals import StopRequest, stop_reason
 from training.summary import RunReport
 
 log = logging.getLogger("train")
-# Keys outside the `model` group that change what the model computes: a resume must keep them.
-COMPUTE_KEYS = ("data.document_mask", "attention.window")
 
 
 # ----------------------------------------------------------------------------- builders
@@ -74,6 +74,10 @@ def resolve_config(cfg: DictConfig) -> torch.device:
             raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's forward kernel; "
                              f"attention={cfg.attention.name} takes only attention.kernel=auto")
     check_attention_dropout(cfg.attention.name, cfg.model.get("attention_dropout", 0.0))
+    set_deterministic(bool(cfg.trainer.get("deterministic", False)), device)  # before CUDA starts
+    if cfg.trainer.get("deterministic") and cfg.attention.name == "sdpa" and device.type == "cuda":
+        log.info("trainer.deterministic=true with attention=sdpa: PyTorch leaves out its cuDNN backend and runs a "
+                 "deterministic backward (slower than its default)")
     return device
 
 
@@ -232,11 +236,17 @@ def check_param_groups(path, saved: dict, optimizer) -> None:
 
 class _DeferredOptimizerState:
     """Stands in for the optimizer while a checkpoint is restored into the unwrapped model: the
-    optimizer is built after DDP/FSDP wrapping, and its state is loaded then."""
+    optimizer is built after DDP/FSDP wrapping, and its state is loaded then.
+
+    The moments are copied out of the checkpoint: it is memory-mapped, and the optimizer would
+    keep its tensors (a load onto the same device and dtype does not copy), so the file's space
+    would stay in use after pruning deletes it, until the process ends."""
     state: dict | None = None
 
     def load_state_dict(self, state: dict) -> None:
-        self.state = state
+        from torch.utils._pytree import tree_map
+
+        self.state = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -247,6 +257,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig, env: DistEnv | None = None):
         device = resolve_config(cfg)
         t, world = cfg.trainer, env.world_size if env else env_world()[1]
+        if env is None:  # WORLD_SIZE left in a shell: say that, not what the world size would imply
+            check_launcher(world)
         check_context_parallel(cfg, world)  # before any work
         micro_steps = local_grad_accum(t.grad_accum, world, context_parallel_size(cfg))
         self.env = env or init_distributed(device.type, t.dist_timeout_s, context_parallel_size(cfg))
@@ -268,29 +280,30 @@ class Trainer:
         from data import build_data
 
         t = cfg.trainer
-        resume = find_resume_checkpoint(cfg.resume, self.run_dir)
+        self.start = plan_start(cfg, self.run_dir)  # which checkpoint, which run: refusals before any work
         seed_everything(cfg.seed)
         self.data = self._on_local_rank0_first(lambda: build_data(  # a CP group's ranks read the same windows
             cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.dp_rank, world_size=self.env.dp_size))
         model = model_from_config(cfg, self.data.vocab_size)
-        if cfg.model.get("init_from") and not resume:  # a resumed run's weights come from its checkpoint
+        if cfg.model.get("init_from") and not self.start.state:  # a resumed run's weights come from its checkpoint
             load_hf_weights(model, cfg.model.init_from)
         with open_dict(cfg):
             cfg.run.data_fingerprint = self.data.fingerprint
             cfg.run.num_params = model.num_params()
             cfg.run.world_size = self.env.world_size
         self.step, self.tokens, self.wandb_id, self.resumed_from = 0, 0, None, None
+        self.data_change: dict | None = None  # recorded in data_changes.jsonl once the run starts
         self.val_loss: float | None = None  # the last evaluation's, what train.py returns to sweepers
         optimizer_state = _DeferredOptimizerState()
-        if resume:  # into the plain model, before DDP/FSDP wrapping
-            path, state = resume
-            check_unchanged(path, state["config"], cfg, COMPUTE_KEYS)
-            restore_training_state(path, state, model=model, optimizer=optimizer_state, sampler=self.data.train,
-                                   data_fingerprint=self.data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model),
-                                   allow_data_change=bool(cfg.data.get("allow_changed", False)),
-                                   run_dir=self.run_dir if self.env.is_main else None)
+        if self.start.state:  # into the plain model, before DDP/FSDP wrapping
+            path, state = self.start.checkpoint, self.start.state
+            self.data_change = restore_training_state(
+                path, state, model=model, optimizer=optimizer_state, sampler=self.data.train,
+                data_fingerprint=self.data.fingerprint, model_cfg=OmegaConf.to_container(cfg.model),
+                allow_data_change=bool(cfg.data.get("allow_changed", False)))
             self.step, self.tokens, self.wandb_id, self.resumed_from = (state["step"], state["tokens"],
                                                                         state["wandb_id"], path)
+            self.start.state = None  # the tensors are in the model and optimizer now; the metadata stays
         self.model = model.to(device)
         self.train_step = TrainStep(self.model, cfg, device, self.env, micro_steps)
         if optimizer_state.state is not None:
@@ -339,12 +352,39 @@ class Trainer:
             path = save_checkpoint(checkpoint_path(self.run_dir, self.step), {
                 "step": self.step, "tokens": self.tokens, "model": model_sd, "optimizer": optim_sd,
                 "rng": rng_state(), "sampler": self.data.train.state_dict(), "config": config,
-                "wandb_id": wandb_id})
-            prune_checkpoints(checkpoint_dir(self.run_dir), self.cfg.trainer.keep_ckpts)
+                "wandb_id": wandb_id, "lineage": self.start.lineage})
+            prune_checkpoints(checkpoint_dir(self.run_dir), self.cfg.trainer.keep_ckpts, self.start.run_id)
             if export:
                 save_weights(model_sd, self.run_dir / WEIGHTS_NAME, config)
         barrier(self.env)  # no rank exits (and makes torchrun stop the others) before the file is whole
         return path
+
+    def export_missing_weights(self) -> Path | None:
+        """A finished run whose final export is missing (its write failed, a full disk): write it now
+        from the final checkpoint just loaded. Every rank takes part (FSDP gathers)."""
+        path = self.run_dir / WEIGHTS_NAME
+        if self.step != self.cfg.trainer.max_steps or path.exists():
+            return None
+        model_sd, _ = self.train_step.full_state()
+        if self.env.is_main:
+            save_weights(model_sd, path, OmegaConf.to_container(self.cfg))
+            log.info("wrote the missing %s from %s", path, self.resumed_from)
+        barrier(self.env)
+        return path
+
+    def note(self) -> str:
+        """Where this run's last good checkpoint is."""
+        return last_checkpoint_note(self.run_dir, self.start.run_id)
+
+    def _open_run_files(self, cfg: DictConfig, config: dict) -> Loggers:
+        """Rank 0, once the run is accepted: the loggers (wandb first: it is the one that can fail),
+        a rewind's later files set aside, the start in lineage.jsonl, config.yaml, the tokenizer."""
+        aside = superseded_dir(self.run_dir, self.start)
+        loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id, aside)
+        record(self.run_dir, self.start, aside, self.data_change)
+        write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        save_tokenizer(self.data.tokenizer, self.run_dir)  # evals and generation need no corpus
+        return loggers
 
     def fit(self) -> int:
         """The training loop; returns the process exit status."""
@@ -352,20 +392,6 @@ class Trainer:
         main = env.is_main
         config = OmegaConf.to_container(cfg)
         loggers = None
-        if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(cfg, self.run_dir / "config.yaml")
-            save_tokenizer(self.data.tokenizer, self.run_dir)  # evals and generation need no corpus
-            loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id)
-            report = RunReport(cfg, self.run_dir, env.world_size, self.step)   # where the run is, how to resume it
-            log.info("%s: %s params, attention=%s%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
-                     f"{cfg.run.num_params:,}", cfg.attention.name,
-                     f" (forward kernel: {cfg.attention.kernel})" if cfg.attention.name == "flash" else "",
-                     self.device, t.precision,
-                     cfg.run.data_fingerprint,
-                     f", {env.world_size} processes ({t.parallel}"
-                     f"{f', context_parallel={env.cp_size}' if env.cp_size > 1 else ''})" if env.enabled else "",
-                     f", resumed from {self.resumed_from} (step {self.step})" if self.resumed_from else "")
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum  # over all ranks: as configured
         peak = peak_flops(self.device, t.peak_flops)
         flops_per_token = self.model.flops_per_token(t.seq_len)
@@ -377,7 +403,7 @@ class Trainer:
             if not self.all_finite(healthy):
                 raise FloatingPointError(
                     f"loss or gradient became NaN/inf by step {self.step} (last loss {loss.item()}); stopped "
-                    f"without saving: {last_checkpoint_note(self.run_dir)}")
+                    f"without saving: {self.note()}")
 
         def save(export: bool = False) -> None:
             nonlocal saved_step
@@ -387,7 +413,23 @@ class Trainer:
             if main:
                 log.info("saved %s", path)
 
+        def close(exit_code: int) -> None:
+            if loggers:
+                with contextlib.suppress(OSError):
+                    loggers.close(exit_code=exit_code)
+
         try:
+            if main:
+                loggers = self._open_run_files(cfg, config)
+                report = RunReport(cfg, self.run_dir, env.world_size, self.step)   # where the run is, how to resume it
+                log.info("%s: %s params, attention=%s%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
+                         f"{cfg.run.num_params:,}", cfg.attention.name,
+                         f" (forward kernel: {cfg.attention.kernel})" if cfg.attention.name == "flash" else "",
+                         self.device, t.precision,
+                         cfg.run.data_fingerprint,
+                         f", {env.world_size} processes ({t.parallel}"
+                         f"{f', context_parallel={env.cp_size}' if env.cp_size > 1 else ''})" if env.enabled else "",
+                         f", resumed from {self.resumed_from} (step {self.step})" if self.resumed_from else "")
             with StopRequest() as stop, logging_redirect_tqdm(), tqdm(
                     total=t.max_steps, initial=self.step, unit="step",
                     disable=not (t.progress and main and sys.stderr.isatty()),  # no bar frames in a log file
@@ -427,28 +469,25 @@ class Trainer:
                         meter.restart()  # tokens/s measures training steps, not evals and saves
                 agreed.finish()
         except FloatingPointError as e:
-            if loggers:
-                loggers.close(exit_code=1)
+            close(1)
             print(f"error: {e}", file=sys.stderr)
             return 1
-        except OSError as e:  # a full disk or a folder gone read-only: checkpoints up to the last good one remain
-            if loggers:
-                with contextlib.suppress(OSError):
-                    loggers.close(exit_code=2)
-            print(f"error: {e.strerror if isinstance(e, CheckpointWriteError) else e}; "
-                  f"{last_checkpoint_note(self.run_dir)}", file=sys.stderr)
+        except KeyboardInterrupt:  # a second Ctrl-C: train.py says it in one line
+            close(130)
+            raise
+        except Exception as e:  # noqa: BLE001 (only the machine's faults are caught; the rest re-raised)
+            line = e.strerror if isinstance(e, CheckpointWriteError) else (
+                str(e) if isinstance(e, ValueError) and loggers is None else fault_line(e))
+            if line is None:
+                raise
+            close(2)
+            who = "" if main else f"rank {env.rank}: "
+            print(f"{who}error: {line.splitlines()[0]}; {self.note()}", file=sys.stderr)
             return 2
         exit_code = stop.exit_code or agreed.exit_code
-        if loggers:
-            loggers.close(exit_code=exit_code)
+        close(exit_code)
         if exit_code and main:
-            log.warning("%s received: checkpoint saved at step %d", signal_name(exit_code - 128), self.step)
+            log.warning("%s: checkpoint saved at step %d", stop_reason(exit_code - 128), self.step)
         if main:
             report.finish(self.step, t.max_steps, self.tokens, exit_code)
         return exit_code
-
-
-def signal_name(signum: int) -> str:
-    import signal
-    return signal.Signals(signum).name
-

@@ -30,6 +30,8 @@ class FilesSource:
         for root in paths:
             if not root.exists():
                 raise ValueError(f"data.paths: {root} does not exist")
+            if not root.is_dir() and not root.is_file():  # reading a FIFO blocks, /dev/zero never ends
+                raise ValueError(f"data.paths: {root} is not a regular file or a folder (a FIFO, device or socket)")
             found = sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p.relative_to(root))) if root.is_dir() else [root]
             for p in found:
                 name = f"{root.name}/{p.relative_to(root)}" if root.is_dir() else root.name

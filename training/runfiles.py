@@ -1,0 +1,123 @@
+"""Writing into a run folder without following links and without leaving partial files.
+
+A link planted in `run.dir` (`.lock`, `checkpoints/step_X.pt.tmp`, `metrics.jsonl.tmp` pointing
+at another file) must not make the trainer overwrite its target. So every file here is written
+under a temporary name created exclusively (`O_EXCL | O_NOFOLLOW`: a link, or anything else
+already there, is removed first, never opened) and renamed over the real name (`os.replace`
+replaces a link itself, not what it points to); append-only files are opened with `O_NOFOLLOW`;
+and the run's own names that are folders or appended to are refused when they are links
+(`refuse_links`). A failed write (a full disk, a file-size limit) removes its temporary file
+and raises `OSError` with the system's reason.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Callable, Iterator
+
+# What a run writes in run.dir (Hydra's folder and log included); none of them may be a link.
+RUN_NAMES = (".lock", "checkpoints", "config.yaml", "metrics.jsonl", "model.safetensors", "tokenizer.json",
+             "lineage.jsonl", "data_changes.jsonl", "superseded", ".hydra", "train.log", "wandb")
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def refuse_links(run_dir: str | Path) -> None:
+    """ValueError naming the first of the run's own names in `run_dir` that is a symbolic link."""
+    for name in RUN_NAMES:
+        path = Path(run_dir) / name
+        if path.is_symlink():
+            raise ValueError(f"run.dir={run_dir}: {name} is a symbolic link (to {os.readlink(path)}); a run never "
+                             f"writes through links in its folder: replace it with a plain {name}")
+
+
+def temp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+@contextmanager
+def new_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
+    """`path`'s temporary file, created exclusively, fsynced and renamed over `path` on success;
+    removed on any failure (the exception goes on)."""
+    path = Path(path)
+    tmp = temp_path(path)
+    if tmp.is_symlink() or tmp.is_file():
+        tmp.unlink()  # a leftover or a planted link: removed, never followed
+    try:
+        with os.fdopen(os.open(tmp, _CREATE, 0o644), mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_file(path: str | Path, write: Callable[[IO], None], mode: str = "wb") -> Path:
+    """Atomically replace `path` with what `write(file)` writes (see `new_file`)."""
+    with new_file(path, mode) as f:
+        write(f)
+    return Path(path)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    return write_file(path, lambda f: f.write(text), "w")
+
+
+def open_append(path: str | Path) -> IO:
+    """`path` opened for appending text, created if absent; OSError (ELOOP) if it is a link."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "a")
+
+
+def append_line(path: str | Path, line: str) -> None:
+    with open_append(path) as f:
+        f.write(line.rstrip("\n") + "\n")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RecordingWriter:
+    """A file wrapper that remembers the OSError its `write` raised: `torch.save` turns a failed
+    write (disk full, file-size limit) into a RuntimeError about zip positions that names no cause."""
+
+    def __init__(self, f: IO) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: itself, a cause, or an `os error N` named in a library's message
+    (safetensors reports `I/O error: File too large (os error 27)`)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    import re
+
+    found = re.search(r"os error (\d+)", str(exc))
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    return None
+
+
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
