@@ -210,10 +210,13 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse, launch=flash_attn_bwd):
+def _backward(ctx, dout, _dlse, launch=flash_attn_bwd, gluon_launch=None):
+    """The registered ops' formula launches through ops (traceable); the eager Function passes the
+    plain launches. (AOTAutograd traces a backward with torch.compiler.is_compiling() False, so
+    that flag cannot choose between them.)"""
     q, k, v, out, lse, doc_bounds = ctx.saved_tensors
     if getattr(ctx, "gluon_backward", False):
-        gluon = gluon_attn_bwd if torch.compiler.is_compiling() else gluon_attention_backward
+        gluon = gluon_launch or torch.ops.flashtrain.gluon_attn_bwd
         dq, dk, dv = gluon(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
     else:
         dq, dk, dv = launch(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
@@ -279,7 +282,7 @@ class _EagerFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return _backward(ctx, dout, _dlse, launch=_launch_backward) + (None, None)
+        return _backward(ctx, dout, _dlse, launch=_launch_backward, gluon_launch=gluon_attention_backward) + (None, None)
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,

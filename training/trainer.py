@@ -61,6 +61,8 @@ def resolve_config(cfg: DictConfig) -> torch.device:
         apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones
     validate_config(cfg)
     device = resolve_device(cfg.device)
+    # before anything starts CUDA (resolving the kernel below reads the GPU's capability)
+    set_deterministic(bool(cfg.trainer.get("deterministic", False)), device)
     attention = cfg.attention.name
     if attention == "auto" and context_parallel_size(cfg) > 1:  # the ring needs a block that returns the lse
         attention = "flash" if device.type == "cuda" else "naive"
@@ -74,7 +76,6 @@ def resolve_config(cfg: DictConfig) -> torch.device:
             raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's forward kernel; "
                              f"attention={cfg.attention.name} takes only attention.kernel=auto")
     check_attention_dropout(cfg.attention.name, cfg.model.get("attention_dropout", 0.0))
-    set_deterministic(bool(cfg.trainer.get("deterministic", False)), device)  # before CUDA starts
     if cfg.trainer.get("deterministic") and cfg.attention.name == "sdpa" and device.type == "cuda":
         log.info("trainer.deterministic=true with attention=sdpa: PyTorch leaves out its cuDNN backend and runs a "
                  "deterministic backward (slower than its default)")
