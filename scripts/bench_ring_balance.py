@@ -23,14 +23,14 @@ GPU tokens/s of the same layouts need the 2-GPU host:
 """
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import add_out_argument, environment, markdown_table, run_cli, tokens_label, write_json, write_text
+from _common import (add_out_argument, environment, markdown_table, require_positive, run_cli, tokens_label, write_json,
+                     write_text)
 from bench_document_mask import mixed_lengths
 from kernels.masks import document_bounds
 from model.cp_layout import balanced_layout, imbalance, visible_keys, zigzag_layout
@@ -116,13 +116,12 @@ def write_outputs(stem: Path, report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _common.argument_parser(__doc__)
     parser.add_argument("--windows", type=int, default=20, help="draws of the log-normal mix per setting")
     parser.add_argument("--smoke", action="store_true", help="tiny windows: plumbing only")
     add_out_argument(parser, "bench_ring_balance")
     args = parser.parse_args(argv)
-    if args.windows < 1:
-        raise ValueError(f"--windows must be a positive integer, got {args.windows}")
+    require_positive(args, "windows")
     lengths, sizes, windows, block = LENGTHS, SIZES, args.windows, (BLOCK_M, BLOCK_N)
     if args.smoke:
         lengths, sizes, windows, block = SMOKE["lengths"], SMOKE["sizes"], SMOKE["windows"], SMOKE["block"]

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -53,3 +54,9 @@ def test_smoke_run_writes_results(tmp_path):
     assert mixed and all(r["balanced"]["pairs_max"] <= r["zigzag"]["pairs_max"] for r in mixed)
     assert all(r["balanced"]["pairs_max"] < 1.2 for r in saved["rows"])
     assert "| docs-mixed | 1K | 4 | 2 |" in (tmp_path / "ring_balance_cpu.md").read_text()
+
+
+def test_bad_windows_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--windows 0: must be a positive integer"):
+        bench_ring_balance.main(["--smoke", "--windows", "0", "--out", str(tmp_path)])
+    assert not (tmp_path / "ring_balance_cpu.json").exists()
