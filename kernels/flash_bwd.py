@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import (key_ranges, load_tile, query_heads, query_ranges, query_tile_longest_first, row_key_bounds,
+from kernels.tiles import (key_ranges, load_tile, mask_row, query_heads, query_ranges, query_tile_longest_first, row_key_bounds,
                            store_tile, tile_offsets, visible)
 from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_configs, bwd_kv_dq_prune, bwd_kv_prune, bwd_q_configs,
                             bwd_q_prune, persistent)
@@ -145,7 +145,7 @@ def _bwd_kv_program(
     offs_n = start_n + rows_n
     rows_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    Docs_b = Docs + b * 2 * n_k
+    Docs_b = mask_row(Docs, b, n_q, n_k)
 
     k = load_tile(K + b * stride_kb + h_kv * stride_kh, start_n, stride_kn,
                   tile_offsets(rows_n, offs_d, stride_kn, stride_kd), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
@@ -303,7 +303,7 @@ def flash_bwd_q_kernel(
     offs_m = start_m + rows_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    Docs_b = Docs + b * 2 * n_q
+    Docs_b = mask_row(Docs, b, n_q, n_k)
 
     q = load_tile(Q + b * stride_qb + h * stride_qh, start_m, stride_qn,
                   tile_offsets(rows_m, offs_d, stride_qn, stride_qd), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import (key_ranges, load_tile, query_heads, query_tile_longest_first, row_key_bounds, store_tile,
+from kernels.tiles import (key_ranges, load_tile, mask_row, query_heads, query_tile_longest_first, row_key_bounds, store_tile,
                           tile_offsets, visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
 
@@ -99,7 +99,7 @@ def flash_fwd_kernel(
     offs_m = start_m + rows_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    Docs_b = Docs + b * 2 * n_q
+    Docs_b = mask_row(Docs, b, n_q, n_k)
 
     Q_bh = Q + b * stride_qb + h * stride_qh
     K_bh = K + b * stride_kb + h_kv * stride_kh

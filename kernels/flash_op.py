@@ -32,7 +32,7 @@ from kernels.flash_fwd import LOG2E, flash_fwd_kernel
 from kernels.gluon_bwd import gluon_attention_backward
 from kernels.gluon_fwd import gluon_attention_forward
 from kernels.kernel_choice import choose_kernel
-from kernels.masks import check_masks, document_bounds
+from kernels.masks import bounds_buffer, check_masks
 from kernels.tuning import INTERPRET, seq_bucket
 
 MAX_HEAD_DIM = 256
@@ -141,8 +141,8 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, wrap=_no_wrap, 
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
                    window: int = 0, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32. doc_bounds: (B, 2, N) int32 from
-    kernels.masks.document_bounds, or None; window: keys each query sees, 0 for no window;
+    """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32. doc_bounds: the per-query key
+    intervals (B, 2 Nq + 2 Nk + 1) int32 of kernels.masks.bounds_buffer, or None; window: keys each query sees, 0 for no window;
     deterministic: which backward the autograd formula runs (the forward is the same)."""
     return _launch_forward(q, k, v, causal, softmax_scale, torch.library.wrap_triton, doc_bounds, window)
 
@@ -286,7 +286,7 @@ class _EagerFlashAttention(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
-                    document_ids=None, window=None, deterministic=True, kernel="auto"):
+                    document_ids=None, window=None, key_bounds=None, deterministic=True, kernel="auto"):
     """Exact softmax(scale * Q K^T) V by tiling; same contract as kernels.reference.
 
     q (B, Nq, H, D); k, v (B, Nk, Hkv, D) with H % Hkv == 0; any strides.
@@ -304,6 +304,12 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     window=W (with causal=True): each query sees only the last W keys (itself included).
     Tiles outside the mask are skipped, not masked: the cost follows the sum of squared
     document lengths, and is linear in N for a window.
+    key_bounds (B, 2, Nq) integers, any Nq and Nk: query i sees only keys
+    [key_bounds[:, 0, i], key_bounds[:, 1, i]) (combined with causal and window; instead of
+    document_ids). The way to give a block of a longer sequence its share of a mask (the
+    context-parallel ring's chunk pairs, model/ring_attention.py). Tiles are skipped as for
+    documents when both bounds are nondecreasing in i, as those of every causal, window and
+    document mask are; other bounds are honoured too, with every tile visited and masked.
     deterministic=True (default): the backward gives bit-identical gradients run to run.
     False: one backward kernel that adds dq with float32 atomics (fewer matmuls; dq's
     last bits vary from run to run, within the same error bound).
@@ -313,11 +319,12 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     backward, which was measured faster than the Gluon one everywhere).
     """
     check_inputs(q, k, v)
-    check_masks(q, k, causal, document_ids, window)
+    check_masks(q, k, causal, document_ids, window, key_bounds)
     gluon_backward = kernel == "gluon"
-    kernel = choose_kernel(kernel, q, k, v, bool(causal), masked=document_ids is not None or window is not None)
-    doc_bounds = None if document_ids is None else document_bounds(document_ids)
-    window = 0 if window is None or window >= k.shape[1] else int(window)  # a window of every key: plain causal
+    kernel = choose_kernel(kernel, q, k, v, bool(causal),
+                           masked=document_ids is not None or window is not None or key_bounds is not None)
+    doc_bounds = bounds_buffer(document_ids, key_bounds, k.shape[1])
+    window = _window(window, k.shape[1])
     args = (q, k, v, bool(causal), _softmax_scale(softmax_scale, q.shape[-1]), doc_bounds, window,
             _flag(deterministic, "deterministic"))
     if not torch.compiler.is_compiling():
@@ -327,6 +334,11 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     else:
         out, lse = flash_attn_fwd(*args)
     return (out, lse) if return_lse else out
+
+
+def _window(window, n_k: int) -> int:
+    """The kernels' window argument: 0 for none, and for a window of every key (plain causal)."""
+    return 0 if window is None or window >= n_k else int(window)
 
 
 def _flag(value, name: str) -> bool:
@@ -343,16 +355,19 @@ def _softmax_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, deterministic=True):
+def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, deterministic=True, *,
+                             document_ids=None, window=None, key_bounds=None):
     """dq, dk, dv of flash_attention from a given output `out` and log-sum-exp `lse`.
 
     The backward kernels only need P = exp(S - lse) and rowsum(dO * O), so `out` and
     `lse` may come from attention over a longer key set than `k`, `v` (a ring's merged
     result): the gradients are then this key block's exact share, to be summed over
     blocks. Same layouts as flash_attention; lse (B, H, Nq) float32; dk, dv are summed
-    over each GQA group and shaped like k, v. deterministic as in flash_attention.
+    over each GQA group and shaped like k, v. deterministic and the masks (document_ids,
+    window, key_bounds) as in flash_attention: the block's own mask.
     """
     check_inputs(q, k, v)
+    check_masks(q, k, causal, document_ids, window, key_bounds)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, "
@@ -362,5 +377,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scal
         raise ValueError(f"lse must be a float32 tensor of shape (batch, heads, seqlen) = {want} on {q.device}, "
                          f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
     launch = flash_attn_bwd if torch.compiler.is_compiling() else _launch_backward
+    window = _window(window, k.shape[1])
     return launch(dout, q, k, v, out, lse.contiguous(), bool(causal), _softmax_scale(softmax_scale, q.shape[-1]),
+                  doc_bounds=bounds_buffer(document_ids, key_bounds, k.shape[1]), window=window,
                   deterministic=_flag(deterministic, "deterministic"))

@@ -13,19 +13,34 @@ of contiguous documents mean the same thing), and query i sees
 (cheap torch ops, traceable by torch.compile, no host sync). The kernels read them to skip
 whole tiles and to mask the partial ones (kernels/tiles.py). `visible_mask` builds the same
 mask densely, from run ids rather than from those bounds, for the reference and SDPA.
+
+`key_bounds` (B, 2, Nq) states the interval of every query directly, in the keys' own indices,
+for any Nq and Nk: query i sees keys [key_bounds[:, 0, i], key_bounds[:, 1, i]) (intersected
+with causal and the window). It is how a block of a longer sequence is told its share of a
+mask, when its queries and keys come from different places of that sequence (a context-parallel
+ring's chunk pairs, model/ring_attention.py). `bounds_buffer` lays the intervals out as the
+kernels read them, with their transpose (the queries that see each key) for the dK/dV kernel.
 """
 from __future__ import annotations
 
 import torch
 
 
-def check_masks(q, k, causal: bool, document_ids, window):
+def check_masks(q, k, causal: bool, document_ids, window, key_bounds=None):
     """Raise ValueError naming the argument when the masks cannot apply to q (B, Nq, H, D), k."""
     B, n_q = q.shape[0], q.shape[1]
     n_k = k.shape[1]
+    if key_bounds is not None:
+        if not _is_integer_tensor(key_bounds) or tuple(key_bounds.shape) != (B, 2, n_q):
+            raise ValueError(f"key_bounds must be an integer tensor of shape (batch, 2, queries) = {(B, 2, n_q)}, "
+                             f"got {getattr(key_bounds, 'dtype', type(key_bounds).__name__)} "
+                             f"{tuple(getattr(key_bounds, 'shape', ()))}")
+        if key_bounds.device != q.device:
+            raise ValueError(f"key_bounds is on {key_bounds.device} but q is on {q.device}")
+        if document_ids is not None:
+            raise ValueError("pass document_ids or key_bounds, not both (key_bounds can hold the documents too)")
     if document_ids is not None:
-        if not isinstance(document_ids, torch.Tensor) or document_ids.dtype.is_floating_point \
-                or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
+        if not _is_integer_tensor(document_ids):
             raise ValueError("document_ids must be an integer torch.Tensor of shape (batch, seqlen)")
         if tuple(document_ids.shape) != (B, n_k):
             raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}; expected (batch, seqlen) = {(B, n_k)}")
@@ -38,6 +53,10 @@ def check_masks(q, k, causal: bool, document_ids, window):
             raise ValueError(f"window must be a positive int (keys each query sees), got {window!r}")
         if not causal:
             raise ValueError("window needs causal=True: it is causal local attention (each query sees the last window keys)")
+
+
+def _is_integer_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
 def document_bounds(document_ids: torch.Tensor) -> torch.Tensor:
@@ -54,9 +73,34 @@ def document_bounds(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([start, end], dim=1).to(torch.int32).contiguous()
 
 
-def visible_mask(n_q: int, n_k: int, causal: bool, document_ids=None, window=None, device=None):
+def bounds_buffer(document_ids=None, key_bounds=None, n_k: int = 0) -> torch.Tensor | None:
+    """What the kernels read for a mask of per-query intervals (kernels/tiles.py): (B, 2 Nq + 2 Nk + 1)
+    int32, per batch row [lo (Nq), hi (Nq), the first query seeing each key (Nk), one past the last
+    (Nk), nondecreasing]. None without documents or key bounds.
+
+    Documents are their own transpose (the queries that see key j are its document's). For key
+    bounds the transpose is exact when lo and hi are both nondecreasing in the query, as every
+    causal, window and document mask and their pieces are: queries [#{i: hi_i <= j}, #{i: lo_i <= j})
+    see key j. The last entry says whether they are; when not, the kernels visit every tile
+    masked (still exact, just without skipping), so no bounds give a wrong answer.
+    """
+    if document_ids is not None:
+        bounds = document_bounds(document_ids)
+        return torch.cat([bounds.flatten(1), bounds.flatten(1), torch.ones_like(bounds[:, 0, :1])], dim=1)
+    if key_bounds is None:
+        return None
+    rows = key_bounds.clamp(0, n_k).to(torch.int32)
+    lo, hi = rows[:, 0].contiguous(), rows[:, 1].contiguous()
+    keys = torch.arange(n_k, device=rows.device, dtype=torch.int32).expand(rows.shape[0], n_k).contiguous()
+    first = torch.searchsorted(hi, keys, right=True, out_int32=True)
+    after_last = torch.searchsorted(lo, keys, right=True, out_int32=True)
+    nondecreasing = ((lo[:, 1:] >= lo[:, :-1]).all(1, keepdim=True) & (hi[:, 1:] >= hi[:, :-1]).all(1, keepdim=True))
+    return torch.cat([lo, hi, first, after_last, nondecreasing.to(torch.int32)], dim=1)
+
+
+def visible_mask(n_q: int, n_k: int, causal: bool, document_ids=None, window=None, device=None, key_bounds=None):
     """Boolean (B or 1, Nq, Nk): True where query i may see key j; None when every key is visible."""
-    if not causal and document_ids is None and window is None:
+    if not causal and document_ids is None and window is None and key_bounds is None:
         return None
     rows = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)   # query positions among the keys
     cols = torch.arange(n_k, device=device)[None, :]
@@ -70,4 +114,7 @@ def visible_mask(n_q: int, n_k: int, causal: bool, document_ids=None, window=Non
         ids = document_ids.to(device)
         run = torch.cat([torch.zeros_like(ids[:, :1]), (ids[:, 1:] != ids[:, :-1]).long().cumsum(1)], dim=1)
         mask = mask & (run[:, :, None] == run[:, None, :])
+    if key_bounds is not None:
+        lo, hi = key_bounds.to(device)[:, 0, :, None], key_bounds.to(device)[:, 1, :, None]
+        mask = mask & (cols[None] >= lo) & (cols[None] < hi)
     return mask

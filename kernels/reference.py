@@ -16,7 +16,7 @@ import torch
 
 from kernels.masks import check_masks, visible_mask
 
-def _masked_scores(q, k, causal, softmax_scale, document_ids=None, window=None):
+def _masked_scores(q, k, causal, softmax_scale, document_ids=None, window=None, key_bounds=None):
     """scale * Q K^T as (B, H, Nq, Nk), -inf where the mask (causal, documents, window) hides
     a key, whether any mask applies, and the heads-first q, k-heads repeated to H (B, H, N, D)
     for the caller's other products."""
@@ -24,34 +24,34 @@ def _masked_scores(q, k, causal, softmax_scale, document_ids=None, window=None):
     Nk, Hkv = k.shape[1], k.shape[2]
     if H % Hkv:
         raise ValueError(f"q has {H} heads, not a multiple of k's {Hkv}")
-    check_masks(q, k, causal, document_ids, window)
+    check_masks(q, k, causal, document_ids, window, key_bounds)
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     qh = q.transpose(1, 2)                                     # (B, H, Nq, D)
     kh = k.transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # (B, H, Nk, D)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    mask = visible_mask(Nq, Nk, causal, document_ids, window, q.device)
+    mask = visible_mask(Nq, Nk, causal, document_ids, window, q.device, key_bounds)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
     return scores, qh, kh, scale
 
 
 def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
-                        document_ids=None, window=None):
+                        document_ids=None, window=None, key_bounds=None):
     """softmax(scale * Q K^T + mask) V with q (B, Nq, H, D), k/v (B, Nk, Hkv, D).
 
     Computes in the inputs' dtype (so it is also the "same dtype" error baseline);
     pass float64 inputs for an exact oracle. Causal masking with Nq != Nk is aligned
     bottom-right: query i sees keys j <= i + Nk - Nq. A query row that sees no key
     (only possible when Nq > Nk) yields zeros and lse = -inf, as the kernel does.
-    document_ids (B, N) and window: the masks of `kernels.flash_attention`, applied
-    here as one dense boolean mask (kernels/masks.visible_mask).
+    document_ids (B, N), window and key_bounds (B, 2, Nq): the masks of `kernels.flash_attention`,
+    applied here as one dense boolean mask (kernels/masks.visible_mask).
     Returns out (B, Nq, H, D) and, if asked, lse (B, H, Nq) (natural log) in float32,
     or float64 for float64 inputs so that the oracle stays exact.
     """
-    scores, _, _, _ = _masked_scores(q, k, causal, softmax_scale, document_ids, window)
+    scores, _, _, _ = _masked_scores(q, k, causal, softmax_scale, document_ids, window, key_bounds)
     vh = v.transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
     probs = torch.softmax(scores, dim=-1)
-    if (causal and q.shape[1] > k.shape[1]) or window is not None:
+    if (causal and q.shape[1] > k.shape[1]) or window is not None or key_bounds is not None:
         probs = torch.nan_to_num(probs, nan=0.0)            # rows that see no key -> 0
     out = torch.matmul(probs, vh).transpose(1, 2)           # (B, Nq, H, D)
     if not return_lse:
@@ -59,16 +59,18 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, return_lse=Fa
     return out, torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
 
 
-def attention_reference_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None):
+def attention_reference_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, *,
+                                 document_ids=None, window=None, key_bounds=None):
     """dq, dk, dv of attention from its output `out` and log-sum-exp `lse` (B, H, Nq).
 
     The FlashAttention backward identity, written out: P = exp(S - lse),
     dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale dS K,
     dK = scale dS^T Q. Given the out and lse of attention over a longer key set (the
     merged result of a ring), it returns this key block's exact share of the gradients.
-    dk, dv are summed over each GQA group, shaped like k, v; computed in q's dtype.
+    dk, dv are summed over each GQA group, shaped like k, v; computed in q's dtype. The masks
+    are the block's own, as in attention_reference.
     """
-    scores, qh, kh, scale = _masked_scores(q, k, causal, softmax_scale)
+    scores, qh, kh, scale = _masked_scores(q, k, causal, softmax_scale, document_ids, window, key_bounds)
     Hkv, group = k.shape[2], q.shape[2] // k.shape[2]
     vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
     lse = lse.to(scores.dtype)[..., None]

@@ -66,15 +66,29 @@ def store_tile(base, start, row_stride, offs, rows, n_rows, cols, value, HEAD_DI
 
 
 @triton.jit
+def mask_row(Docs, b, n_q, n_k):
+    """Batch row b's part of the mask buffer (kernels/masks.bounds_buffer): per query [lo, hi) at
+    [0, n_q) and [n_q, 2 n_q), per key the queries [lo, hi) that see it at 2 n_q + [0, n_k) and
+    2 n_q + n_k + [0, n_k), and at 2 n_q + 2 n_k whether all those bounds are nondecreasing."""
+    return Docs + b * (2 * n_q + 2 * n_k + 1)
+
+
+@triton.jit
+def bounds_nondecreasing(Docs_b, n_q, n_k):
+    return tl.load(Docs_b + 2 * n_q + 2 * n_k) != 0
+
+
+@triton.jit
 def row_key_bounds(rows, n_q, n_k, Docs_b, window,
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr):
     """Query row i (a scalar or a vector of rows) sees exactly the keys [lo_i, hi_i).
 
     Causal is aligned bottom-right (query i sees key j iff j <= i + (n_k - n_q)); a window
-    keeps the last `window` of those; documents (Docs_b: this batch row's (2, n) int32 from
-    kernels/masks.document_bounds, n_q == n_k) keep the row's own document. Every bound is
-    nondecreasing in i, which is what lets a tile's first and last rows bound the tile.
-    Rows past n_q (a ragged tile) read the last row's document.
+    keeps the last `window` of those; with DOCS, Docs_b (this batch row's intervals, see
+    `mask_row`) keeps the row's own interval: its document, or the key bounds it was given.
+    Every bound is nondecreasing in i (a mask whose bounds are not says so, `bounds_nondecreasing`),
+    which is what lets a tile's first and last rows bound the tile.
+    Rows past n_q (a ragged tile) read the last row's interval.
     """
     shift = n_k - n_q
     lo = rows * 0
@@ -103,8 +117,8 @@ def key_query_bounds(cols, n_q, n_k, Docs_b, window,
         hi = tl.minimum(hi, cols - shift + window)
     if DOCS:
         col = tl.minimum(cols, n_k - 1)
-        lo = tl.maximum(lo, tl.load(Docs_b + col))
-        hi = tl.minimum(hi, tl.load(Docs_b + n_k + col))
+        lo = tl.maximum(lo, tl.load(Docs_b + 2 * n_q + col))
+        hi = tl.minimum(hi, tl.load(Docs_b + 2 * n_q + n_k + col))
     return lo, hi
 
 
@@ -130,6 +144,17 @@ def tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def every_tile_unless(nondecreasing, lo, mid_lo, mid_hi, hi, n):
+    """The ranges as they are for nondecreasing bounds; otherwise every tile of [0, n), masked
+    (the first and last rows no longer bound the others, the per-element mask still holds)."""
+    lo = tl.where(nondecreasing, lo, 0)
+    mid_lo = tl.where(nondecreasing, mid_lo, 0)
+    mid_hi = tl.where(nondecreasing, mid_hi, 0)
+    hi = tl.where(nondecreasing, hi, n)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def key_ranges(start_m, n_q, n_k, Docs_b, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr):
     """Key tiles the query tile [start_m, start_m + BLOCK_M) visits (see `tile_ranges`).
@@ -137,7 +162,10 @@ def key_ranges(start_m, n_q, n_k, Docs_b, window, BLOCK_M: tl.constexpr, BLOCK_N
     diagonal and the ragged last tile masked, as it always was."""
     first_lo, first_hi = row_key_bounds(start_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
     last_lo, last_hi = row_key_bounds(start_m + BLOCK_M - 1, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
-    return tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK_N)
+    lo, mid_lo, mid_hi, hi = tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK_N)
+    if DOCS:
+        lo, mid_lo, mid_hi, hi = every_tile_unless(bounds_nondecreasing(Docs_b, n_q, n_k), lo, mid_lo, mid_hi, hi, n_k)
+    return lo, mid_lo, mid_hi, hi
 
 
 @triton.jit
@@ -146,7 +174,10 @@ def query_ranges(start_n, n_q, n_k, Docs_b, window, BLOCK_N: tl.constexpr, BLOCK
     """Query tiles that see any key of [start_n, start_n + BLOCK_N) (see `tile_ranges`)."""
     first_lo, first_hi = key_query_bounds(start_n, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
     last_lo, last_hi = key_query_bounds(start_n + BLOCK_N - 1, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
-    return tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK_M)
+    lo, mid_lo, mid_hi, hi = tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK_M)
+    if DOCS:
+        lo, mid_lo, mid_hi, hi = every_tile_unless(bounds_nondecreasing(Docs_b, n_q, n_k), lo, mid_lo, mid_hi, hi, n_q)
+    return lo, mid_lo, mid_hi, hi
 
 
 @triton.jit

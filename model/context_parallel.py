@@ -6,6 +6,11 @@ late one expensive, so every rank does the same attention work (model.ring_atten
 relies on this layout). Positions for RoPE, position embeddings and the loss are each
 local token's true place in the sequence, `context_parallel_positions`;
 `use_context_parallel` makes a model's attention layers run the ring.
+
+Packed documents (`context_parallel_batch(..., document_ids=...)`): the chunks are dealt out by
+the work the document mask leaves them (model.cp_layout.balanced_layout), and the model gets,
+as its document ids, each local token's document start (a true position): the ring's layout and
+steps travel with that tensor, and positions restart at the document starts on every rank.
 """
 from __future__ import annotations
 
@@ -15,16 +20,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from model.ring_attention import BLOCKS, ring_attention
-
-
-def _check_layout(seq_len: int, rank: int, size: int) -> None:
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"context-parallel size must be a positive integer, got {size!r}")
-    if not 0 <= rank < size:
-        raise ValueError(f"context-parallel rank {rank} is outside 0..{size - 1}")
-    if seq_len % (2 * size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel size = {2 * size}")
+from kernels.masks import document_bounds
+from model.cp_layout import Layout, balanced_layout, check_layout, host_to_device, visible_keys, zigzag_layout
+from model.ring_attention import BLOCKS, attach_document_steps, masked_steps, ring_attention
 
 
 def context_parallel_chunks(rank: int, size: int) -> tuple[int, int]:
@@ -34,48 +32,76 @@ def context_parallel_chunks(rank: int, size: int) -> tuple[int, int]:
 
 def split_for_context_parallel(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
     """This rank's two chunks of x's sequence dimension `dim`, concatenated (a new tensor)."""
-    _check_layout(x.shape[dim], rank, size)
-    chunks = x.chunk(2 * size, dim)
-    return torch.cat([chunks[i] for i in context_parallel_chunks(rank, size)], dim)
+    check_layout(x.shape[dim], size, rank)
+    return zigzag_layout(x.shape[dim], size).split(x, rank, dim)
 
 
-def merge_context_parallel(parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+def merge_context_parallel(parts: Sequence[torch.Tensor], dim: int = 1, layout: Layout | None = None) -> torch.Tensor:
     """The whole sequence from every rank's local tensor (parts in rank order): the
-    inverse of split_for_context_parallel."""
-    halves = [part.chunk(2, dim) for part in parts]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+    inverse of split_for_context_parallel (or of `layout`'s split)."""
+    layout = layout or zigzag_layout(sum(p.shape[dim] for p in parts), len(parts))
+    return layout.merge(parts, dim)
 
 
-def gather_from_context_parallel(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+def gather_from_context_parallel(x: torch.Tensor, group=None, dim: int = 1, layout: Layout | None = None) -> torch.Tensor:
     """All ranks' local tensors of `group` put back into the whole sequence, on every rank
     (an all_gather: for evaluation and tests, not differentiable)."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return merge_context_parallel(parts, dim)
+    return merge_context_parallel(parts, dim, layout)
 
 
 def context_parallel_positions(seq_len: int, rank: int, size: int, device=None) -> torch.Tensor:
     """True positions (int64, seq_len // size of them) of this rank's local tokens, in local order."""
-    _check_layout(seq_len, rank, size)
-    chunk = seq_len // (2 * size)
-    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device)
-                      for i in context_parallel_chunks(rank, size)])
+    check_layout(seq_len, size, rank)
+    return zigzag_layout(seq_len, size).positions(rank, device)
 
 
-def context_parallel_batch(idx: torch.Tensor, targets: torch.Tensor | None, group=None):
-    """This rank's share of a batch of whole windows: (local idx, local targets, positions),
-    for `model(idx, targets, positions=positions)` after use_context_parallel."""
+def document_layout(document_ids: torch.Tensor, size: int, window: int | None = None):
+    """(layout, every token's document start (B, T) int64 on the CPU) for whole windows packed
+    with documents: the layout balances the visible (query, key) pairs over the `size` ranks.
+    The ids are read on the host: pass the sampler's CPU tensor (a device one costs a sync)."""
+    starts = document_bounds(document_ids.cpu())[:, 0].long()
+    return balanced_layout(visible_keys(starts, starts.shape[1], window), size), starts
+
+
+def context_parallel_batch(idx: torch.Tensor, targets: torch.Tensor | None, group=None,
+                           document_ids: torch.Tensor | None = None, window: int | None = None):
+    """This rank's share of a batch of whole windows: (local idx, local targets, model keyword
+    arguments), for `model(idx, targets, **kwargs)` after use_context_parallel.
+
+    kwargs holds `positions`, the local tokens' true positions, and with `document_ids` (the
+    whole windows' ids, (B, T), best on the CPU) the local `document_ids`: each local token's
+    document start, which the ring reads to find this batch's layout and steps (made here for
+    `window`, the model's attention.window)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    local = [None if t is None else split_for_context_parallel(t, rank, size) for t in (idx, targets)]
-    return local[0], local[1], context_parallel_positions(idx.shape[1], rank, size, idx.device)
+    check_layout(idx.shape[1], size, rank)
+    kwargs = {}
+    if document_ids is None:
+        layout = zigzag_layout(idx.shape[1], size)
+    else:
+        layout, starts = document_layout(document_ids, size, window)
+        local_ids = host_to_device(starts[:, layout.positions(rank)], idx.device)
+        attach_document_steps(local_ids, masked_steps(layout, rank, starts, window, idx.device), window, rank, size)
+        kwargs["document_ids"] = local_ids
+    local = [None if t is None else layout.split(t, rank) for t in (idx, targets)]
+    return local[0], local[1], {"positions": layout.positions(rank, idx.device), **kwargs}
+
+
+def positions_in_documents(positions: torch.Tensor, document_starts: torch.Tensor) -> torch.Tensor:
+    """model.reset_positions under context parallelism: a token's document id is its document's
+    start, a true position, so its position in the document is the difference."""
+    return positions - document_starts
 
 
 def use_context_parallel(model, group=None) -> None:
     """Make every attention layer of a GPT the ring over the CP `group`, with the model's
-    own attention (flash: our kernel, naive: plain PyTorch) as the per-block compute."""
+    own attention (flash: our kernel, naive: plain PyTorch) as the per-block compute, and its
+    per-document positions count from the document starts that context_parallel_batch hands it."""
     if model.attention_name not in BLOCKS:
         raise ValueError(f"context parallelism needs attention={' or '.join(BLOCKS)} (the ring merges "
                          f"blocks by their log-sum-exp), got attention={model.attention_name}")
     ring = partial(ring_attention, group=group, block=model.attention_name)
     for block in model.blocks:
         block.attn.attention = ring
+    model.document_positions = positions_in_documents

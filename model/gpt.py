@@ -41,6 +41,9 @@ class GPT(nn.Module):
         # Attention dropout acts in training only, so evals and generation may use any backend.
         self.drops_attention = config.attention_dropout > 0 and attention in ATTENTION_DROPOUT
         self.window = window   # each query sees the last `window` keys (Mistral's sliding window)
+        # model.reset_positions from the document ids (model.context_parallel swaps in its own: there
+        # a rank's ids are its tokens' document starts, as the documents may begin on another rank)
+        self.document_positions = document_positions
         attention_fn = get_attention(attention, deterministic, kernel)
         self.decode_attention = get_decode_attention(attention)   # a static KV cache's one-token steps
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
@@ -74,7 +77,9 @@ class GPT(nn.Module):
         - document_ids: (B, T) integers, a packed window's per-token document ids (a document is a
           run of equal ids, data/sampler.py's `return_doc_ids`); every token attends only to
           earlier tokens of its own document, and with `model.reset_positions` its position
-          counts from its document's first token (computed on the device, no host sync);
+          counts from its document's first token (computed on the device, no host sync); a
+          context-parallel rank's are what context_parallel_batch hands it (its tokens' document
+          starts, model.context_parallel);
         - positions: an int, the first token's position (default 0, or the cache's length), or a
           (T,) / (B, T) integer tensor of every token's true position (a context-parallel rank's
           chunks, model.context_parallel); RoPE and learned position embeddings use it;
@@ -104,7 +109,7 @@ class GPT(nn.Module):
         else:
             positions = positions.to(idx.device)
         if document_ids is not None and self.config.reset_positions:
-            positions = document_positions(positions, document_ids)
+            positions = self.document_positions(positions, document_ids)
         x = self.tok_emb(idx)
         rope = None
         if self.pos_emb is None:

@@ -15,7 +15,19 @@ float32 (float64 for float64 inputs) with the lse:
 - K/V from a rank s > r: its first chunk follows local chunk r and precedes 2C-1-r, its
   second chunk lies between: only the second local query chunk attends, to both, non-causal.
 
-Without a causal mask every step is a full non-causal call. Grouped-query attention sends
+Without a causal mask every step is a full non-causal call.
+
+Document masks and sliding windows (causal): a query at position p sees the keys at positions
+[max(doc_start(p), p - window + 1), p]. Which positions every rank holds is the batch's layout
+(model.cp_layout, balanced over the documents), which every rank computes from the same whole
+windows, so only K/V travel: each rank turns its queries' intervals into index intervals of
+every step's keys once per batch, on the host (`masked_steps`). A step whose K/V hold no key a
+local query sees is skipped, no kernel call (counted in STEP_COUNTS; the K/V still move on, the
+next rank may need them); the others run on the block trimmed to the rows and columns that take
+part, unmasked where every pair in it is visible, otherwise our kernel with those intervals as
+its key_bounds, which skips the tiles outside them.
+
+Grouped-query attention sends
 only the Hkv key/value heads. The backward reruns the same blocks with the block backward
 given the merged (global) out and lse, which yields each block's exact share of the
 gradients; dq accumulates locally, dK/dV accumulate on a buffer that travels the ring with
@@ -23,14 +35,17 @@ its K/V and arrives back at its owner after C hops.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kernels import attention_reference, attention_reference_backward, flash_attention, flash_attention_backward
+from model.cp_layout import Layout, host_to_device, zigzag_layout
 
 
 @dataclass(frozen=True)
@@ -49,19 +64,110 @@ BLOCKS: dict[str, BlockAttention] = {
 }
 
 
-def _step_blocks(step: int, rank: int, size: int, n_local: int, causal: bool):
-    """(query rows, key rows, causal) of the one block call of ring step `step`, or the
-    whole local tensors when nothing is masked; see the module docstring for the cases."""
-    every = slice(None)
+@dataclass(frozen=True)
+class RingStep:
+    """One ring step's block call: query rows and key columns of the local tensors it covers,
+    and its mask within them (causal, bottom-right; or per-query key bounds; or nothing)."""
+    rows: slice
+    cols: slice
+    causal: bool = False
+    key_bounds: torch.Tensor | None = None   # (B or 1, 2, rows): kernels.flash_attention's keyword
+
+    @property
+    def kind(self) -> str:
+        return "unmasked" if not self.causal and self.key_bounds is None else "masked"
+
+    def masks(self, batch: int) -> dict:
+        if self.key_bounds is None:
+            return {}
+        return {"key_bounds": self.key_bounds.expand(batch, -1, -1)}
+
+
+def causal_steps(rank: int, size: int, n_local: int, causal: bool) -> tuple[RingStep, ...]:
+    """The zig-zag layout's steps without documents or a window: see the module docstring."""
+    every, half = slice(None), n_local // 2
     if not causal:
-        return every, every, False
-    if step == 0:
-        return every, every, True
-    src = (rank - step) % size
-    half = n_local // 2
-    if src < rank:
-        return every, slice(0, half), False
-    return slice(half, None), every, False
+        return (RingStep(every, every),) * size
+    steps = [RingStep(every, every, causal=True)]
+    for step in range(1, size):
+        src = (rank - step) % size
+        steps.append(RingStep(every, slice(0, half)) if src < rank else RingStep(slice(half, None), every))
+    return tuple(steps)
+
+
+def masked_steps(layout: Layout, rank: int, document_starts: torch.Tensor | None, window: int | None,
+                 device) -> tuple[RingStep | None, ...]:
+    """Each step's block for causal attention within documents and/or a window, None where the
+    K/V chunks of that step hold no key any local query sees (the step is skipped).
+
+    Query at position p sees the keys at positions [max(doc_start(p), p - window + 1), p]
+    (`document_starts` (B, T): every token's document start, on the CPU; None: one document).
+    In the local K/V of a step, whose positions are sorted, that is the index interval
+    [#keys before the first, #keys up to p]: nondecreasing in the query, as the kernels want.
+    The block is trimmed to the rows that see a key and the columns seen; when every pair in it
+    is visible it runs unmasked, otherwise masked with those intervals as key_bounds.
+    Computed on the host from host tensors (no device sync); the bounds are copied over once.
+    """
+    positions = layout.positions(rank)
+    first = torch.zeros(1, len(positions), dtype=torch.long)
+    if document_starts is not None:
+        first = document_starts[:, positions].long()
+    if window is not None:
+        first = torch.maximum(first, positions - window + 1)
+    last = (positions + 1).expand_as(first).contiguous()
+    steps = []
+    for step in range(layout.size):
+        keys = layout.positions((rank - step) % layout.size)
+        lo, hi = torch.searchsorted(keys, first), torch.searchsorted(keys, last)
+        seen = hi > lo
+        if step == 0 and not seen.all():
+            raise RuntimeError("a query does not see its own key: the ring's first step must cover every row")
+        if not seen.any():
+            steps.append(None)
+            continue
+        seen_rows = seen.any(0).nonzero().flatten()
+        r0, r1 = int(seen_rows[0]), int(seen_rows[-1]) + 1
+        c0, c1 = int(lo[seen].min()), int(hi[seen].max())
+        visible = int((hi - lo).clamp(min=0).sum())
+        bounds = None
+        if visible < first.shape[0] * (r1 - r0) * (c1 - c0):
+            block_bounds = (torch.stack([lo, hi], 1)[:, :, r0:r1] - c0).clamp(0, c1 - c0)
+            bounds = host_to_device(block_bounds.to(torch.int32), device)
+        steps.append(RingStep(slice(r0, r1), slice(c0, c1), key_bounds=bounds))
+    return tuple(steps)
+
+
+@lru_cache(maxsize=64)
+def _window_steps(size: int, rank: int, n_local: int, window: int, device) -> tuple[RingStep | None, ...]:
+    """A sliding window without documents: the zig-zag layout's steps, the same for every batch."""
+    return masked_steps(zigzag_layout(n_local * size, size), rank, None, window, device)
+
+
+# The steps of a batch's documents, by the local document ids they were made for (by
+# model.context_parallel.context_parallel_batch), with the window, rank and size they assume:
+# the ids go through the model to every attention layer, so the plan is made once per batch.
+_DOCUMENT_STEPS = WeakIdKeyDictionary()
+
+
+def attach_document_steps(document_ids: torch.Tensor, steps, window, rank: int, size: int) -> None:
+    _DOCUMENT_STEPS[document_ids] = (steps, window, rank, size)
+
+
+def _document_steps(document_ids, window, rank: int, size: int):
+    found = _DOCUMENT_STEPS.get(document_ids)
+    if found is None:
+        raise ValueError("ring_attention's document_ids must be the local ids model.context_parallel."
+                         "context_parallel_batch returns (they carry which tokens every rank holds)")
+    steps, made_window, made_rank, made_size = found
+    if (made_window, made_rank, made_size) != (window, rank, size):
+        raise ValueError(f"these document_ids were made for window={made_window} on rank {made_rank} of "
+                         f"{made_size}, not window={window} on rank {rank} of {size}")
+    return steps
+
+
+# Ring steps run, by kind ("unmasked", "masked", "skipped": no key of that step's K/V visible),
+# counted in the forward of every call; the backward runs the same steps again.
+STEP_COUNTS: Counter = Counter()
 
 
 class _Ring:
@@ -100,28 +206,29 @@ def _merge_(out, lse, part_out, part_lse, rows: slice) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, softmax_scale, block):
+    def forward(ctx, q, k, v, group, steps, softmax_scale, block):
         ring = _Ring(group)
         acc = torch.promote_types(q.dtype, torch.float32)
-        n_local = q.shape[1]
         kv = torch.stack((k, v))           # one contiguous buffer of the K/V heads to pass on
         out = lse = None
-        for step in range(ring.size):
-            if step + 1 < ring.size:
+        for index, step in enumerate(steps):
+            if index + 1 < ring.size:
                 next_kv, pending = ring.start(kv, _KV_TAG)
-            rows, cols, block_causal = _step_blocks(step, ring.rank, ring.size, n_local, causal)
-            part_out, part_lse = block.forward(q[:, rows], kv[0][:, cols], kv[1][:, cols],
-                                               causal=block_causal, softmax_scale=softmax_scale)
-            if out is None:                # step 0 covers every query row
-                out, lse = part_out.to(acc), part_lse.to(acc)
-            else:
-                _merge_(out, lse, part_out, part_lse, rows)
-            if step + 1 < ring.size:
+            STEP_COUNTS["skipped" if step is None else step.kind] += 1
+            if step is not None:
+                part_out, part_lse = block.forward(q[:, step.rows], kv[0][:, step.cols], kv[1][:, step.cols],
+                                                   causal=step.causal, softmax_scale=softmax_scale,
+                                                   **step.masks(q.shape[0]))
+                if out is None:            # step 0 covers every query row
+                    out, lse = part_out.to(acc), part_lse.to(acc)
+                else:
+                    _merge_(out, lse, part_out, part_lse, step.rows)
+            if index + 1 < ring.size:
                 ring.wait(pending)
                 kv = next_kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.softmax_scale, ctx.block = group, causal, softmax_scale, block
+        ctx.group, ctx.steps, ctx.softmax_scale, ctx.block = group, steps, softmax_scale, block
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -130,35 +237,35 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, block = _Ring(ctx.group), ctx.block
         acc = torch.promote_types(q.dtype, torch.float32)
-        n_local = q.shape[1]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack((k, v))
         dkv = dkv_pending = None
-        for step in range(ring.size):
-            if step + 1 < ring.size:
+        for index, step in enumerate(ctx.steps):
+            if index + 1 < ring.size:
                 next_kv, kv_pending = ring.start(kv, _KV_TAG)
-            rows, cols, block_causal = _step_blocks(step, ring.rank, ring.size, n_local, ctx.causal)
-            dq_part, dk_part, dv_part = block.backward(
-                dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows],
-                causal=block_causal, softmax_scale=ctx.softmax_scale)
-            dq[:, rows] += dq_part
+            if step is not None:
+                rows, cols = step.rows, step.cols
+                dq_part, dk_part, dv_part = block.backward(
+                    dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows],
+                    causal=step.causal, softmax_scale=ctx.softmax_scale, **step.masks(q.shape[0]))
+                dq[:, rows] += dq_part
             if dkv_pending is None:        # this K/V's gradient buffer starts here
                 dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             else:                          # ... or arrived from the previous rank with its K/V
                 ring.wait(dkv_pending)
                 dkv = dkv_recv
-            dkv[0][:, cols] += dk_part
-            dkv[1][:, cols] += dv_part
+            if step is not None:
+                dkv[0][:, cols] += dk_part
+                dkv[1][:, cols] += dv_part
             if ring.size > 1:              # after the last hop each buffer is back at its owner
                 dkv_recv, dkv_pending = ring.start(dkv, _DKV_TAG)
-            if step + 1 < ring.size:
+            if index + 1 < ring.size:
                 ring.wait(kv_pending)
                 kv = next_kv
         if dkv_pending is not None:
             ring.wait(dkv_pending)
             dkv = dkv_recv
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
-
 
 def _check_group(group) -> None:
     if not dist.is_available() or not dist.is_initialized():
@@ -167,14 +274,20 @@ def _check_group(group) -> None:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the ring's group")
 
 
-def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return_lse=False, block="flash"):
+def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return_lse=False, block="flash", *,
+                   document_ids=None, window=None):
     """Exact attention of this rank's queries over the whole sequence of the CP `group`.
 
-    q (B, N, H, D), k and v (B, N, Hkv, D) are this rank's two chunks i and 2C-1-i,
-    concatenated (model.context_parallel.split_for_context_parallel); `group` is the CP
-    process group (None: the default group), its rank order is the chunk order. `block` picks the
-    per-block compute: 'flash' (our Triton kernel) or 'naive' (plain PyTorch, any float
-    dtype). Returns out (B, N, H, D) in q's dtype and, with return_lse, the lse over the
+    q (B, N, H, D), k and v (B, N, Hkv, D) are this rank's chunks, concatenated
+    (model.context_parallel: chunks i and 2C-1-i, or with documents the balanced chunks of
+    its context_parallel_batch); `group` is the CP process group (None: the default group), its
+    rank order is the chunk order. `block` picks the per-block compute: 'flash' (our Triton
+    kernel) or 'naive' (plain PyTorch, any float dtype). Masks, with causal=True:
+    - document_ids: the local ids context_parallel_batch returns for the whole windows' ids
+      (each token's document start; they bring the layout and the steps of the batch):
+      a query sees only earlier keys of its own document, wherever they are held;
+    - window: each query sees only the last `window` keys (itself included).
+    Returns out (B, N, H, D) in q's dtype and, with return_lse, the lse over the
     whole sequence (B, H, N), float32 (float64 for float64 inputs). Every rank of the
     group must call it with the same shapes and arguments.
     """
@@ -191,8 +304,20 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return
         raise ValueError(f"q has {q.shape[2]} heads, not a multiple of k's {k.shape[2]}")
     if q.shape[1] % 2:
         raise ValueError(f"local sequence length {q.shape[1]} is odd; each rank holds two equal chunks")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (keys each query sees), got {window!r}")
+    if (document_ids is not None or window is not None) and not causal:
+        raise ValueError("ring_attention's document_ids and window need causal=True (each rank knows where its "
+                         "queries' documents start, not where they end)")
     _check_group(group)
-    out, lse = _ring_apply(q, k, v, group, bool(causal), softmax_scale, BLOCKS[block])
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if document_ids is not None:
+        steps = _document_steps(document_ids, window, rank, size)
+    elif window is not None:
+        steps = _window_steps(size, rank, q.shape[1], window, q.device)
+    else:
+        steps = causal_steps(rank, size, q.shape[1], bool(causal))
+    out, lse = _ring_apply(q, k, v, group, steps, softmax_scale, BLOCKS[block])
     return (out, lse) if return_lse else out
 
 

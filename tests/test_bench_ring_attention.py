@@ -50,3 +50,17 @@ def test_smoke_writes_results_and_leaves_no_group(one_rank, tmp_path):
     assert [row["tokens"] for row in saved["rows"]] == [16, 32] == [row["tokens"] for row in report["rows"]]
     assert all(row["ring_ms"] > 0 and row["one_gpu_ms"] > 0 for row in saved["rows"])
     assert "| 32 |" in (tmp_path / "ring_attention_cpu_x1.md").read_text()
+
+
+def test_smoke_with_document_masks_reports_the_layout(one_rank, tmp_path):
+    report = bench_ring_attention.main(["--smoke", "--lengths", "64", "--masks", "causal,docs-mixed,window-4k",
+                                        "--out", str(tmp_path)])
+    assert [row["mask"] for row in report["rows"]] == ["causal", "docs-mixed", "window-4k"]
+    assert all(row["ring_tokens_per_s"] > 0 and row["imbalance"] >= 1 for row in report["rows"])
+    assert report["rows"][2]["window"] == 16
+    assert "| docs-mixed | 64 |" in (tmp_path / "ring_attention_cpu_x1_masked.md").read_text()
+
+
+def test_unknown_mask_is_refused(one_rank):
+    with pytest.raises(ValueError, match="--masks: 'docs-4k' is not one of"):
+        bench_ring_attention.main(["--smoke", "--masks", "causal,docs-4k"])

@@ -4,8 +4,10 @@ one process (losses, validation loss, checkpoints both ways), and the refused co
 
 The step cases use targets with -100 spread unevenly over the ranks, gradient accumulation,
 checkpointing with chunked loss, FSDP2 and torch.compile (aot_eager, against the eager single
-process): the loss, every parameter gradient of both optimizer steps and the final weights and
-AdamW moments must equal the single process's to rounding.
+process), and packed documents (the document mask, per-document positions, a sliding window):
+the loss, every parameter gradient of both optimizer steps and the final weights and AdamW
+moments must equal the single process's (with the same mask) to rounding. train.py runs on a
+corpus of short documents with the mask, per-document positions and a window.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ SEQ, BATCH, ACCUM, VOCAB = 24, 2, 2, 64   # 24 tokens: chunks of 6 with C = 2, o
 BASE = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", f"model.vocab_size={VOCAB}",
         f"trainer.batch_size={BATCH}", f"trainer.grad_accum={ACCUM}", f"trainer.seq_len={SEQ}",
         "trainer.precision=fp32", "optim.warmup_steps=0", "optim.grad_clip=0.05", "device=cpu", "attention=naive"]
+DOCS = ["data.document_mask=true"]   # the micro-batches then carry document ids
 # name: (world size, context_parallel, extra overrides)
 STEP_CASES = {
     "C2": (2, 2, []),
@@ -32,18 +35,26 @@ STEP_CASES = {
     "C2-compiled-selective-ckpt": (2, 2, ["trainer.compile=true", "model.activation_checkpointing=selective"]),
     "C3": (3, 3, ["model.pos_emb=learned", f"model.max_seq_len={SEQ}"]),
     "DP2xC2": (4, 2, []),
+    "C2-docs-reset-window-compiled": (2, 2, [*DOCS, "model.reset_positions=true", "attention.window=5",
+                                             "trainer.compile=true"]),
+    "C2-docs-fsdp-full-ckpt": (2, 2, [*DOCS, "trainer.parallel=fsdp", "model.activation_checkpointing=full"]),
+    "C3-docs-reset-learned": (3, 3, [*DOCS, "model.reset_positions=true", "model.pos_emb=learned",
+                                     f"model.max_seq_len={SEQ}"]),
+    "DP2xC2-docs-window": (4, 2, [*DOCS, "attention.window=7"]),
 }
 
 
-def micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global batch of one optimizer step; ignored targets fall mostly on early tokens."""
+def micro_batches(step: int, documents: bool = False) -> list[tuple[torch.Tensor, ...]]:
+    """The global batch of one optimizer step; ignored targets fall mostly on early tokens. With
+    documents, sampler-style ids of short documents (each token ends one with probability 0.15)."""
     g = torch.Generator().manual_seed(200 + step)
     batches = []
     for i in range(ACCUM):
         x, y = (torch.randint(VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
         y[0, : 5 + 3 * i] = -100
         y[1, -2:] = -100
-        batches.append((x, y))
+        starts = torch.rand(BATCH, SEQ, generator=g) < 0.15
+        batches.append((x, y, torch.cumsum(starts, 1) - starts.long()) if documents else (x, y))
     return batches
 
 
@@ -72,7 +83,7 @@ def run_steps(extra: list[str], env=None) -> dict:
     dp, dp_rank = (env.dp_size, env.dp_rank) if env else (1, 0)
     result = {"loss": [], "grad_norm": []}
     for s in range(2):
-        it = iter(micro_batches(s)[dp_rank::dp])
+        it = iter(micro_batches(s, cfg.data.document_mask)[dp_rank::dp])
         loss, norm = step(lambda: next(it))
         if env:
             dist.all_reduce(loss)
@@ -123,6 +134,10 @@ def test_context_parallel_step_equals_the_single_process_step(step_results, name
             assert ref.abs().max() > 0, k  # every parameter takes part
             torch.testing.assert_close(step_grads[k], ref, rtol=1e-12, atol=1e-15, msg=k)
     assert_states_close(got["state"], single["state"])
+    if "data.document_mask=true" in extra:   # the control: the same batches without the mask train otherwise
+        plain = run_steps([o for o in extra if o not in DOCS and not o.startswith("model.reset_positions")])
+        flat = [torch.cat([g.flatten() for g in r["grads"][0].values()]) for r in (plain, single)]
+        assert (flat[0] - flat[1]).norm() > 0.05 * flat[1].norm()
 
 
 def test_summed_loss_over_chunks_equals_the_mean_times_the_count():
@@ -153,9 +168,29 @@ def test_summed_loss_over_chunks_equals_the_mean_times_the_count():
 STEPS = 8
 
 
-def cp_overrides(run_dir, cache, **extra) -> list[str]:
-    return tiny_overrides(run_dir, cache, STEPS, **{"attention": "naive", "trainer.eval_every": 4,
-                                                    "trainer.keep_ckpts": 4, "trainer.grad_accum": 2, **extra})
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A corpus of 4,000 documents of 4-60 bytes (byte tokens): every 64-token window packs several."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("short-docs") / "docs.jsonl"
+    words = ["the", "ring", "passes", "keys", "values", "around", "a", "document", "mask", "window", "of", "tokens"]
+    with path.open("w") as f:
+        for _ in range(4000):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))[: rng.randint(4, 60)]
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def cp_overrides(run_dir, cache, corpus, **extra) -> list[str]:
+    """Context parallelism's hardest case for train.py: packed short documents under the document
+    mask, positions restarting at each document, a sliding window of 16 of the 64 tokens."""
+    return tiny_overrides(run_dir, cache, STEPS, **{
+        "attention": "naive", "trainer.eval_every": 4, "trainer.keep_ckpts": 4, "trainer.grad_accum": 2,
+        "data": "files", "data.paths": f"[{corpus}]", "data.max_bytes": None, "data.document_mask": "true",
+        "model.reset_positions": "true", "attention.window": 16, **extra})
 
 
 def assert_trains_alike(a: list[tuple], b: list[tuple]) -> None:
@@ -166,16 +201,16 @@ def assert_trains_alike(a: list[tuple], b: list[tuple]) -> None:
 
 
 @pytest.fixture(scope="module")
-def single_cp_reference(tmp_path_factory, cache_dir):
+def single_cp_reference(tmp_path_factory, cache_dir, short_documents):
     run_dir = tmp_path_factory.mktemp("single")
-    assert run_in_process(cp_overrides(run_dir, cache_dir)) == 0
+    assert run_in_process(cp_overrides(run_dir, cache_dir, short_documents)) == 0
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def cp_run(tmp_path_factory, cache_dir):
+def cp_run(tmp_path_factory, cache_dir, short_documents):
     run_dir = tmp_path_factory.mktemp("cp")
-    result = torchrun(cp_overrides(run_dir, cache_dir, **{"trainer.context_parallel": 2}))
+    result = torchrun(cp_overrides(run_dir, cache_dir, short_documents, **{"trainer.context_parallel": 2}))
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -195,16 +230,18 @@ def test_train_py_with_context_parallel_trains_like_one_process(cp_run, single_c
 
 
 @pytest.mark.slow
-def test_context_parallel_checkpoint_resumes_on_one_process(cp_run, tmp_path, cache_dir):
+def test_context_parallel_checkpoint_resumes_on_one_process(cp_run, tmp_path, cache_dir, short_documents):
     ckpt = cp_run / "checkpoints" / "step_00000004.pt"
-    assert run_in_process(cp_overrides(tmp_path, cache_dir, resume=str(ckpt))) == 0
+    assert run_in_process(cp_overrides(tmp_path, cache_dir, short_documents, resume=str(ckpt))) == 0
     assert_trains_alike(losses(tmp_path), losses(cp_run)[4:])
 
 
 @pytest.mark.slow
-def test_single_process_checkpoint_resumes_with_context_parallel(single_cp_reference, tmp_path, cache_dir):
+def test_single_process_checkpoint_resumes_with_context_parallel(single_cp_reference, tmp_path, cache_dir,
+                                                                 short_documents):
     ckpt = single_cp_reference / "checkpoints" / "step_00000004.pt"
-    result = torchrun(cp_overrides(tmp_path, cache_dir, resume=str(ckpt), **{"trainer.context_parallel": 2}))
+    result = torchrun(cp_overrides(tmp_path, cache_dir, short_documents, resume=str(ckpt),
+                                   **{"trainer.context_parallel": 2}))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_trains_alike(losses(tmp_path), losses(single_cp_reference)[4:])
 
@@ -225,21 +262,17 @@ def test_single_process_checkpoint_resumes_with_context_parallel(single_cp_refer
     (2, {"trainer.context_parallel": 0}, "trainer.context_parallel=0: must be a positive integer"),
     (2, {"trainer.context_parallel": 2, "attention.deterministic": False},
      "trainer.context_parallel=2: the ring runs our kernel's deterministic backward only"),
-    (2, {"trainer.context_parallel": 2, "data.document_mask": True},
-     "trainer.context_parallel=2: ring attention has no document mask or sliding window yet"),
-    (2, {"trainer.context_parallel": 2, "attention.window": 16},
-     "trainer.context_parallel=2: ring attention has no document mask or sliding window yet"),
     (2, {"trainer.context_parallel": 2, "model.attention_dropout": 0.1},
      "trainer.context_parallel=2: the ring computes attention without dropout"),
     (2, {"trainer.context_parallel": 2, "attention.kernel": "triton"},
      "trainer.context_parallel=2: the ring's blocks pick their forward kernel per call (auto)"),
 ])
-def test_unsupported_context_parallel_is_one_line_exit_2(tmp_path, cache_dir, capsys, monkeypatch, world, extra,
-                                                         message):
+def test_unsupported_context_parallel_is_one_line_exit_2(tmp_path, cache_dir, short_documents, capsys, monkeypatch,
+                                                         world, extra, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as torchrun starts rank 0 (a lone WORLD_SIZE is refused)
-    assert run_in_process(cp_overrides(tmp_path, cache_dir, **extra)) == 2
+    assert run_in_process(cp_overrides(tmp_path, cache_dir, short_documents, **extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
     assert not (tmp_path / "metrics.jsonl").exists()

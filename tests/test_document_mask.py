@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, requires_cuda
-from kernels import attention_reference, flash_attention
-from kernels.masks import document_bounds, visible_mask
+from kernels import attention_reference, flash_attention, flash_attention_backward
+from kernels.masks import bounds_buffer, document_bounds, visible_mask
 from model.attention import ATTENTION
 from test_flash_attention import (DEVICE, DTYPES, NAMES, assert_as_exact_as_plain, assert_compiled_matches_eager,  # noqa: F401
                                   check_against_reference, forward_backward, make_inputs, poison_uninitialised_memory)
@@ -170,7 +170,7 @@ def test_registry_entries_agree_with_masks(dtype):
 def test_eager_path_and_registered_op_agree_with_masks():
     q, k, v, do = make_inputs(1, 40, 40, 4, 2, 32, DTYPES[0])
     ids = ids_from_lengths([9, 31])
-    bounds = document_bounds(ids)
+    bounds = bounds_buffer(ids)
 
     def through_op(q, k, v, causal, return_lse, **_):
         return torch.ops.flashtrain.flash_attn_fwd(q, k, v, causal, 1 / math.sqrt(32), bounds, 7)
@@ -184,7 +184,7 @@ def test_eager_path_and_registered_op_agree_with_masks():
 def test_registered_op_with_masks_passes_opcheck():
     q, k, v, _ = make_inputs(1, 24, 24, 2, 1, 32, DTYPES[-1] if not HAS_CUDA else torch.float16)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    bounds = document_bounds(ids_from_lengths([5, 19]))
+    bounds = bounds_buffer(ids_from_lengths([5, 19]))
     checks = ("test_schema", "test_autograd_registration") + (("test_faketensor",) if HAS_CUDA else ())
     torch.library.opcheck(torch.ops.flashtrain.flash_attn_fwd.default, (q, k, v, True, 0.2, bounds, 6),
                           test_utils=checks)
@@ -206,3 +206,71 @@ def test_torch_compile_fullgraph_with_masks_matches_eager():
                              document_ids=ids, window=window)
     for name, mine, plain, ref in zip(NAMES, ours, same_dtype, exact):
         assert_as_exact_as_plain(name, mine, plain, ref, do, v)
+
+
+# ----------------------------------------------------------------------------- key_bounds
+
+def monotone_bounds(B, n_q, n_k, seed):
+    """Per-query key intervals, both ends nondecreasing (as a ring's chunk pairs have them),
+    past both ends of the keys and with empty rows (lo >= hi) among them."""
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.sort(torch.randint(-3, n_k + 3, (B, n_q), generator=g), 1).values
+    hi = torch.sort(torch.randint(0, n_k + 5, (B, n_q), generator=g), 1).values
+    return torch.stack([lo, hi], 1).to(DEVICE)
+
+
+@pytest.mark.parametrize("monotone, deterministic", [(True, True), (True, False), (False, True)],
+                         ids=["nondecreasing-det", "nondecreasing-atomic", "any-det"])
+def test_key_bounds_match_float64_reference(monotone, deterministic):
+    """A block with Nq != Nk told each query's keys: forward, lse and gradients as the dense mask
+    gives them; bounds that are not nondecreasing are honoured too (every tile visited, masked)."""
+    B, n_q, n_k = 2, 40 * SCALE, 70 * SCALE
+    bounds = monotone_bounds(B, n_q, n_k, 0)
+    if not monotone:
+        g = torch.Generator().manual_seed(1)
+        lo = torch.randint(0, n_k, (B, n_q), generator=g)
+        bounds = torch.stack([lo, lo + torch.randint(-5, 30 * SCALE, (B, n_q), generator=g)], 1).to(DEVICE)
+        assert not bounds_buffer(key_bounds=bounds, n_k=n_k)[:, -1].any()
+    assert (bounds[:, 1] <= bounds[:, 0]).any(), "the case should hold rows that see no key"
+    check_against_reference(*make_inputs(B, n_q, n_k, 2, 1, 16, DTYPES[0]), False, deterministic, key_bounds=bounds)
+
+
+def test_key_bounds_with_causal_and_window():
+    n = 70 * SCALE
+    check_against_reference(*make_inputs(1, n, n, 2, 1, 16, DTYPES[0]), True, key_bounds=monotone_bounds(1, n, n, 2),
+                            window=9 * SCALE)
+
+
+def test_key_bounds_skip_the_tiles_outside_them_and_the_explicit_backward_agrees():
+    """Keys before every query's interval (a whole tile of them) are NaN: a kernel that read their
+    tile, even masked, would spread NaN through 0 * NaN. They get no gradient, the others are
+    exact; flash_attention_backward with the same key_bounds gives autograd's gradients."""
+    n_q, n_k, unseen = 40 * SCALE, 96 * SCALE, 32 * SCALE
+    q, k, v, do = make_inputs(1, n_q, n_k, 2, 1, 32, DTYPES[0])
+    lo = torch.linspace(unseen, 64 * SCALE, n_q).long()
+    bounds = torch.stack([lo, lo + 32 * SCALE], 0)[None].to(DEVICE)
+    exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), False, key_bounds=bounds)
+    k[:, :unseen] = v[:, :unseen] = float("nan")
+    got = forward_backward(flash_attention, q, k, v, do, False, key_bounds=bounds)
+    for name, mine, ref in zip(NAMES, got, exact):
+        assert not torch.isnan(mine).any(), f"{name}: a tile outside every interval was read"
+        torch.testing.assert_close(mine.double(), ref, atol=3e-2 if HAS_CUDA else 1e-4, rtol=0, msg=name)
+    assert not got[3][:, :unseen].any() and not got[4][:, :unseen].any()
+    out, lse = flash_attention(q, k, v, return_lse=True, key_bounds=bounds)
+    for name, a, b in zip(("dq", "dk", "dv"), flash_attention_backward(do, q, k, v, out, lse, key_bounds=bounds),
+                          got[2:]):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(key_bounds=torch.zeros(1, 2, 7, dtype=torch.int32)), "key_bounds must be an integer tensor of shape"),
+    (dict(key_bounds=torch.zeros(1, 2, 8)), "key_bounds must be an integer tensor"),
+    (dict(key_bounds=torch.zeros(1, 2, 8, dtype=torch.int32), document_ids=torch.zeros(1, 8, dtype=torch.int32)),
+     "pass document_ids or key_bounds, not both"),
+])
+def test_bad_key_bounds_are_refused(kw, match):
+    q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 16, DTYPES[0])
+    kw = {name: t.to(DEVICE) for name, t in kw.items()}
+    for fn in (flash_attention, attention_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(q, k, v, causal=True, **kw)

@@ -268,14 +268,11 @@ def _check_model(m) -> None:
 
 
 def _check_masks(cfg: DictConfig) -> None:
-    """What `model.reset_positions`, `data.document_mask` and `attention.window` combine with."""
-    document_mask, window = cfg.data.document_mask, cfg.attention.window
-    _require(not cfg.model.reset_positions or document_mask, "model.reset_positions", True,
+    """What `model.reset_positions`, `data.document_mask` and `attention.window` combine with, and
+    what the context-parallel ring does not take (it takes the document mask and the window)."""
+    _require(not cfg.model.reset_positions or cfg.data.document_mask, "model.reset_positions", True,
              "needs data.document_mask=true (positions restart at the document starts the mask uses)")
     cp = cfg.trainer.context_parallel
-    _require(cp == 1 or not (document_mask or window), "trainer.context_parallel", cp,
-             "ring attention has no document mask or sliding window yet: use data.document_mask=false "
-             "attention.window=null, or trainer.context_parallel=1")
     _require(cp == 1 or not cfg.model.get("attention_dropout"), "trainer.context_parallel", cp,
              "the ring computes attention without dropout: use model.attention_dropout=0 or trainer.context_parallel=1")
     _require(cp == 1 or cfg.attention.deterministic, "trainer.context_parallel", cp,

@@ -2,9 +2,10 @@
 
 Under torchrun with N processes the ranks form a 2-D mesh (dp = N / C, cp = C; see
 training.distributed.init_distributed): the C ranks of a CP group receive the same windows from
-the sampler (sharded by DP rank only), each keeps its two chunks of every sequence
-(model.context_parallel: chunks i and 2C-1-i, at their true positions) and the attention layers
-run the ring (model.ring_attention) over the CP group.
+the sampler (sharded by DP rank only), each keeps its chunks of every sequence at their true
+positions (model.context_parallel: chunks i and 2C-1-i, or with data.document_mask the chunks
+dealt out by the documents' attention work) and the attention layers run the ring
+(model.ring_attention) over the CP group, with the document mask and attention.window.
 
 The loss of a CP rank is the sum of its own tokens' losses divided by the count of non-ignored
 targets in the whole micro-batch (known on every rank: each holds the whole windows), so the C
@@ -47,8 +48,8 @@ def check_attention(name: str, size: int) -> None:
 def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
     """Raise a one-line ValueError for a combination context parallelism does not support
     (before any process group, data or model is built). A no-op for C = 1. What the ring cannot
-    combine with in the config alone (document masks, windows, the atomic backward) is checked
-    with the other cross-key checks in training.config."""
+    combine with in the config alone (attention dropout, the atomic backward, the kernel choice)
+    is checked with the other cross-key checks in training.config."""
     size, t = context_parallel_size(cfg), cfg.trainer
     if size == 1:
         return
@@ -59,11 +60,13 @@ def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
     check_attention(cfg.attention.name, size)
 
 
-def context_parallel_loss(forward, idx: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+def context_parallel_loss(forward, idx: torch.Tensor, targets: torch.Tensor, group,
+                          document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """This CP rank's share of the micro-batch's mean loss: `forward` (the model, wrapped or
-    compiled) on the rank's chunks of the whole windows `idx`, `targets`, summed over its tokens
-    and divided by the whole micro-batch's count of non-ignored targets. Adding the shares of
-    the CP group gives the single-process mean loss, and their gradients its gradients."""
+    compiled) on the rank's chunks of the whole windows `idx`, `targets` (and their document ids,
+    with the model's attention.window), summed over its tokens and divided by the whole
+    micro-batch's count of non-ignored targets. Adding the shares of the CP group gives the
+    single-process mean loss, and their gradients its gradients."""
     count = (targets != IGNORE_INDEX).sum()
-    idx, targets, positions = context_parallel_batch(idx, targets, group)
-    return forward(idx, targets, positions=positions, reduction="sum") / count
+    idx, targets, kwargs = context_parallel_batch(idx, targets, group, document_ids, window)
+    return forward(idx, targets, reduction="sum", **kwargs) / count

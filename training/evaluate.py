@@ -39,12 +39,12 @@ def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precisi
     for i in range(rounds):
         x, y, *doc_ids = own[i] if i < len(own) else batches[0]   # doc ids: data.document_mask
         x, y = x.to(device), y.to(device)
-        masks = {"document_ids": doc_ids[0].to(device)} if doc_ids else {}
         with autocast(device, precision):
-            if enabled and env.cp_size > 1:   # document masks are refused under context parallelism
-                loss = context_parallel_loss(model, x, y, env.cp_group).float()
+            if enabled and env.cp_size > 1:   # the ring is planned from the CPU ids
+                loss = context_parallel_loss(model, x, y, env.cp_group, doc_ids[0] if doc_ids else None,
+                                             model.window).float()
             else:
-                loss = model(x, y, **masks).float()
+                loss = model(x, y, **({"document_ids": doc_ids[0].to(device)} if doc_ids else {})).float()
         if i < len(own):
             total += loss
     model.train(was_training)

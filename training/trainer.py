@@ -149,13 +149,17 @@ class TrainStep:
             return wrapped
         return torch.compile(wrapped)  # DDP: compiled around the wrapper, so DDP's buckets split the graph
 
-    def micro_loss(self, idx: torch.Tensor, targets: torch.Tensor, **masks) -> torch.Tensor:
+    def micro_loss(self, idx: torch.Tensor, targets: torch.Tensor, document_ids: torch.Tensor | None = None
+                   ) -> torch.Tensor:
         """The loss to back-propagate for one micro-batch: the model's mean, or under context
-        parallelism C x this rank's share of it (gradients are averaged over all ranks; document
-        masks are refused there by the config check)."""
+        parallelism C x this rank's share of it (gradients are averaged over all ranks). The
+        document ids stay where the sampler made them (the CPU): context parallelism plans its
+        ring from them on the host."""
         if self.env.cp_size == 1:
+            masks = {} if document_ids is None else {"document_ids": document_ids.to(idx.device, non_blocking=True)}
             return self.forward(idx, targets, **masks)
-        return self.env.cp_size * context_parallel_loss(self.forward, idx, targets, self.env.cp_group)
+        return self.env.cp_size * context_parallel_loss(self.forward, idx, targets, self.env.cp_group,
+                                                        document_ids, self.model.window)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -168,12 +172,11 @@ class TrainStep:
         loss = torch.zeros((), device=device)
         for i in range(n):
             x, y, *doc_ids = next_batch()  # (x, y) or, with data.document_mask, (x, y, document ids)
-            masks = {"document_ids": doc_ids[0].to(device, non_blocking=True)} if doc_ids else {}
             if self.env.enabled:
                 set_gradient_sync(self.wrapped, i == n - 1)
             with autocast(device, self.precision):
                 micro_loss = self.micro_loss(x.to(device, non_blocking=True), y.to(device, non_blocking=True),
-                                             **masks)
+                                             *doc_ids)
             (micro_loss / n).backward()
             loss += micro_loss.detach() / n
         grad_norm = clip_gradients(self.params, self.grad_clip)
