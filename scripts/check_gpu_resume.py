@@ -24,7 +24,6 @@ torch/triton versions and commit. Trailing `key=value` arguments override the tr
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -39,7 +38,8 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import REPO_ROOT, add_out_argument, device_slug, environment, markdown_table, run_cli, write_json, write_text
+from _common import (REPO_ROOT, add_out_argument, argument_parser, device_slug, environment, markdown_table, run_cli,
+                     write_json, write_text)
 
 GPT2 = ["model=gpt2-small", "trainer.seq_len=1024", "trainer.batch_size=16",
         "trainer.compile=false", "logger=none", "trainer.progress=false", "trainer.log_every=1",
@@ -124,7 +124,7 @@ def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     add_out_argument(parser, "check_gpu_resume")
     parser.add_argument("--name", default=None, help="result file name without extension (default resume_<gpu>)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")

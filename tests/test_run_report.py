@@ -33,7 +33,8 @@ def test_a_run_announces_itself_and_ends_with_a_summary(tmp_path, cache_dir, cap
     assert sample.startswith("sample: python ") and f"generate.py {run_dir} --prompt 'def '" in sample
 
     caplog.clear()   # a resumed run counts its own steps and keeps the best val of the whole run
-    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=6, resume="auto", **{"trainer.eval_every": 2})) == 0
+    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=6, resume="auto", allow_changes="[trainer.max_steps]",
+                                         **{"trainer.eval_every": 2})) == 0
     done = messages(caplog)[-3]
     assert done.startswith("done: steps 4 -> 6 (2 this run), 1,536 tokens in "), done
 
