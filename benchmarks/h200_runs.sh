@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/max_context/max_context_h200.*, benchmarks/loss_parity/loss_parity_h200.*
-# and benchmarks/training/loss_by_position_run16k.*, with the GPU kernel tests, in device calls of
+# and benchmarks/evals/loss_by_position_run16k.*, with the GPU kernel tests, in device calls of
 # under 10 minutes each (the `training` part's throughput lines go to its log only; the committed
 # throughput figures come from scripts/bench_train.py).
 # Usage on the GPU machine (with hydra-core, omegaconf and datasets installed there), output under $OUT:
