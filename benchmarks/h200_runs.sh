@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The H200 runs behind benchmarks/max_context_h200.*, loss_parity_h200.*, training_h200.md,
-# loss_by_position_run16k.* and the GPU test results of the closing notes, in device calls of
-# under 10 minutes each.
+# The H200 runs behind benchmarks/max_context/max_context_h200.*, benchmarks/loss_parity/loss_parity_h200.*
+# and benchmarks/evals/loss_by_position_run16k.*, with the GPU kernel tests, in device calls of
+# under 10 minutes each (the `training` part's throughput lines go to its log only; the committed
+# throughput figures come from scripts/bench_train.py).
 # Usage on the GPU machine (with hydra-core, omegaconf and datasets installed there), output under $OUT:
 #   bash benchmarks/h200_runs.sh million   # naive's searches, then the one-million-token step
-#   bash benchmarks/h200_runs.sh rest      # needs part one's max_context_h200.json in benchmarks/
+#   bash benchmarks/h200_runs.sh rest      # needs part one's max_context_h200.json in benchmarks/max_context/
 #   bash benchmarks/h200_runs.sh training  # gpt2-small throughput, then loss by position
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
@@ -42,8 +43,8 @@ rest)
     trainer.log_every=10 run.dir=/tmp/run_flash_compile
   tail -n 2 /tmp/run_flash_compile/metrics.jsonl >>"$LOG" 2>&1
   step "max context without memory features: flash, sdpa (naive's is in part one's report)"
-  run 240 $mc --attention flash,sdpa 'features=[plain]' cap=524288 extend=true --out benchmarks
-  cp benchmarks/max_context_h200* "$OUT"/
+  run 240 $mc --attention flash,sdpa 'features=[plain]' cap=524288 extend=true --out benchmarks/max_context
+  cp benchmarks/max_context/max_context_h200* "$OUT"/
   step "loss parity: naive vs flash, tiny model, bf16"
   run 100 python3 scripts/compare_attention_losses.py --name loss_parity_h200 --out "$OUT" \
     --work /tmp/parity

@@ -9,7 +9,7 @@ stream holds less than two windows), so every epoch cuts the text somewhere else
 back at another position, after another prefix, as it does under nanoGPT's random window starts.
 A fixed cut shows a small corpus the same windows every epoch, each token always at the same
 position after the same prefix, and a model learns those windows by heart (tiny-shakespeare's
-5,000 steps are 82 epochs of the same 3,921 windows; benchmarks/shakespeare_char_h200.md shows
+5,000 steps are 82 epochs of the same 3,921 windows; benchmarks/shakespeare_char/shakespeare_char_h200.md shows
 the fixed cut's validation loss turning up first). Why an offset per epoch rather than
 independent random starts: within an epoch every token is still a
 target exactly once (but for fewer than 2 * seq_len at the two ends), the position stays two

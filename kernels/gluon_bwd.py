@@ -658,7 +658,7 @@ def gluon_backward_unsupported(q, k, v, causal, dout=None, out=None) -> str | No
 
 # How the main kernel runs by default: warp-specialised, a TMA producer warp and a 2-warp dQ writer
 # with two hand-off buffers, the fastest variant on the H200 at every measured shape
-# (benchmarks/gluon_bwd_h200_rounds.md; kernels/NOTES.md has why it is still short of cuDNN).
+# (benchmarks/gluon/gluon_bwd_h200_rounds.md; kernels/NOTES.md has why it is still short of cuDNN).
 DEFAULT_VARIANT = dict(warp_specialize=True, dq_writer=True, dq_bufs=2, dq_warps=2)
 
 

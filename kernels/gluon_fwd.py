@@ -493,7 +493,7 @@ VARIANTS = {
     "ws-overlap-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=True), _WS),
 }
 # What flash_attention(kernel="gluon") runs, per head dim: the fastest exact variant measured
-# (benchmarks/gluon_fwd_h200_rounds.md; at D = 64 the intra-warpgroup overlap was slower).
+# (benchmarks/gluon/gluon_fwd_h200_rounds.md; at D = 64 the intra-warpgroup overlap was slower).
 DEFAULT_VARIANTS = {64: "ws-pingpong-s4", 128: "ws-overlap-s3"}
 
 

@@ -7,9 +7,9 @@
   windows, a view TMA cannot read) this is a one-line ValueError naming why, never a silent switch
   to the other kernel.
 - "auto": the Gluon forward where it is implemented and was measured faster than Triton's on the
-  H200 (`_measured_faster`, from the rounds in benchmarks/gluon_fwd_h200_rounds.md), Triton's
+  H200 (`_measured_faster`, from the rounds in benchmarks/gluon/gluon_fwd_h200_rounds.md), Triton's
   elsewhere; and always the Triton backward, which was measured faster than the Gluon one at every
-  shape (benchmarks/gluon_bwd_h200_rounds.md: the Gluon backward is 0.58-0.75x cuDNN's, the
+  shape (benchmarks/gluon/gluon_bwd_h200_rounds.md: the Gluon backward is 0.58-0.75x cuDNN's, the
   Triton one faster still).
 
 Both forwards write the same log-sum-exp, so either backward follows either forward.
@@ -23,7 +23,7 @@ from kernels import gluon_fwd
 KERNELS = ("auto", "triton", "gluon")
 
 # (head_dim, causal) -> the shortest sequence from which the Gluon forward was measured faster than the
-# Triton one on the H200 (benchmarks/gluon_fwd_h200_rounds.md, rounds 2-3): D = 128 1.2x from T = 1K;
+# Triton one on the H200 (benchmarks/gluon/gluon_fwd_h200_rounds.md, rounds 2-3): D = 128 1.2x from T = 1K;
 # D = 64 1.02-1.11x from 4K causal (at 1K the two were within 4%, either way), non-causal measured at
 # 16K only (1.03x). Shorter sequences and cells never measured stay on Triton.
 GLUON_FROM_LENGTH = {(128, True): 1024, (128, False): 16384, (64, True): 4096, (64, False): 16384}

@@ -42,7 +42,7 @@ _BWD_KV = {  # BLOCK_N keys owned x BLOCK_M queries streamed
 }
 # Causal dK/dV: the pinned default where the tuner's pick differs from the non-causal one.
 # Masking makes half the tiles partial, and the tuner picked these at 4K and 16K on the
-# H200 (benchmarks/attention_h200_training.md); pinned, the first entries ran the causal
+# H200 (benchmarks/attention/attention_h200_training.md); pinned, the first entries ran the causal
 # backward past 128K at 0.8x the tuned rate (kernels/NOTES.md, "Long sequences").
 _BWD_KV_CAUSAL = {64: (64, 64, 4, 2), 128: (128, 64, 8, 2)}
 # The atomic dK/dV/dQ kernel (deterministic=False) holds a BLOCK_M x D float32 dQ tile on top of

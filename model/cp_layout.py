@@ -10,7 +10,7 @@ tokens (the ring passes equal shapes). Two ways to choose the chunks:
 - balanced, for packed documents: with a document mask a query sees only the earlier keys of its
   own document, so the work of a chunk depends on where documents start, and the zig-zag split
   of a realistic mix leaves the busiest rank ~1.3x the mean at C = 2 and ~2x at C = 8
-  (benchmarks/ring_balance_cpu.md). `balanced_layout` cuts the window into 8 to 64 chunks per
+  (benchmarks/parallel/ring_balance_cpu.md). `balanced_layout` cuts the window into 8 to 64 chunks per
   rank (`CHUNKS_PER_RANK`), counts each chunk's visible (query, key) pairs and deals the chunks
   out largest first, each to the least loaded rank that still has room (LPT with equal counts),
   keeping zig-zag where that is already as even. Any assignment gives the same attention
@@ -27,7 +27,7 @@ import torch
 # The balanced layout's chunks: at least 8 per rank, more (up to 64) while they stay 4K tokens
 # or longer; fewer where T / C does not divide. 8 chunks per rank leave the busiest rank up to
 # 1.25x the mean for the 1M-token mix at C = 8 (a document of ~10^5 tokens is then a few chunks);
-# 32-64 bring it within 1.002 (benchmarks/ring_balance_cpu.md).
+# 32-64 bring it within 1.002 (benchmarks/parallel/ring_balance_cpu.md).
 CHUNKS_PER_RANK = (8, 64)
 CHUNK_TOKENS = 4096
 

@@ -9,7 +9,7 @@ The table is built by one opaque op (`flashtrain::rope_cos_sin`). Written as pla
 pointwise code, torch.compile fused the float64 cos/sin into every consumer and so
 recomputed them for q and k of every layer, forward and backward: at gpt2-small,
 T = 4K, that recomputation was 29% of a training step on an H200
-(benchmarks/train_h200_profile_before.txt). As an op its output is computed once per forward
+(benchmarks/training/train_h200_profile_before.txt). As an op its output is computed once per forward
 and the layers only read it.
 """
 from __future__ import annotations

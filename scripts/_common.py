@@ -142,10 +142,10 @@ def existing_path(text: str) -> Path:
 
 def add_out_argument(parser, script: str, dest: str = "out") -> None:
     """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored), so an ad-hoc
-    run never rewrites the committed results; `--out benchmarks` writes those, on purpose. A folder
-    that is a file, lies under one or cannot be written is refused as the arguments are parsed."""
+    run never rewrites the committed results; `--out benchmarks/<topic>` writes those, on purpose.
+    A folder that is a file, lies under one or cannot be written is refused as the arguments are parsed."""
     parser.add_argument("--out", dest=dest, type=output_folder, default=OUTPUTS / script,
-                        help=f"folder for the results (default outputs/{script}/; committed results: --out benchmarks)")
+                        help=f"folder for the results (default outputs/{script}/; committed results: --out benchmarks/<topic>)")
 
 
 def output_folder(text: str) -> Path:

@@ -20,7 +20,7 @@ then merged:
     CUDA_VISIBLE_DEVICES=1 python scripts/bench_attention.py --training --heads 32/8/128 \
         --sustained 32/8/128/16384 --out lane2 &
     wait; python scripts/bench_attention.py --merge-training lane1/attention_h200_training.json \
-        lane2/attention_h200_training.json --out benchmarks
+        lane2/attention_h200_training.json --out benchmarks/attention
 
 Throughput: forward, backward and forward+backward TFLOP/s for head dims 64 and 128, sequence
 lengths 1K-32K at 16K tokens per batch (B = 16384 / N; one sequence of 32K) and hidden size 2048
@@ -38,7 +38,7 @@ A backend that cannot run here (our kernel not importable, a SDPA backend this G
 is reported as unavailable, never replaced by another. One failing measurement (out of memory, an
 unsupported shape) is recorded as such and the sweep goes on. Results are rewritten after each
 shape: <out>/attention_<gpu>.json (with metadata), .md (tables) and two PNGs; --out defaults to
-outputs/bench_attention/ (git-ignored), `--out benchmarks` writes the committed results.
+outputs/bench_attention/ (git-ignored), `--out benchmarks/attention` writes the committed results.
 `--attention ours,sdpa-flash` picks the backends compared (default: all).
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ SWEEPS = {
                    (1024, 4096, 16384, 32768), (1, 16, 128), 16384),
     "smoke": Sweep((32, 64), (128, 512), 256, 128, (64, 128, 256), (1, 2, 32), 512),
     # gpt2-small's attention (12 heads of 64) at one sequence per batch, up to 256K tokens:
-    # the rates behind a million-token training step (benchmarks/max_context_h200.md)
+    # the rates behind a million-token training step (benchmarks/max_context/max_context_h200.md)
     "long": Sweep((64,), (16384, 65536, 131072, 262144), 1, 768, (), (1, 12, 64), 16384),
 }
 

@@ -18,8 +18,8 @@ are compared with `eager` (whose attention sums in another order). Prefill: one 
 --prefill-repeats after a warm-up. Random weights: speed does not depend on their values.
 Cases run smallest first with every implementation and mode side by side, and prefill last, so a
 run cut short still compares them. Writes <out>/generation_<device>.{json,md} (--out: default
-outputs/bench_generation/, committed results with --out benchmarks), rewritten after every
-measurement.
+outputs/bench_generation/, committed results with --out benchmarks/generation), rewritten after
+every measurement.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 The GPU must never wait on data: the result is set beside what a gpt2-small training step
 consumes on the H200 (a bare nanoGPT-style step with SDPA + compile: 419K tokens/s) and should be at least 10x it.
 Writes <out>/loader_<device>.json (--out: default outputs/bench_loader/; the committed one with
---out benchmarks). Runs on CPU; `--device cuda` adds the
+--out benchmarks/cpu). Runs on CPU; `--device cuda` adds the
 pinned host-to-device copy to what is timed.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One GPU against two: tokens/s of DDP and FSDP2, loss curves from one seed, gpt-1b memory per GPU.
 
-    python scripts/bench_parallel.py --out benchmarks            # about 7 minutes on 2 H200s (estimated)
+    python scripts/bench_parallel.py --out benchmarks/parallel   # about 7 minutes on 2 H200s (estimated)
     python scripts/bench_parallel.py --out /tmp/x --steps 40 --only throughput trainer.seq_len=1024
 
 1. Throughput and loss: train.py three times from the same seed on the same global batch
@@ -38,7 +38,7 @@ from _common import (REPO_ROOT, device_slug, environment, markdown_table, new_fi
                      write_json, write_text)
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# GPT-2's 50,304-row head, as measured in benchmarks/parallel_h200_*.md (the preset now sizes it from its tokenizer)
+# GPT-2's 50,304-row head, as measured in benchmarks/parallel/parallel_h200_*.md (the preset now sizes it from its tokenizer)
 THROUGHPUT = ["experiment=gpt2-small-4k", "tokenizer=bytes", "model.vocab_size=50304", "trainer.batch_size=4",
               "trainer.grad_accum=2", "trainer.log_every=5", "trainer.eval_every=40", "trainer.eval_batches=8",
               "trainer.ckpt_every=0", "trainer.keep_ckpts=1", "trainer.progress=false", "logger=none"]

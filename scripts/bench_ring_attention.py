@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 scripts/bench_ring_attention.py --smoke     # CPU (gloo) plumbing check
     # packed documents and windows against causal, at 128K and 1M (ring_attention_<gpu>_x2_masked.*):
     torchrun --nproc-per-node 2 scripts/bench_ring_attention.py --lengths 131072,1048576 \
-        --masks causal,docs-2k,docs-mixed,docs-mixed-w4k --out benchmarks
+        --masks causal,docs-2k,docs-mixed,docs-mixed-w4k --out benchmarks/parallel
 
 gpt2-small's attention (12 heads of 64, batch 1, causal, bf16). Per length, every rank times one
 forward+backward of ring attention over its two chunks (all ranks step together: a fixed number

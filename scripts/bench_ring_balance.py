@@ -1,6 +1,6 @@
 """Load balance of the context-parallel ring under document masks, counted on the CPU (no GPU).
 
-    python scripts/bench_ring_balance.py --out benchmarks     # ~1 minute: ring_balance_cpu.{json,md}
+    python scripts/bench_ring_balance.py --out benchmarks/parallel   # ~1 minute: ring_balance_cpu.{json,md}
     python scripts/bench_ring_balance.py --smoke              # tiny windows, plumbing only
 
 Each CP rank computes attention for its own queries, so a step of the ring takes as long as its
@@ -14,7 +14,7 @@ rank's attention work in two measures and reports the busiest rank over the mean
 
 for the zig-zag split (chunks i and 2C-1-i) and for the balanced layout context_parallel_batch
 uses with documents (model.cp_layout). Also the share of ring steps skipped (no visible key).
-Mixes: docs-2k (documents of 2,048 tokens), docs-mixed (benchmarks/document_mask_h200.md's
+Mixes: docs-2k (documents of 2,048 tokens), docs-mixed (benchmarks/attention/document_mask_h200.md's
 log-normal mix, median 700 tokens, over `--windows` draws), docs-mixed-w4k (the same with
 attention.window=4096). The zig-zag split is exactly even for docs-2k; for the mix it is not.
 

@@ -2,7 +2,8 @@
 
     python scripts/bench_shakespeare_char.py run --text input.txt --nanogpt path/to/nanoGPT --work /tmp/sc \\
         --out $OUT --deadline 150
-    python scripts/bench_shakespeare_char.py report --pack $OUT/shakespeare_char_runs.tar.gz --out benchmarks
+    python scripts/bench_shakespeare_char.py report --pack $OUT/shakespeare_char_runs.tar.gz \\
+        --out benchmarks/shakespeare_char
     python scripts/bench_shakespeare_char.py run ... --smoke      # CPU plumbing check, not a benchmark
 
 `run` starts, as concurrent processes on the one GPU:

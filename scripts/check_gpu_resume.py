@@ -1,7 +1,7 @@
 """Resume to the bit on the GPU, and what `trainer.deterministic` costs, measured in one call.
 
-    python scripts/check_gpu_resume.py --out benchmarks                  # H200: gpt2-small, T = 1K, ~2-3 min
-    python scripts/check_gpu_resume.py --out benchmarks --default-resume # also kill/resume without it (+1 min)
+    python scripts/check_gpu_resume.py --out benchmarks/resume           # H200: gpt2-small, T = 1K, ~2-3 min
+    python scripts/check_gpu_resume.py --out benchmarks/resume --default-resume  # also kill/resume without it (+1 min)
     python scripts/check_gpu_resume.py --out /tmp/x --steps 12 --ckpt-every 4 --kill-at 8 \\
         device=cpu model=tiny trainer.seq_len=64 trainer.batch_size=4 data.max_bytes=2000000
 

@@ -3,7 +3,7 @@
 
     python scripts/gluon_check.py --out DIR                 # every variant of kernels/gluon_fwd.VARIANTS
     python scripts/gluon_check.py --variants ws-pingpong --out DIR
-    python scripts/gluon_check.py --rounds r1/gluon_check.json r2/gluon_check.json --out benchmarks
+    python scripts/gluon_check.py --rounds r1/gluon_check.json r2/gluon_check.json --out benchmarks/gluon
                                                            # the rounds as gluon_fwd_<gpu>_rounds.{json,md}
 
 Each variant first runs in its own process, all at once, with a time limit: a variant whose mbarrier

@@ -29,7 +29,7 @@ takes the tokenizer's size, as training does (tokens here are random).
 
 Writes <out>/<name>.json (after every probe), .md (the table) and two PNGs: peak memory
 against length, and the maximum per implementation; --out defaults to outputs/max_context/
-(git-ignored), `--out benchmarks` writes the committed results.
+(git-ignored), `--out benchmarks/max_context` writes the committed results.
 
 Several GPUs, one sequence split over them (README, Context parallelism):
 

@@ -1,6 +1,7 @@
 """Longest training step against the number of GPUs, from scripts/max_context.py's JSON results.
 
-    python scripts/plot_max_context.py benchmarks/max_context_h200.json benchmarks/max_context_h200_x2_cp2.json
+    python scripts/plot_max_context.py benchmarks/max_context/max_context_h200.json \\
+        benchmarks/max_context/max_context_h200_x2_cp2.json
 
 Each file is one max_context.py run (one GPU, or N under torchrun with trainer.context_parallel);
 its GPU count is the number of GPUs one sequence was split over, the run's recorded
@@ -8,7 +9,8 @@ trainer.context_parallel (1 for one GPU and for files from before context parall
 Every (attention, memory features) pair that two or more GPU counts share is drawn as a line,
 with a dashed line for linear scaling from its smallest count; a search that reached its cap is
 a hollow marker labelled '≥'. Writes <out>/max_context_gpus.png (--out DIR; default
-outputs/plot_max_context/, `--out benchmarks` for the committed plot) and prints the points.
+outputs/plot_max_context/, `--out benchmarks/max_context` for the committed plot) and prints the
+points.
 """
 from __future__ import annotations
 

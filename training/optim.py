@@ -14,7 +14,7 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
     Norm gains and biases are 1-D and decaying them only fights their purpose. Embedding tables
     are decayed as nanoGPT and GPT-2 decay them (every 2-D tensor), so nanoGPT's recipes train
     here as they do there; on tiny-shakespeare leaving them undecayed made no difference within
-    noise through step 1,750 (benchmarks/shakespeare_char_h200.md). `decay_embeddings=False`
+    noise through step 1,750 (benchmarks/shakespeare_char/shakespeare_char_h200.md). `decay_embeddings=False`
     exempts them, for corpora whose rare tokens should not shrink between their uses.
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
