@@ -23,10 +23,14 @@ from kernels import gluon_fwd
 KERNELS = ("auto", "triton", "gluon")
 
 # (head_dim, causal) -> the shortest sequence from which the Gluon forward was measured faster than the
-# Triton one on the H200 (benchmarks/gluon/gluon_fwd_h200_rounds.md, rounds 2-3): D = 128 1.2x from T = 1K;
-# D = 64 1.02-1.11x from 4K causal (at 1K the two were within 4%, either way), non-causal measured at
-# 16K only (1.03x). Shorter sequences and cells never measured stay on Triton.
-GLUON_FROM_LENGTH = {(128, True): 1024, (128, False): 16384, (64, True): 4096, (64, False): 16384}
+# Triton one on the H200. D = 128: 1.2x from T = 1K (benchmarks/gluon/gluon_fwd_h200_rounds.md,
+# rounds 2-3). D = 64 causal: from 16K only; at 4K the forward alone was 1.02-1.11x there, but in the
+# training setting (fused-QKV views, with the backward) it lost: forward 0.36-0.46 ms against
+# Triton's 0.28, forward + backward 1.01x slower, and gpt2-small's bare training step 363K against
+# 370K tokens/s (benchmarks/attention/attention_h200_training_auto.md,
+# benchmarks/training/train_h200_kernels.md). Non-causal was measured at 16K only (1.03x). Shorter
+# sequences and cells never measured stay on Triton.
+GLUON_FROM_LENGTH = {(128, True): 1024, (128, False): 16384, (64, True): 16384, (64, False): 16384}
 
 
 def _measured_faster(head_dim: int, causal: bool, length: int) -> bool:

@@ -198,7 +198,7 @@ def test_tma_refusals():
 
 @pytest.mark.parametrize("head_dim, causal, length, want", [
     (128, True, 1024, "gluon"), (128, True, 16384, "gluon"), (128, False, 4096, "triton"), (128, False, 16384, "gluon"),
-    (64, True, 1024, "triton"), (64, True, 4096, "gluon"), (64, False, 16384, "gluon"), (64, True, 512, "triton"),
+    (64, True, 1024, "triton"), (64, True, 4096, "triton"), (64, True, 16384, "gluon"), (64, False, 16384, "gluon"), (64, True, 512, "triton"),
 ])
 def test_auto_picks_gluon_only_where_it_was_measured_faster(monkeypatch, head_dim, causal, length, want):
     monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
