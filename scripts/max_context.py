@@ -203,11 +203,19 @@ class StepProbe:
 
     def __call__(self, length: int) -> Probe:
         start_bytes = self._allocated()
-        meter = peak_meter(self.device, baseline=start_bytes, budget=self.budget)
+        # Under torchrun the CPU meter only records: one rank raising mid-step would leave the others
+        # waiting in a collective of the ring, and live bytes differ between ranks (when a storage
+        # is freed depends on gloo's threads). Every rank then runs the whole step, and it fits if
+        # its peak stayed within the budget: the verdict of stopping at the first byte over it.
+        one_process = not self.env.enabled
+        meter = peak_meter(self.device, baseline=start_bytes, budget=self.budget if one_process else None)
         error = None
         try:
             with meter:
                 step_s = self.timed_step(length)
+            if self.device.type != "cuda" and not one_process and meter.peak > self.budget:
+                error = (f"out of memory: {meter.peak} live tensor bytes exceed the CPU budget of "
+                         f"{self.budget}")
             step_s = self._slowest(step_s)
             if step_s < RETIME_BELOW_S and not self.partial:  # on the slowest rank's time: every rank steps again or none
                 step_s = self._slowest(self.timed_step(length))
