@@ -58,7 +58,9 @@ _verified: dict[tuple, str | None] = {}
 
 
 def _file_id(path: Path) -> tuple:
-    st = (path / dcp.MANIFEST if path.is_dir() and not path.is_symlink() else path).stat()
+    if path.is_dir() and not path.is_symlink():   # a sharded checkpoint: every file in it
+        return (str(path.resolve()), *sorted((p.name, *_file_id(p)[1:]) for p in path.iterdir()))
+    st = path.stat()
     return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino
 
 
