@@ -156,3 +156,88 @@ def test_max_restarts_after_a_killed_rank_continues_bit_identically(fsdp_run, tm
     rows = [json.loads(line) for line in (run_dir / "lineage.jsonl").read_text().splitlines()]
     assert [r["event"] for r in rows] == ["start", "resume"] and rows[0]["run_id"] == rows[1]["run_id"]
     assert 4 <= rows[1]["step"] <= 12
+
+
+# ----------------------------------------------------------------------------- two torchrun agents: two "nodes"
+
+NODES = 2
+
+
+def start_two_nodes(tmp_path: Path, overrides: list[str], tag: str, *flags: str) -> tuple[list, list[Path]]:
+    """Two torchrun agents (2 workers each) meeting through a c10d rendezvous on 127.0.0.1, each
+    with its own token cache (a node's local disk). Node 0 must host the rendezvous store
+    (is_host=1): a port taken between `free_port` and its bind fails it with EADDRINUSE, and only
+    then is the whole launch retried on another port."""
+    for attempt in range(3):
+        port, agents, logs = free_port(), [], []
+        for node in range(NODES):
+            log = tmp_path / f"{tag}-node{node}.log"
+            command = [sys.executable, "-m", "training.launch", f"--nnodes={NODES}", f"--nproc_per_node={WORLD}",
+                       "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={tag}",
+                       f"--rdzv_conf=is_host={int(node == 0)}", *flags, str(REPO / "train.py"), *overrides,
+                       f"data.cache_dir={tmp_path / f'cache-node{node}'}"]
+            agents.append(start(command, log, dict(subprocess_env(), LOGLEVEL="WARNING")))
+            logs.append(log)
+            if node == 0:
+                deadline = time.monotonic() + 60
+                while agents[0].poll() is None and time.monotonic() < deadline and not _listening(port):
+                    time.sleep(0.05)
+                if agents[0].poll() is not None and "EADDRINUSE" in logs[0].read_text() and attempt < 2:
+                    break   # the port was taken: a new one
+        else:
+            return agents, logs
+    raise AssertionError("unreachable")
+
+
+def _listening(port: int) -> bool:
+    import socket
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def workers_of(agent: subprocess.Popen) -> dict[int, tuple[int, int]]:
+    """global rank -> (local rank, pid) of an agent's workers (training.launch runs the agent in-process)."""
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+    found = {}
+    for pid in map(int, children):
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+        if "RANK" in env:
+            found[int(env["RANK"])] = (int(env["LOCAL_RANK"]), pid)
+    return found
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_stop_together_and_restart_after_a_kill(tmp_path, cache_dir):
+    """4 ranks on 2 "nodes": one process's losses on the same global batch; SIGTERM to both agents
+    stops every rank at one step with one checkpoint; a SIGKILLed worker of the second node (global
+    rank 3, local rank 1) restarts both nodes' workers (--max-restarts) from the last checkpoint."""
+    ranks = NODES * WORLD
+    reference = tmp_path / "one"
+    assert run_in_process(dist_overrides(reference, cache_dir, **{"trainer.grad_accum": ranks})) == 0
+    run_dir = tmp_path / "run"
+    overrides = dist_overrides(run_dir, None, resume="auto", **{"trainer.grad_accum": ranks})   # caches: per node
+
+    agents, logs = start_two_nodes(tmp_path, overrides, "stop")
+    wait_for_rows(run_dir, 6, logs[0], *agents)
+    for agent in agents:
+        agent.send_signal(signal.SIGTERM)
+    assert [a.wait(timeout=120) for a in agents] == [143, 143], tail(logs[0]) + tail(logs[1])
+    stopped_at = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["step"]   # saved where all stopped
+    assert len(losses(run_dir)) == stopped_at >= 6
+    for node, log in enumerate(logs):   # each node's local rank 0 built its cache, once; the same tokens
+        assert log.read_text().count("tokenized ") == 1, tail(log)
+    manifests = [json.loads(next((tmp_path / f"cache-node{n}" / "tokens").glob("*/manifest.json")).read_text())
+                 for n in range(NODES)]
+    assert manifests[0]["files"] == manifests[1]["files"]
+
+    agents, logs = start_two_nodes(tmp_path, overrides, "kill", "--max-restarts=1")
+    wait_for_rows(run_dir, stopped_at + 5, logs[0], *agents)
+    second = workers_of(agents[1])
+    victim = max(second)
+    assert second[victim][0] != victim   # on the second node LOCAL_RANK differs from RANK
+    os.kill(second[victim][1], signal.SIGKILL)
+    assert [a.wait(timeout=180) for a in agents] == [0, 0], tail(logs[0]) + tail(logs[1])
+    assert [r[0] for r in losses(run_dir)] == list(range(1, STEPS + 1))   # rank 0 alone wrote, each step once
+    assert_losses_close(losses(run_dir), losses(reference))
+    events = [json.loads(line)["event"] for line in (run_dir / "lineage.jsonl").read_text().splitlines()]
+    assert events == ["start", "resume", "resume"]

@@ -284,7 +284,8 @@ class Trainer:
         self.start = plan_start(cfg, self.run_dir)  # which checkpoint, which run: refusals before any work
         seed_everything(cfg.seed)
         self.data = self._on_local_rank0_first(lambda: build_data(  # a CP group's ranks read the same windows
-            cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.dp_rank, world_size=self.env.dp_size))
+            cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.dp_rank, world_size=self.env.dp_size,
+            progress=self.env.local_rank == 0))  # each node's builder reports its own node's cache
         model = model_from_config(cfg, self.data.vocab_size)
         if cfg.model.get("init_from") and not self.start.state:  # a resumed run's weights come from its checkpoint
             load_hf_weights(model, cfg.model.init_from)
