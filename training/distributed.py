@@ -10,7 +10,10 @@ those variables (or with WORLD_SIZE=1) the run is a single process and nothing h
   DistributedDataParallel while the backward runs.
 - `fsdp`: FSDP2 `fully_shard` on every block and at the root: parameters, gradients and optimizer
   moments are split across ranks and gathered block by block; with bf16 precision the gathered
-  parameters are bf16 and gradients are reduced in float32.
+  parameters are bf16 and gradients are reduced in float32. Prefetching is FSDP2's implicit one,
+  as torchtitan leaves it for dense models; the root unit (embedding, final norm, head) stays
+  gathered after the forward, so the backward starts without a gather. Its checkpoints are
+  sharded DCP folders (training.dcp).
 
 With `trainer.context_parallel=C` the N processes form a 2-D DeviceMesh (dp = N / C, cp = C;
 ranks dp_rank * C .. dp_rank * C + C - 1 are one CP group, neighbours on a node): each CP group

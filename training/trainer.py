@@ -143,11 +143,16 @@ class TrainStep:
         self.grad_clip = cfg.optim.grad_clip or float("inf")
 
     def _compile(self, wrapped):
-        # FSDP2: compile each block, FSDP's hooks stay outside the graphs. Offloaded activations:
-        # the saved-tensor hooks around each block cannot be traced, so the blocks compile alone.
+        # FSDP2: compile each block and the head with its loss (the final norm, the vocab-sized
+        # matmul and the cross-entropy), as torchtitan compiles its blocks apart: FSDP's hooks run
+        # on the modules' calls, outside the graphs (the root's unshard, which gathers the head,
+        # comes before its forward). Offloaded activations: the saved-tensor hooks around each
+        # block cannot be traced, so the blocks compile alone.
         if is_sharded(wrapped) or self.model.config.offload_activations:
             for block in self.model.blocks:
                 block.forward = torch.compile(block.forward)
+            if is_sharded(wrapped):
+                self.model.head_loss = torch.compile(self.model.head_loss)
             return wrapped
         return torch.compile(wrapped)  # DDP: compiled around the wrapper, so DDP's buckets split the graph
 
