@@ -126,9 +126,15 @@ class GPT(nn.Module):
             for layer, block in enumerate(self.blocks):
                 x = block.forward_cached(x, rope, cache, layer, self.window, self.decode_attention)
             cache.advance(seq_len)
-        x = self.norm_out(x)
         if targets is None:
+            x = self.norm_out(x)
             return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep > 0 else x)
+        return self.head_loss(x, targets, reduction)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The final norm, the head and the cross-entropy of the blocks' output: a method of its
+        own so that training can compile it apart from the blocks (under FSDP2)."""
+        x = self.norm_out(x)
         if self.config.loss_chunk_size > 0:
             return chunked_linear_cross_entropy(
                 x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.loss_chunk_size, IGNORE_INDEX,

@@ -1,7 +1,18 @@
-"""One GPU against two: tokens/s of DDP and FSDP2, loss curves from one seed, gpt-1b memory per GPU.
+"""One GPU against N: tokens/s of DDP and FSDP2, loss curves from one seed, gpt-1b memory per GPU.
 
     python scripts/bench_parallel.py --out benchmarks/parallel   # about 7 minutes on 2 H200s (estimated)
     python scripts/bench_parallel.py --out /tmp/x --steps 40 --only throughput trainer.seq_len=1024
+
+The targets, each one call (the global batch stays the same on 1 and N GPUs; grad_accum must be
+a multiple of N):
+
+    # gpt2-small: DDP >= 1.9x one GPU on 2 GPUs, >= 0.9x linear on 4 and 8
+    python scripts/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 2
+    python scripts/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 4 trainer.grad_accum=8
+    python scripts/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 8 trainer.grad_accum=8
+    # gpt-1b: FSDP2 >= 0.95x DDP tokens/s and >= 1.85x one GPU on 2 GPUs
+    python scripts/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 2 --name parallel_h200_gpt1b \
+        model=gpt-1b attention=sdpa trainer.batch_size=1 trainer.grad_accum=8
 
 1. Throughput and loss: train.py three times from the same seed on the same global batch
    (default: experiment=gpt2-small-4k at T=4096, compiled, batch 4 x grad_accum 2 = 32K tokens per
@@ -44,7 +55,11 @@ THROUGHPUT = ["experiment=gpt2-small-4k", "tokenizer=bytes", "model.vocab_size=5
               "trainer.ckpt_every=0", "trainer.keep_ckpts=1", "trainer.progress=false", "logger=none"]
 MEMORY = ["model=gpt-1b", "attention=sdpa", "trainer.seq_len=4096", "trainer.batch_size=1", "trainer.grad_accum=2",
           "trainer.compile=false", "trainer.progress=false", "logger=none"]
-SETUPS = [("1 GPU", 1, "ddp"), ("2 GPUs, DDP", 2, "ddp"), ("2 GPUs, FSDP2", 2, "fsdp")]
+
+
+def setups(gpus: int) -> list[tuple[str, int, str]]:
+    """(name, processes, trainer.parallel) of the throughput runs: one GPU, then DDP and FSDP2 on `gpus`."""
+    return [("1 GPU", 1, "ddp"), (f"{gpus} GPUs, DDP", gpus, "ddp"), (f"{gpus} GPUs, FSDP2", gpus, "fsdp")]
 
 
 def run_env() -> dict:
@@ -83,9 +98,7 @@ def throughput(args, report: dict, save) -> None:
 
     overrides = THROUGHPUT + [f"trainer.max_steps={args.steps}", f"seed={args.seed}"] + args.overrides
     report["settings"]["throughput_overrides"] = overrides
-    for name, nproc, parallel in SETUPS:
-        if nproc > args.gpus:
-            continue
+    for name, nproc, parallel in setups(args.gpus)[: 1 if args.gpus == 1 else 3]:
         run_dir = args.work / f"tp-{nproc}-{parallel}"
         began = time.perf_counter()
         status = run(launcher(nproc) + [str(REPO_ROOT / "train.py"), *overrides, f"trainer.parallel={parallel}",
@@ -155,10 +168,10 @@ def markdown(report: dict) -> str:
                  " / ".join(gib(r["peak_allocated_bytes"]) for r in m.get("ranks", [])) or f"failed ({m['exit_status']})",
                  " / ".join(gib(r["peak_reserved_bytes"]) for r in m.get("ranks", [])) or "-"]
                 for m in report["memory"]]
-    text = (f"# One GPU against two: DDP and FSDP2\n\n{env['device']} x {report['settings']['gpus']}, {env['date']}, "
+    text = (f"# One GPU against {report['settings']['gpus']}: DDP and FSDP2\n\n{env['device']} x {report['settings']['gpus']}, {env['date']}, "
             f"torch {env['torch']}, triton {env['triton']}, commit {env['git_commit']}.\n\n"
             f"Throughput runs: `{' '.join(report['settings'].get('throughput_overrides', []))}`, the same seed and "
-            f"global batch on 1 and 2 GPUs; tokens/s counts every GPU, the median of the logged intervals after "
+            f"global batch on 1 and {report['settings']['gpus']} GPUs; tokens/s counts every GPU, the median of the logged intervals after "
             f"step {report['settings']['warm']}; MFU is per GPU.\n\n"
             + markdown_table(["setup", "tokens/s", "vs 1 GPU", "MFU", "final loss", "val loss"], rows))
     if report["memory"]:

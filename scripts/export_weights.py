@@ -2,6 +2,11 @@
 
     python scripts/export_weights.py runs/a          # its newest usable checkpoint
     python scripts/export_weights.py runs/a/checkpoints/step_00000300.pt step300.safetensors
+    python scripts/export_weights.py runs/a/checkpoints/step_00000300.dcp --single-file step300.pt
+
+A sharded checkpoint folder (`.dcp`, written by `trainer.parallel=fsdp`) is read on this one
+process (no GPUs, no process group); `--single-file` also writes it as the single-file checkpoint
+(model, optimizer, data position, lineage), which resumes and evaluates like any other.
 
 The default output is `model_step_<N>.safetensors` in the checkpoint's run folder (beside the
 `model.safetensors` a finished run writes itself, which is never replaced by default). An existing
@@ -23,16 +28,22 @@ def main(argv: list[str]) -> Path:
     parser.add_argument("out", type=Path, nargs="?", default=None,
                         help="the .safetensors file to write (default <run>/model_step_<N>.safetensors)")
     parser.add_argument("--force", action="store_true", help="replace an existing output file")
+    parser.add_argument("--single-file", type=Path, default=None,
+                        help="also write the checkpoint's whole state as one .pt file (from a .dcp folder)")
     args = parser.parse_args(argv)
     require_output_file(args.out, "out")
+    require_output_file(args.single_file, "--single-file")
+    if args.single_file is not None and args.single_file.exists() and not args.force:
+        raise ValueError(f"{args.single_file} exists; pass --force to replace it")
     if args.out is not None and args.out.exists() and not args.force:
         raise ValueError(f"{args.out} exists; pass --force to replace it")
 
-    from training.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
+    from training.checkpoint import checkpoint_dir, is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
+    from training.dcp import consolidate, is_sharded_checkpoint
     from training.export import save_weights
 
     source = args.checkpoint
-    if source.is_dir():
+    if source.is_dir() and not is_sharded_checkpoint(source):
         found = latest_checkpoint(checkpoint_dir(source))
         if found is None:
             raise ValueError(f"{source} holds no usable checkpoint under checkpoints/")
@@ -43,8 +54,16 @@ def main(argv: list[str]) -> Path:
     out = args.out or run_dir / f"model_step_{state['step']:08d}.safetensors"
     if out.exists() and not args.force:
         raise ValueError(f"{out} exists; name another output file, or pass --force to replace it")
+    if is_sharded(state):  # verified above; its tensors are read from the shards now
+        state = consolidate(path, keys=("model", "optimizer") if args.single_file else ("model",))
+    elif args.single_file is not None:
+        raise ValueError(f"{path} is already a single file: copy it instead of --single-file")
     save_weights(state["model"], out, state["config"])
     print(f"wrote {out} (weights of {path}, step {state['step']})")
+    if args.single_file is not None:
+        keep = {k: v for k, v in state.items() if k not in ("format_version", "checksum")}
+        save_checkpoint(args.single_file, keep)
+        print(f"wrote {args.single_file} (the whole state of {path})")
     return out
 
 

@@ -40,18 +40,28 @@ def micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(torch.randint(64, (2, 16), generator=g) for _ in range(2)) for _ in range(WORLD)]
 
 
-def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None, precision: str = "fp32"
-              ) -> tuple[dict, dict]:
+def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None, precision: str = "fp32",
+              compiled: bool = False) -> tuple[dict, dict]:
     """Two optimizer steps of the tiny GPT (float64, or float32 under bf16 autocast / FSDP's bf16
-    parameters) on the same global batches; the full state."""
+    parameters) on the same global batches; the full state. `compiled`: trainer.compile=true with
+    the aot_eager backend (torch.compile's graphs and graph breaks, no C++ build)."""
+    import functools
+
     from training.config import compose
     from training.trainer import TrainStep, model_from_config
 
-    cfg = compose(STEP_OVERRIDES + [f"trainer.precision={precision}"]
+    cfg = compose(STEP_OVERRIDES + [f"trainer.precision={precision}", f"trainer.compile={compiled}"]
                   + ([f"trainer.parallel={parallel}"] if parallel else []))
     torch.manual_seed(0)
     model = model_from_config(cfg, 64, attention="sdpa").to(torch.float64 if precision == "fp32" else torch.float32)
-    step = TrainStep(model, cfg, torch.device("cpu"), env)
+    compile_ = torch.compile
+    torch.compile = functools.partial(compile_, backend="aot_eager")
+    try:
+        step = TrainStep(model, cfg, torch.device("cpu"), env)
+    finally:
+        torch.compile = compile_
+    if compiled and parallel == "fsdp":  # the blocks and the head with its loss, each a compiled function
+        assert all(hasattr(f, "_torchdynamo_orig_callable") for f in [model.head_loss, *(b.forward for b in model.blocks)])
     for s in range(2):
         mine = micro_batches(s)[rank::world]  # rank r: micro-batch r of the global batch
         it = iter(mine)
@@ -71,6 +81,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             state = run_steps(parallel, rank, WORLD, env, precision)
             if rank == 0:
                 torch.save(state, f"{out}/{parallel}-{precision}.pt")
+        state = run_steps("fsdp", rank, WORLD, env, "fp32", compiled=True)
+        if rank == 0:
+            torch.save(state, f"{out}/fsdp-compiled.pt")
     finally:
         close_distributed()
 
@@ -79,8 +92,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 def parallel_states(tmp_path_factory):
     out = tmp_path_factory.mktemp("steps")
     mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return {f"{p}-{d}": torch.load(out / f"{p}-{d}.pt", weights_only=True) for p in ("ddp", "fsdp")
-            for d in ("fp32", "bf16")}
+    return {name: torch.load(out / f"{name}.pt", weights_only=True)
+            for name in ("ddp-fp32", "fsdp-fp32", "ddp-bf16", "fsdp-bf16", "fsdp-compiled")}
 
 
 def assert_states_close(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
@@ -103,6 +116,12 @@ def test_ddp_step_equals_the_single_process_step(parallel_states):
 
 def test_fsdp_step_equals_the_ddp_step(parallel_states):
     assert_states_close(parallel_states["fsdp-fp32"], parallel_states["ddp-fp32"])
+
+
+def test_compiled_fsdp_step_equals_the_eager_one(parallel_states):
+    """FSDP2 with its blocks and its head + loss compiled (aot_eager: the same graphs torch.compile
+    makes, run without a C++ build), float64: the same weights and moments as eager to 1e-12."""
+    assert_states_close(parallel_states["fsdp-compiled"], parallel_states["fsdp-fp32"])
 
 
 def test_fsdp_bf16_parameters_train_like_ddp_under_bf16_autocast(parallel_states):

@@ -10,6 +10,11 @@ copy cut short) is skipped by `resume=auto` with a warning naming it. Loading us
 `weights_only=True`: a checkpoint cannot run code. Pruning and `resume=auto` look only at the
 files of one run (training.resume decides which): another run's checkpoint in the same folder is
 never deleted, never counted as kept.
+
+Under `trainer.parallel=fsdp` a checkpoint is a folder, `checkpoints/step_00000100.dcp/`, that
+every rank writes its shards into (training.dcp): the same state, the same rules (made visible by
+one rename once complete, every file verified by sha256 against its manifest, lineage, pruning).
+Both kinds load wherever a checkpoint is read; `resume=auto` takes the newest of either.
 """
 from __future__ import annotations
 
@@ -17,12 +22,14 @@ import errno
 import hashlib
 import logging
 import re
+import shutil
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from training import dcp
 from training.rng import set_rng_state
 from training.runfiles import RecordingWriter, new_file, os_error_in
 
@@ -32,7 +39,8 @@ FORMAT_VERSION = 3      # 2 added "checksum", 3 "lineage"; older files still loa
 READABLE_VERSIONS = (1, 2, 3)
 REQUIRED_KEYS = ("step", "tokens", "model", "optimizer", "rng", "sampler", "config",
                  "wandb_id")
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
+_TENSOR_KEYS = ("model", "optimizer")   # in the shards of a sharded checkpoint, not its state.pt
 ANY_RUN = "*"   # pruning / picking over every file, whichever run wrote it (lineage ids are hex)
 
 
@@ -50,6 +58,8 @@ _verified: dict[tuple, str | None] = {}
 
 
 def _file_id(path: Path) -> tuple:
+    if path.is_dir() and not path.is_symlink():   # a sharded checkpoint: every file in it
+        return (str(path.resolve()), *sorted((p.name, *_file_id(p)[1:]) for p in path.iterdir()))
     st = path.stat()
     return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino
 
@@ -84,8 +94,9 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
+def checkpoint_path(run_dir: str | Path, step: int, sharded: bool = False) -> Path:
+    """The single file of a step, or (sharded) its DCP folder."""
+    return checkpoint_dir(run_dir) / f"step_{step:08d}{dcp.SUFFIX if sharded else '.pt'}"
 
 
 def lineage_id(state: dict) -> str | None:
@@ -100,11 +111,7 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     A failed write (a full disk, a file-size limit, an interrupt) removes the partial temp file;
     write errors raise CheckpointWriteError naming the cause. The checkpoints already there are untouched.
     """
-    missing = [k for k in REQUIRED_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"checkpoint state lacks {', '.join(missing)}")
-    state = {"format_version": FORMAT_VERSION, **state}
-    state["checksum"] = state_checksum(state)
+    state = _stamped(state, REQUIRED_KEYS)
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,15 +124,43 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
                     raise
                 raise writer.error from e
     except OSError as e:
-        error = os_error_in(e) or e
-        reason = error.strerror or str(error) or type(error).__name__
-        hint = {errno.ENOSPC: ": free some space and rerun with resume=auto",
-                errno.EDQUOT: ": free some space (disk quota) and rerun with resume=auto",
-                errno.EFBIG: ": raise the file-size limit (ulimit -f) and rerun with resume=auto"}.get(error.errno, "")
-        raise CheckpointWriteError(error.errno, f"could not write checkpoint {path} ({reason}); the older "
-                                                f"checkpoints are untouched{hint}") from e
+        raise _write_error(path, e) from e
     _verified[_file_id(path)] = lineage_id(state)
     return path
+
+
+def _write_error(path: Path, e: OSError) -> CheckpointWriteError:
+    error = os_error_in(e) or e
+    reason = error.strerror or str(error) or type(error).__name__
+    hint = {errno.ENOSPC: ": free some space and rerun with resume=auto",
+            errno.EDQUOT: ": free some space (disk quota) and rerun with resume=auto",
+            errno.EFBIG: ": raise the file-size limit (ulimit -f) and rerun with resume=auto"}.get(error.errno, "")
+    return CheckpointWriteError(error.errno, f"could not write checkpoint {path} ({reason}); the older "
+                                             f"checkpoints are untouched{hint}")
+
+
+def _stamped(state: dict, required: tuple[str, ...]) -> dict:
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint state lacks {', '.join(missing)}")
+    state = {"format_version": FORMAT_VERSION, **state}
+    state["checksum"] = state_checksum(state)
+    return state
+
+
+def save_sharded_checkpoint(path: str | Path, state: dict, model: nn.Module, optimizer, env) -> Path | None:
+    """Every rank: the sharded checkpoint folder `path` (training.dcp) of `model` and `optimizer`
+    with the rest of `state` (no model or optimizer in it); returns the folder on rank 0."""
+    path = Path(path)
+    meta = _stamped(state, tuple(k for k in REQUIRED_KEYS if k not in _TENSOR_KEYS)) if env.is_main else None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written = dcp.save_sharded(path, meta, model, optimizer, env)
+    except OSError as e:
+        raise _write_error(path, e) from e
+    if written is not None:
+        _verified[_file_id(path)] = lineage_id(meta)
+    return written
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
@@ -189,8 +224,9 @@ def prune_checkpoints(ckpt_dir: str | Path, keep: int, run_id: str | None = ANY_
     """
     if keep < 1:
         raise ValueError(f"keep={keep}: pruning must keep at least one checkpoint")
-    for stale in Path(ckpt_dir).glob("*.pt.tmp"):
-        stale.unlink(missing_ok=True)
+    for stale in [*Path(ckpt_dir).glob("*.pt.tmp"), *Path(ckpt_dir).glob(f"*{dcp.SUFFIX}.tmp"),
+                  *Path(ckpt_dir).glob(f"*{dcp.SUFFIX}.old")]:
+        _remove(stale)
     kept = 0
     for path in reversed(list_checkpoints(ckpt_dir)):
         try:
@@ -204,11 +240,36 @@ def prune_checkpoints(ckpt_dir: str | Path, keep: int, run_id: str | None = ANY_
         elif kept < keep:
             kept += 1
         else:
-            path.unlink(missing_ok=True)
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """A checkpoint file, or a sharded checkpoint's folder (a link itself, never what it points to)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def is_sharded(state: dict) -> bool:
+    """Whether `state` is a sharded checkpoint's (its model and optimizer are in the DCP shards)."""
+    return "model" not in state
+
+
+def _read_sharded(path: Path) -> dict:
+    try:
+        state = dcp.read_state(path)
+    except Exception as e:  # no manifest, a link, a state.pt cut short: all mean unusable
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is unusable (incomplete or corrupt): {reason}") from e
+    return _checked_structure(path, state, tuple(k for k in REQUIRED_KEYS if k not in _TENSOR_KEYS))
 
 
 def _read(path: Path) -> dict:
-    """A checkpoint's state, structure checked, tensors memory-mapped (not yet read)."""
+    """A checkpoint's state, structure checked, tensors memory-mapped (not yet read); a sharded
+    checkpoint's without its model and optimizer (they stay in the shards)."""
+    if path.name.endswith(dcp.SUFFIX):
+        return _read_sharded(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -216,9 +277,13 @@ def _read(path: Path) -> dict:
     except Exception as e:  # truncated zip, garbage bytes, disallowed pickle: all mean unusable
         reason = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} is unreadable (incomplete or corrupt): {reason}") from e
+    return _checked_structure(path, state, REQUIRED_KEYS)
+
+
+def _checked_structure(path: Path, state, required: tuple[str, ...]) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a flashtrain checkpoint")
-    missing = [k for k in ("format_version", *REQUIRED_KEYS) if k not in state]
+    missing = [k for k in ("format_version", *required) if k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a flashtrain checkpoint: lacks {', '.join(missing)}")
     if state["format_version"] not in READABLE_VERSIONS:
@@ -233,6 +298,11 @@ def load_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     state = _read(path)
     if state["format_version"] >= 2 and _file_id(path) not in _verified:
+        if is_sharded(state):
+            try:
+                dcp.verify(path)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"checkpoint {path} is corrupt: {e}") from e
         try:
             actual = state_checksum(state)
         except Exception as e:  # a flipped byte can also make a tensor's storage unreadable
@@ -356,8 +426,9 @@ def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, o
         sampler_state = _sampler_state_for_new_data(sampler_state, sampler)
         change = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": state["step"],
                   "checkpoint": str(path), "from": saved_fp, "to": data_fingerprint}
-    restore_model(model, state, path, model_cfg)
-    optimizer.load_state_dict(state["optimizer"])
+    if not is_sharded(state):  # a sharded checkpoint's tensors load once the model is wrapped (load_sharded)
+        restore_model(model, state, path, model_cfg)
+        optimizer.load_state_dict(state["optimizer"])
     try:
         sampler.load_state_dict(sampler_state)
     except ValueError as e:

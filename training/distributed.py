@@ -10,7 +10,10 @@ those variables (or with WORLD_SIZE=1) the run is a single process and nothing h
   DistributedDataParallel while the backward runs.
 - `fsdp`: FSDP2 `fully_shard` on every block and at the root: parameters, gradients and optimizer
   moments are split across ranks and gathered block by block; with bf16 precision the gathered
-  parameters are bf16 and gradients are reduced in float32.
+  parameters are bf16 and gradients are reduced in float32. Prefetching is FSDP2's implicit one,
+  as torchtitan leaves it for dense models; the root unit (embedding, final norm, head) stays
+  gathered after the forward, so the backward starts without a gather. Its checkpoints are
+  sharded DCP folders (training.dcp).
 
 With `trainer.context_parallel=C` the N processes form a 2-D DeviceMesh (dp = N / C, cp = C;
 ranks dp_rank * C .. dp_rank * C + C - 1 are one CP group, neighbours on a node): each CP group
@@ -117,11 +120,31 @@ def init_distributed(device_type: str, timeout_s: float, context_parallel: int =
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timeout,
+        store = restart_safe_store(world, timeout)
+        dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                rank=rank if store else -1, world_size=world if store else -1,
                                 device_id=torch.device("cuda", local) if device_type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else dist.group.WORLD
     cp_group = context_parallel_group(device_type, world, context_parallel, timeout) if context_parallel > 1 else None
     return DistEnv(rank, world, local, control, context_parallel, cp_group)
+
+
+def restart_safe_store(world: int, timeout: datetime.timedelta):
+    """torchrun's own key-value store, under a prefix of its own for each round of workers; None
+    when torchrun does not share its store (then the process group makes a new one, as usual).
+
+    The workers of every round (`--max-restarts`) meet in the same store of the agent, and the
+    process group's keys carry no round: a restarted rank could read the address a killed rank of
+    the last round published, and fail connecting to it (seen with gloo: "Connection refused").
+    Each worker counts itself in once; all of a round join before any of the next one starts
+    (the agents stop every worker first), so the count says the round on every node alike.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    joined = store.add("flashtrain/workers_joined", 1)
+    return dist.PrefixStore(f"flashtrain/round_{(joined - 1) // world}", store)
 
 
 def context_parallel_group(device_type: str, world: int, size: int, timeout: datetime.timedelta):

@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from training.checkpoint import load_checkpoint, restore_model
+from training.checkpoint import is_sharded, load_checkpoint, restore_model
+from training.dcp import consolidate
 from training.device import autocast, resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,8 @@ def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precisi
 
 
 def load_model_for_eval(ckpt_path: str | Path, device: str = "auto", attention: str | None = None):
-    """(model in eval mode, the run's resolved config, its tokenizer) from one checkpoint file or
-    a weights-only export (`model.safetensors`, see training/export.py), whatever the number of
+    """(model in eval mode, the run's resolved config, its tokenizer) from one checkpoint (a file,
+    or an FSDP run's DCP folder) or a weights-only export (`model.safetensors`, see training/export.py), whatever the number of
     processes that trained it.
 
     The tokenizer is the copy the run kept in its run.dir (no corpus needed); runs older than
@@ -71,6 +72,8 @@ def load_model_for_eval(ckpt_path: str | Path, device: str = "auto", attention: 
 
     weights_only = Path(ckpt_path).suffix == ".safetensors"
     state = None if weights_only else load_checkpoint(ckpt_path)
+    if state is not None and is_sharded(state):  # a DCP folder (trainer.parallel=fsdp): its weights on this process
+        state["model"] = consolidate(ckpt_path, keys=("model",))["model"]
     cfg = OmegaConf.create(read_config(ckpt_path) if weights_only else state["config"])
     dev = resolve_device(device)
     attn = resolve_attention(attention or "auto", dev)

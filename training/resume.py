@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from training.checkpoint import (DATA_CHANGES, CheckpointError, check_model_config, check_unchanged, checkpoint_dir,
                                  lineage_id, list_checkpoints, load_checkpoint, peek_lineage, step_of)
+from training.dcp import is_sharded_checkpoint
 from training.export import WEIGHTS_NAME
 from training.runfiles import append_line
 
@@ -180,9 +181,9 @@ def plan_start(cfg: DictConfig, run_dir: str | Path) -> Start:
             raise ValueError(f"run.dir={run_dir} already holds a run ({evidence}): pass resume=auto to continue it, "
                              f"or choose another run.dir")
         return Start(new_run_id(), "start")
-    if resume != "auto" and Path(resume).is_dir():
-        raise CheckpointError(f"resume={resume} is a folder: pass a checkpoint file (<run.dir>/checkpoints/"
-                              f"step_XXXXXXXX.pt), or run.dir={resume} resume=auto to continue that run")
+    if resume != "auto" and Path(resume).is_dir() and not is_sharded_checkpoint(resume):
+        raise CheckpointError(f"resume={resume} is a folder: pass a checkpoint (<run.dir>/checkpoints/"
+                              f"step_XXXXXXXX.pt or .dcp), or run.dir={resume} resume=auto to continue that run")
     usable, unusable = _runs_by_file(ckpt_dir)
     own = _folder_run(run_dir, usable)
     if resume == "auto":

@@ -24,7 +24,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from data.tokenizer import save_tokenizer
 from model.context_parallel import use_context_parallel
 from training.checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_dir, checkpoint_path,
-                                 last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint)
+                                 last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint,
+                                 save_sharded_checkpoint)
+from training.dcp import consolidate, is_sharded_checkpoint, load_sharded, optimizer_by_index
 from training.config import validate_config
 from training.context_parallel import check_context_parallel, context_parallel_loss, context_parallel_size
 from training.device import autocast, resolve_device, resolve_precision, set_deterministic
@@ -141,11 +143,16 @@ class TrainStep:
         self.grad_clip = cfg.optim.grad_clip or float("inf")
 
     def _compile(self, wrapped):
-        # FSDP2: compile each block, FSDP's hooks stay outside the graphs. Offloaded activations:
-        # the saved-tensor hooks around each block cannot be traced, so the blocks compile alone.
+        # FSDP2: compile each block and the head with its loss (the final norm, the vocab-sized
+        # matmul and the cross-entropy), as torchtitan compiles its blocks apart: FSDP's hooks run
+        # on the modules' calls, outside the graphs (the root's unshard, which gathers the head,
+        # comes before its forward). Offloaded activations: the saved-tensor hooks around each
+        # block cannot be traced, so the blocks compile alone.
         if is_sharded(wrapped) or self.model.config.offload_activations:
             for block in self.model.blocks:
                 block.forward = torch.compile(block.forward)
+            if is_sharded(wrapped):
+                self.model.head_loss = torch.compile(self.model.head_loss)
             return wrapped
         return torch.compile(wrapped)  # DDP: compiled around the wrapper, so DDP's buckets split the graph
 
@@ -199,7 +206,7 @@ class TrainStep:
                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.env.is_main:
             return None, None
-        return model_sd, self._optim_by_index(optim_sd)
+        return model_sd, optimizer_by_index(optim_sd)
 
     def _param_names(self) -> list[str]:
         """The optimizer's parameters in its own order, by name (a tied tensor under its first name)."""
@@ -207,11 +214,6 @@ class TrainStep:
         for name, p in self.model.named_parameters():
             names.setdefault(p, name)
         return [names[p] for group in self.optimizer.param_groups for p in group["params"]]
-
-    def _optim_by_index(self, by_name: dict) -> dict:
-        index = {name: i for i, name in enumerate(self._param_names())}
-        return {"state": {index[k]: v for k, v in by_name["state"].items()},
-                "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in by_name["param_groups"]]}
 
     def load_optimizer(self, state: dict) -> None:
         """Optimizer moments from a single-process-format state dict (any number of saving ranks)."""
@@ -287,7 +289,8 @@ class Trainer:
         self.start = plan_start(cfg, self.run_dir)  # which checkpoint, which run: refusals before any work
         seed_everything(cfg.seed)
         self.data = self._on_local_rank0_first(lambda: build_data(  # a CP group's ranks read the same windows
-            cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.dp_rank, world_size=self.env.dp_size))
+            cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.dp_rank, world_size=self.env.dp_size,
+            progress=self.env.local_rank == 0))  # each node's builder reports its own node's cache
         model = model_from_config(cfg, self.data.vocab_size)
         if cfg.model.get("init_from") and not self.start.state:  # a resumed run's weights come from its checkpoint
             load_hf_weights(model, cfg.model.init_from)
@@ -310,6 +313,8 @@ class Trainer:
             self.start.state = None  # the tensors are in the model and optimizer now; the metadata stays
         self.model = model.to(device)
         self.train_step = TrainStep(self.model, cfg, device, self.env, micro_steps)
+        if self.resumed_from is not None and is_sharded_checkpoint(self.resumed_from):
+            load_sharded(self.resumed_from, self.model, self.optimizer)  # DCP reshards onto this run's ranks
         if optimizer_state.state is not None:
             check_param_groups(self.resumed_from, optimizer_state.state, self.optimizer)
             self.train_step.load_optimizer(optimizer_state.state)
@@ -349,16 +354,23 @@ class Trainer:
         return bool(all_reduce(healthy.to(torch.int32), self.env, torch.distributed.ReduceOp.MIN).item())
 
     def save(self, config: dict, wandb_id: str | None, export: bool = False) -> Path | None:
-        """Rank 0 writes the whole state as one file (see README, Multi-GPU); every rank takes part."""
-        model_sd, optim_sd = self.train_step.full_state()
-        path = None
+        """Every rank takes part. Under FSDP each rank writes its shards of a DCP folder; otherwise
+        rank 0 writes the whole state as one file (see README, Multi-GPU)."""
+        meta = {"step": self.step, "tokens": self.tokens, "rng": rng_state(), "sampler": self.data.train.state_dict(),
+                "config": config, "wandb_id": wandb_id, "lineage": self.start.lineage}
+        if is_sharded(self.model):
+            path = save_sharded_checkpoint(checkpoint_path(self.run_dir, self.step, sharded=True), meta, self.model,
+                                           self.optimizer, self.env)
+            model_sd = consolidate(path, keys=("model",))["model"] if export and self.env.is_main else None
+        else:
+            model_sd, optim_sd = self.train_step.full_state()
+            path = None
+            if self.env.is_main:
+                path = save_checkpoint(checkpoint_path(self.run_dir, self.step),
+                                       {**meta, "model": model_sd, "optimizer": optim_sd})
         if self.env.is_main:
-            path = save_checkpoint(checkpoint_path(self.run_dir, self.step), {
-                "step": self.step, "tokens": self.tokens, "model": model_sd, "optimizer": optim_sd,
-                "rng": rng_state(), "sampler": self.data.train.state_dict(), "config": config,
-                "wandb_id": wandb_id, "lineage": self.start.lineage})
             prune_checkpoints(checkpoint_dir(self.run_dir), self.cfg.trainer.keep_ckpts, self.start.run_id)
-            if export:
+            if export:  # the weights only, read back from the folder on one process under FSDP
                 save_weights(model_sd, self.run_dir / WEIGHTS_NAME, config)
         barrier(self.env)  # no rank exits (and makes torchrun stop the others) before the file is whole
         return path
