@@ -1,8 +1,8 @@
 """The model's own config: the keys of configs/model/*.yaml, resolved.
 
-`GPTConfig.from_cfg` checks the node against the config schema (training/schema.py, through
-training.config.check_group) before any weights are allocated: a bad value is one line naming
-the key and the reason.
+`GPTConfig.from_cfg` takes a node the config schema has checked (training.builders.build_model
+does that before any weights are allocated, so a bad value is one line naming the key) and fills
+in what the tokenizer decides.
 """
 from __future__ import annotations
 
@@ -54,12 +54,10 @@ class GPTConfig:
     def from_cfg(cls, cfg_model, vocab_size: int) -> "GPTConfig":
         """Build from the `model` config node (DictConfig or dict) and the tokenizer's size.
 
-        Fills in `vocab_size` and `d_ff` when null; the schema fills keys the node lacks.
+        Fills in `vocab_size` and `d_ff` when null.
         """
-        from training.config import check_group
-
         values = OmegaConf.to_container(cfg_model, resolve=True) if isinstance(cfg_model, DictConfig) else dict(cfg_model)
-        config = cls(**check_group("model", values))
+        config = cls(**values)
         if vocab_size < 1:
             raise ValueError(f"tokenizer vocab_size must be positive, got {vocab_size}")
         if config.vocab_size is None:

@@ -25,7 +25,7 @@ def load_for_eval(args: argparse.Namespace):
     """(model, cfg, tokenizer, device, checkpoint path) for the parsed checkpoint arguments."""
     from training.checkpoint import checkpoint_dir, latest_checkpoint
     from training.dcp import is_sharded_checkpoint
-    from training.evaluate import load_model_for_eval
+    from training.builders import load_model_for_eval
 
     path = args.checkpoint
     if path.is_dir() and not is_sharded_checkpoint(path):

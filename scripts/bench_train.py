@@ -47,7 +47,7 @@ def compose_cfg(overrides: list[str]):
 def build(cfg, attention: str, device: torch.device):
     """Model (compiled when the config says so) and optimizer, from the Trainer's own builders."""
     from training.optim import build_optimizer
-    from training.trainer import model_from_config
+    from training.builders import model_from_config
 
     model = model_from_config(cfg, cfg.model.vocab_size, attention).to(device)
     optimizer = build_optimizer(model, cfg.optim, device)
@@ -186,7 +186,7 @@ def ablation(args, device, out) -> dict:
     """Cumulative loop features on the bare step at one shape, then a profile of bare vs full."""
     from tqdm import tqdm
 
-    from data import build_data
+    from training.builders import build_data
     from training.device import autocast, resolve_precision
     from training.optim import lr_at
 

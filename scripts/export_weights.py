@@ -11,7 +11,7 @@ process (no GPUs, no process group); `--single-file` also writes it as the singl
 The default output is `model_step_<N>.safetensors` in the checkpoint's run folder (beside the
 `model.safetensors` a finished run writes itself, which is never replaced by default). An existing
 output file is refused unless --force. Load it with
-`training.evaluate.load_model_for_eval("runs/a/model_step_00000300.safetensors")` or
+`training.builders.load_model_for_eval("runs/a/model_step_00000300.safetensors")` or
 `scripts/generate.py runs/a/model_step_00000300.safetensors`.
 """
 from __future__ import annotations

@@ -122,7 +122,7 @@ def test_attention_deterministic_reaches_the_kernel(value):
     """`attention.deterministic` (configs/attention/shared/keys.yaml) goes from the config to
     the function every block calls."""
     from training.config import compose
-    from training.trainer import model_from_config
+    from training.builders import model_from_config
     cfg = compose(["attention=flash", f"attention.deterministic={str(value).lower()}", "run.dir=x"])
     assert cfg.attention.deterministic is value
     fn = model_from_config(cfg, vocab_size=256).blocks[0].attn.attention

@@ -225,7 +225,8 @@ def test_train_runs_with_both_features(tmp_path, cache_dir):
 def test_compiling_with_offload_compiles_each_block():
     """The saved-tensor hooks sit between blocks, so TrainStep compiles the blocks one by one."""
     from training.config import compose
-    from training.trainer import TrainStep, model_from_config
+    from training.builders import model_from_config
+    from training.trainer import TrainStep
 
     cfg = compose(["model.n_layer=2", "model.activation_checkpointing=full", "model.offload_activations=true",
                    "trainer.compile=true"])

@@ -64,7 +64,8 @@ def run_steps(extra: list[str], env=None) -> dict:
     import torch.distributed as dist
 
     from training.config import compose
-    from training.trainer import TrainStep, model_from_config
+    from training.builders import model_from_config
+    from training.trainer import TrainStep
 
     cfg = compose(BASE + extra)
     torch.manual_seed(0)
@@ -366,7 +367,8 @@ def gpu_step(device, precision: str, attention: str, env=None) -> dict:
     import torch.distributed as dist
 
     from training.config import compose
-    from training.trainer import TrainStep, model_from_config
+    from training.builders import model_from_config
+    from training.trainer import TrainStep
 
     size = env.cp_size if env else 1
     cfg = compose(GPU_OVERRIDES + [f"trainer.precision={precision}", f"trainer.context_parallel={size}"])

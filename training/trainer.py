@@ -23,19 +23,19 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.tokenizer import save_tokenizer
 from model.context_parallel import use_context_parallel
+from training.builders import build_data, model_from_config, resolve_config
 from training.checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_dir, checkpoint_path,
                                  last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint,
                                  save_sharded_checkpoint)
 from training.dcp import consolidate, is_sharded_checkpoint, load_sharded, optimizer_by_index
-from training.config import validate_config
 from training.context_parallel import check_context_parallel, context_parallel_loss, context_parallel_size
-from training.device import autocast, resolve_device, resolve_precision, set_deterministic
+from training.device import autocast, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, check_launcher, env_world, init_distributed,
                                   is_sharded, local_grad_accum, set_gradient_sync, wrap_model)
 from training.evaluate import evaluate_loss
 from training.export import WEIGHTS_NAME, save_weights
 from training.faults import fault_line
-from training.hf import apply_init_from, load_hf_weights
+from training.hf import load_hf_weights
 from training.loggers import Loggers
 from training.metrics import Throughput, peak_flops
 from training.optim import build_optimizer, lr_at
@@ -49,63 +49,7 @@ from training.summary import RunReport
 log = logging.getLogger("train")
 
 
-# ----------------------------------------------------------------------------- builders
-
-def resolve_config(cfg: DictConfig) -> torch.device:
-    """Validate every group and record in `cfg` what `auto` became (device, attention, precision)."""
-    from model.attention import check_attention_dropout, resolve_attention
-
-    if cfg.get("resume") == "auto" and OmegaConf.is_interpolation(cfg.run, "dir"):
-        raise ValueError("resume=auto needs run.dir=<the folder of the run to continue>: without it every run "
-                         "gets a new folder, so there would be nothing to resume")
-    OmegaConf.resolve(cfg)
-    if cfg.model.get("init_from"):
-        apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones
-    validate_config(cfg)
-    device = resolve_device(cfg.device)
-    # before anything starts CUDA (resolving the kernel below reads the GPU's capability)
-    set_deterministic(bool(cfg.trainer.get("deterministic", False)), device)
-    attention = cfg.attention.name
-    if attention == "auto" and context_parallel_size(cfg) > 1:  # the ring needs a block that returns the lse
-        attention = "flash" if device.type == "cuda" else "naive"
-    with open_dict(cfg):
-        cfg.device = device.type
-        cfg.attention.name = resolve_attention(attention, device, cfg.model.get("attention_dropout", 0.0))
-        cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
-        if cfg.attention.name == "flash":
-            cfg.attention.kernel = resolve_forward_kernel(cfg, device)
-        elif cfg.attention.get("kernel", "auto") != "auto":
-            raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's forward kernel; "
-                             f"attention={cfg.attention.name} takes only attention.kernel=auto")
-    check_attention_dropout(cfg.attention.name, cfg.model.get("attention_dropout", 0.0))
-    if cfg.trainer.get("deterministic") and cfg.attention.name == "sdpa" and device.type == "cuda":
-        log.info("trainer.deterministic=true with attention=sdpa: PyTorch leaves out its cuDNN backend and runs a "
-                 "deterministic backward (slower than its default)")
-    return device
-
-
-def resolve_forward_kernel(cfg: DictConfig, device: torch.device) -> str:
-    """attention.kernel for attention=flash as 'triton' or 'gluon' (kernels.kernel_choice): what the
-    model's q, k, v will be (the autocast dtype, the head dim, causal, masked) decides, before any
-    work; kernel=gluon where it cannot run is the kernels' one-line ValueError."""
-    from kernels.kernel_choice import resolve_kernel
-
-    dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-    masked = bool(cfg.data.get("document_mask")) or cfg.attention.get("window") is not None
-    return resolve_kernel(str(cfg.attention.get("kernel", "auto")), device, dtype,
-                          cfg.model.d_model // cfg.model.n_head, True, masked, cfg.trainer.seq_len)
-
-
-def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = None):
-    """The GPT of `cfg.model` (attention: the resolved `cfg.attention.name` unless given) with the
-    sliding window of `cfg.attention.window`."""
-    from model import build_model
-    attention = attention or cfg.attention.name
-    return build_model(cfg.model, vocab_size=vocab_size, attention=attention,
-                       window=cfg.attention.get("window"),
-                       deterministic=cfg.attention.get("deterministic", True),  # absent in configs saved before it
-                       kernel=str(cfg.attention.get("kernel", "auto")) if attention == "flash" else "auto")
-
+# ----------------------------------------------------------------------------- the step
 
 def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
     """Total gradient norm (over all ranks' shards under FSDP), gradients scaled down to `max_norm`."""
@@ -283,8 +227,6 @@ class Trainer:
             raise
 
     def _build(self, cfg: DictConfig, device: torch.device, micro_steps: int) -> None:
-        from data import build_data
-
         t = cfg.trainer
         self.start = plan_start(cfg, self.run_dir)  # which checkpoint, which run: refusals before any work
         seed_everything(cfg.seed)
