@@ -35,6 +35,7 @@ import torch
 
 from _common import (REPO_ROOT, add_out_argument, console, device_slug, environment, markdown_table, print_table, run_cli,
                      write_json, write_text)
+from _memory import release_memory
 
 GPT2 = ["model=gpt2-small", "logger=none", "trainer.progress=false"]
 
@@ -155,26 +156,16 @@ def measure(attention: str, seq_len: int, args, device, out) -> dict:
     if real["status"] == "ok":
         row.update(real_tokens_per_s=real["tokens_per_s"], real_intervals=real["intervals"],
                    loop_overhead=1 - real["tokens_per_s"] / row["bare_tokens_per_s"])
-    peak = _peak(device)
+    from training.metrics import mfu, peak_flops
+
+    peak = peak_flops(device, None)
     if peak:
-        row["bare_mfu"] = row["bare_tokens_per_s"] * flops / peak
+        row["bare_mfu"] = mfu(row["bare_tokens_per_s"], flops, peak)
         if "real_tokens_per_s" in row:
-            row["real_mfu"] = row["real_tokens_per_s"] * flops / peak
+            row["real_mfu"] = mfu(row["real_tokens_per_s"], flops, peak)
     out.print(row)
-    _release(device)
+    release_memory(device)
     return row
-
-
-def _peak(device):
-    from training.metrics import peak_flops
-    return peak_flops(device, None)
-
-
-def _release(device):
-    import gc
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- ablation

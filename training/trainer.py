@@ -37,7 +37,7 @@ from training.export import WEIGHTS_NAME, save_weights
 from training.faults import fault_line
 from training.hf import load_hf_weights
 from training.loggers import Loggers
-from training.metrics import Throughput, peak_flops
+from training.metrics import Throughput, mfu, peak_flops
 from training.optim import build_optimizer, lr_at
 from training.resume import plan_start, record, superseded_dir
 from training.rng import rng_state, seed_everything
@@ -411,7 +411,7 @@ class Trainer:
                         row = {"step": self.step, "loss": self.mean_over_ranks(loss), "lr": lr,
                                "tokens": self.tokens, "tokens_per_s": meter.rate(), "grad_norm": grad_norm.item()}
                         if peak:
-                            row["mfu"] = row["tokens_per_s"] * flops_per_token / (peak * env.world_size)
+                            row["mfu"] = mfu(row["tokens_per_s"], flops_per_token, peak, env.world_size)
                         if eval_now:
                             row["val_loss"] = self.val_loss = self.evaluate()
                         if main:
