@@ -93,7 +93,7 @@ _TUNED: dict = {}   # (kernel, dtype, device, length band, constexprs) -> the tu
 
 
 def _launch(kernel, grid, args, consts: dict, wrap, key: tuple) -> None:
-    """kernel[grid](*args, **consts). Traced (torch.compile), through `wrap` as it always was.
+    """kernel[grid](*args, **consts). Traced (torch.compile), through `wrap`.
     Eager, the autotuner runs on the first call with a key, and its pick (`best_config`) is
     remembered: later calls launch the jitted function with it directly, skipping the
     autotuner's per-call work (a dict of ~45 arguments and a key with every tensor's dtype,
