@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import model.offload as offload_module
-from model import build_model
+from training.builders import build_model   # the schema's checks, then model.build_model
 from tests.test_memory_features import TINY, assert_same, loss_and_grads
 from tests.trainrun import cache_dir, losses, run_in_process, tiny_overrides  # noqa: F401 (cache_dir: fixture)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data.tokenizer import ByteTokenizer, JsonTokenizer, train_bpe
-from model import build_model
+from training.builders import build_model   # the schema's checks, then model.build_model
 from tests.trainrun import REPO, cache_dir, run_in_process, tiny_overrides  # noqa: F401 (cache_dir: fixture)
 from training.hf import export_hf, hf_architecture, tokenizer_json_text
 
