@@ -58,7 +58,7 @@ def triton_configs(quick: bool) -> list[tuple[str, tuple]]:
     from kernels import tuning
 
     tables = {"fwd": (tuning._FWD, ("BLOCK_M", "BLOCK_N")), "q": (tuning._BWD_Q, ("BLOCK_M", "BLOCK_N")),
-              "kv": (tuning._BWD_KV, ("BLOCK_N", "BLOCK_M")), "kv_dq": (tuning._BWD_KV_DQ, ("BLOCK_N", "BLOCK_M"))}
+              "kv": (tuning._BWD_KV, ("BLOCK_M", "BLOCK_N")), "kv_dq": (tuning._BWD_KV_DQ, ("BLOCK_M", "BLOCK_N"))}
     configs = []
     for dim in QUICK_DIMS if quick else DIMS:
         block_d = max(16, 1 << (dim - 1).bit_length())
