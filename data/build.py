@@ -33,16 +33,14 @@ class DataBundle:
         return self.validation.batches(batch_size, n_batches, return_doc_ids)
 
 
-def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1, progress: bool | None = None) -> DataBundle:
-    """Everything the loop needs from `cfg.data` and `cfg.tokenizer`; tokenizes on first use."""
-    if seq_len < 1:
-        raise ValueError(f"seq_len={seq_len} must be at least 1")
-    from training.config import check_group
-    data = check_group("data", cfg.data)  # types and ranges, schema defaults filled in (scripts build data directly)
-    progress = rank == 0 if progress is None else progress
-    from training.runlock import ensure_writable
+def build_data(cfg, data: dict, cache_dir: Path, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
+               progress: bool | None = None) -> DataBundle:
+    """Everything the loop needs from `cfg.data` and `cfg.tokenizer`; tokenizes on first use.
 
-    cache_dir = ensure_writable(Path(str(cfg.data.cache_dir)), "data.cache_dir")  # before anything is built
+    `data` is the `cfg.data` group already checked against the config's schema, its defaults
+    filled in, and `cache_dir` a folder known to be writable: training.builders.build_data, which
+    every caller uses, does both before this is called."""
+    progress = rank == 0 if progress is None else progress
     source = build_source(cfg.data, cache_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, source, cache_dir, progress)
     source = source.for_tokenizer(tokenizer)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.flash_fwd import LN2, LOG2E
+from kernels.tiles import LN2, LOG2E
 from kernels.flash_op import check_inputs
 from kernels.masks import check_masks
 
@@ -172,7 +172,7 @@ def flash_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):
     block_n = max(16, min(64, 4096 // (block_r * block_d)))   # the (rows x keys x dim) product: ~32 registers a thread
     flash_decode_split_kernel[(n_splits, B * h_kv)](
         q, k, v, part_o, part_lse, cache_len, *q.stride(), *k.stride(), *v.stride(),
-        n_q, H, h_kv, n_splits, window or 0, scale * LOG2E,
+        n_q, H, h_kv, n_splits, window or 0, scale * LOG2E.value,
         GROUP=group, HEAD_DIM=D, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT_N=SPLIT,
         WINDOW=window is not None, num_warps=4)
     flash_decode_merge_kernel[(B * n_q * H,)](

@@ -37,12 +37,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import (key_ranges, load_tile, mask_row, query_heads, query_ranges, query_tile_longest_first, row_key_bounds,
+from kernels.tiles import (LOG2E, key_ranges, load_tile, mask_row, query_heads, query_ranges, query_tile_longest_first, row_key_bounds,
                            store_tile, tile_offsets, visible)
 from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_configs, bwd_kv_dq_prune, bwd_kv_prune, bwd_q_configs,
                             bwd_q_prune, persistent)
-
-LOG2E = tl.constexpr(1.4426950408889634)  # jit code may only read constexpr globals
 
 
 @triton.jit
@@ -55,6 +53,7 @@ def flash_bwd_delta_kernel(
 ):
     """Delta[b, h, i] = sum_d O[b, i, h, d] * dO[b, i, h, d], in float32 (before the atomic
     backward; the deterministic one computes it in flash_bwd_q_kernel)."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -134,6 +133,8 @@ def _bwd_kv_program(
     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     """One (key tile, batch x KV head) program of the dK/dV kernels (both kernels below)."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
     pid_n = tl.program_id(0)
@@ -215,14 +216,15 @@ def flash_bwd_kv_kernel(
 ):
     """Grid: (cdiv(n_k, BLOCK_N), B * Hkv). qk_scale = sm_scale * log2(e). Deterministic:
     reads the Delta that flash_bwd_q_kernel stored, writes dK and dV only."""
-    _bwd_kv_program(Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dK,
+    # DQ_ATOMIC=False: the program never touches dQ, so dK and its strides fill dQ's slots.
+    _bwd_kv_program(Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dK,  # dK in dQ's slot
                     stride_qb, stride_qn, stride_qh, stride_qd,
                     stride_kb, stride_kn, stride_kh, stride_kd,
                     stride_vb, stride_vn, stride_vh, stride_vd,
                     stride_dob, stride_don, stride_doh, stride_dod,
                     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
                     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-                    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+                    stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dK's strides in dQ's slot
                     n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
                     HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, False)
 
@@ -294,6 +296,8 @@ def flash_bwd_q_kernel(
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H). Also stores Delta = rowsum(O * dO) of its rows, for
     flash_bwd_kv_kernel launched after it (one launch fewer than a separate Delta kernel)."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
     pid_m = query_tile_longest_first()

@@ -37,12 +37,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import (key_ranges, load_tile, mask_row, query_heads, query_tile_longest_first, row_key_bounds, store_tile,
+from kernels.tiles import (LN2, key_ranges, load_tile, mask_row, query_heads, query_tile_longest_first, row_key_bounds, store_tile,
                           tile_offsets, visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
-
-LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)  # jit code may only read constexpr globals
 
 
 @triton.jit
@@ -90,6 +87,8 @@ def flash_fwd_kernel(
     """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e).
     Docs: (B, 2, N) int32 document bounds when DOCS (any pointer otherwise); window is
     read when WINDOW."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     # torch.compile passes Python floats as fp64; keep every score in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     pid_m = query_tile_longest_first()

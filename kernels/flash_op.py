@@ -28,11 +28,12 @@ import torch
 import triton
 
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
-from kernels.flash_fwd import LOG2E, flash_fwd_kernel
+from kernels.flash_fwd import flash_fwd_kernel
 from kernels.gluon_bwd import gluon_attention_backward
 from kernels.gluon_fwd import gluon_attention_forward
 from kernels.kernel_choice import choose_kernel
 from kernels.masks import bounds_buffer, check_masks
+from kernels.tiles import LOG2E
 from kernels.tuning import INTERPRET, seq_bucket
 
 MAX_HEAD_DIM = 256
@@ -93,13 +94,17 @@ _TUNED: dict = {}   # (kernel, dtype, device, length band, constexprs) -> the tu
 
 
 def _launch(kernel, grid, args, consts: dict, wrap, key: tuple) -> None:
-    """kernel[grid](*args, **consts). Traced (torch.compile), through `wrap` as it always was.
+    """kernel[grid](*args, **consts). Traced (torch.compile), through `wrap`.
     Eager, the autotuner runs on the first call with a key, and its pick (`best_config`) is
     remembered: later calls launch the jitted function with it directly, skipping the
     autotuner's per-call work (a dict of ~45 arguments and a key with every tensor's dtype,
     ~20-40 us of host time per launch, see kernels/NOTES.md). The key holds everything the
     autotuner's key holds: the constexprs, the length band and the dtype of every tensor
-    argument (q's dtype fixes them all; DOCS says whether Docs is int32)."""
+    argument (q's dtype fixes them all; DOCS says whether Docs is int32).
+
+    The one place that reaches past triton.autotune's decorator: its public interface has no
+    "launch with this config" call, so the pick is read from `best_config` (set by the first run)
+    and later launches go to `kernel.fn`, the jitted function it wraps."""
     if wrap is not _no_wrap:
         wrap(kernel)[grid](*args, **consts)
         return
@@ -130,10 +135,11 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, wrap=_no_wrap, 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
 
+    docs = lse if doc_bounds is None else doc_bounds   # DOCS=False never reads Docs: lse fills the slot
     _launch(flash_fwd_kernel, grid, (
-        q, k, v, out, lse, lse if doc_bounds is None else doc_bounds,
+        q, k, v, out, lse, docs,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, bucket, window), consts, wrap, key)
+        H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value, bucket, window), consts, wrap, key)
     return out, lse
 
 
@@ -153,13 +159,13 @@ def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
     n_k, h_kv = k.shape[1], k.shape[2]
     consts, bucket, key = _constexprs(q, k, causal, doc_bounds, window)
     delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
-    docs = delta if doc_bounds is None else doc_bounds
+    docs = delta if doc_bounds is None else doc_bounds   # DOCS=False never reads Docs: delta fills the slot
     dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=v.device)
     inputs = (q, k, v, dout, lse, delta, docs, dk, dv)
     qkv_strides = (*q.stride(), *k.stride(), *v.stride())
     strides = (*qkv_strides, *dout.stride(), *dk.stride(), *dv.stride())
-    sizes = (H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window)
+    sizes = (H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value, softmax_scale, bucket, window)
 
     def kv_grid(meta):
         return (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv)
@@ -174,7 +180,7 @@ def _launch_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
         _launch(flash_bwd_q_kernel, q_grid, (
             q, k, v, out, dout, lse, delta, docs, dq,
             *qkv_strides, *out.stride(), *dout.stride(), *dq.stride(),
-            H, H // h_kv, n_q, n_k, softmax_scale * LOG2E, softmax_scale, bucket, window), consts, wrap, key)
+            H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value, softmax_scale, bucket, window), consts, wrap, key)
         _launch(flash_bwd_kv_kernel, kv_grid, inputs + strides + sizes, consts, wrap, key)
         return dq, dk, dv
 

@@ -81,8 +81,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import gluon_compat as compat
 from kernels.gluon_fwd import tma_refusal
-
-LOG2E = tl.constexpr(1.4426950408889634)
+from kernels.tiles import LOG2E
 
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring.
 # Shared memory per program at D = 128: K, V 2 x 32 KB, the ring 32 KB a stage, dS^T 16 KB and

@@ -61,9 +61,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.gluon_compat import thread_barrier, tma_load, tma_store
+from kernels.tiles import LN2, LOG2E
 
-LOG2E = 1.4426950408889634
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 WG_ROWS = 64            # rows of one warpgroup's wgmma: 4 warps x 16
@@ -603,6 +602,6 @@ def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant
     lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(n_q, launch.block_m), B * H)
     launch.kernel[grid](_descriptor(q, launch.rows), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-                        _descriptor(out, launch.rows), lse, H, H // h_kv, n_q, n_k, softmax_scale * LOG2E,
+                        _descriptor(out, launch.rows), lse, H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value,
                         **launch.constexprs, **launch.options)
     return out, lse

@@ -14,6 +14,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# The softmax runs in base 2 (exp2, log2: one instruction each): scores are scaled by
+# softmax_scale * LOG2E, and a base-2 log-sum-exp times LN2 is the natural one the API returns.
+# constexpr, since jit code may only read constexpr globals; host code reads `.value`.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit
 def query_heads(pid_bh, n_heads, kv_group):

@@ -19,55 +19,56 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("FLASHTRAIN_AUTOTUNE", "1") != "0"
 
 
-def _cfg(block_a, block_b, names, warps, stages):
-    return triton.Config({names[0]: block_a, names[1]: block_b}, num_warps=warps, num_stages=stages)
+def _cfg(block_m, block_n, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
-def _entry(config, names):
-    return (config.kwargs[names[0]], config.kwargs[names[1]], config.num_warps, config.num_stages)
+def _entry(config):
+    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
 
 
-# (rows, cols, warps, stages) per max padded head dim; the first entry is the default.
+# Every table: (BLOCK_M query rows, BLOCK_N key rows, warps, stages) per max padded head dim, the
+# first entry the default. Which of the two a program owns and which it streams is the kernel's.
 # Candidates are the shapes that compile without register spills for triton 3.6 / sm_90a
 # (ptxas -v; kernels/NOTES.md), plus the best measured ones.
-_FWD = {  # BLOCK_M query rows x BLOCK_N keys
+_FWD = {  # BLOCK_M queries owned, BLOCK_N keys streamed
     64: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
     256: [(128, 32, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3)],
 }
-_BWD_KV = {  # BLOCK_N keys owned x BLOCK_M queries streamed
-    64: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)],
-    128: [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 3)],
-    256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2)],
+_BWD_KV = {  # BLOCK_M queries streamed, BLOCK_N keys owned
+    64: [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 2)],
+    128: [(32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3), (64, 128, 8, 3)],
+    256: [(32, 64, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2)],
 }
 # Causal dK/dV: the pinned default where the tuner's pick differs from the non-causal one.
 # Masking makes half the tiles partial, and the tuner picked these at 4K and 16K on the
 # H200 (benchmarks/attention/attention_h200_training.md); pinned, the first entries ran the causal
 # backward past 128K at 0.8x the tuned rate (kernels/NOTES.md, "Long sequences").
-_BWD_KV_CAUSAL = {64: (64, 64, 4, 2), 128: (128, 64, 8, 2)}
+_BWD_KV_CAUSAL = {64: (64, 64, 4, 2), 128: (64, 128, 8, 2)}
 # The atomic dK/dV/dQ kernel (deterministic=False) holds a BLOCK_M x D float32 dQ tile on top of
-# dK/dV's registers: ptxas -v (triton 3.9, sm_90a, causal) spills 136 B at D = 64 with 128 x 32
-# (0 for dK/dV alone), 0 with 128 x 16 and 64 x 32 (8 warps); at D = 128 every shape spills,
-# least with 64 x 32 (480 B) and 128 x 16 (648 B). Each (key tile, query tile) pair adds a
+# dK/dV's registers: ptxas -v (triton 3.9, sm_90a, causal) spills 136 B at D = 64 with 128 keys x
+# 32 queries (0 for dK/dV alone), 0 with 128 x 16 and 64 x 32 (keys x queries, 8 warps); at D = 128
+# every shape spills, least with 64 x 32 (480 B) and 128 x 16 (648 B). Each (key tile, query tile) pair adds a
 # BLOCK_M x D tile to dQ, so the atomic bytes per call fall as 1 / BLOCK_N: the pinned default
 # (past TUNE_MAX_TOKENS, causal or not) keeps 128 keys per program.
-_BWD_KV_DQ = {  # BLOCK_N keys owned x BLOCK_M queries streamed
-    64: [(128, 32, 8, 3), (128, 16, 8, 3), (64, 32, 8, 2), (128, 64, 8, 2)],
-    128: [(128, 32, 8, 3), (64, 32, 8, 2), (128, 16, 8, 3), (128, 64, 8, 2)],
-    256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2)],
+_BWD_KV_DQ = {  # BLOCK_M queries streamed, BLOCK_N keys owned
+    64: [(32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 8, 2), (64, 128, 8, 2)],
+    128: [(32, 128, 8, 3), (32, 64, 8, 2), (16, 128, 8, 3), (64, 128, 8, 2)],
+    256: [(32, 64, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2)],
 }
-_BWD_Q = {  # BLOCK_M queries owned x BLOCK_N keys streamed
+_BWD_Q = {  # BLOCK_M queries owned, BLOCK_N keys streamed
     64: [(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
     128: [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
     256: [(128, 32, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3)],
 }
 
 
-def _configs(table, names):
+def _configs(table):
     if INTERPRET:
-        return [_cfg(32, 32, names, 4, 1)]
+        return [_cfg(32, 32, 4, 1)]
     unique = dict.fromkeys(entry for entries in table.values() for entry in entries)
-    return [_cfg(a, b, names, warps, stages) for a, b, warps, stages in unique]
+    return [_cfg(*entry) for entry in unique]
 
 
 # Autotuning runs every candidate on the real inputs. Past this length one call takes
@@ -82,7 +83,7 @@ def seq_bucket(n: int) -> int:
     return min(max(triton.next_power_of_2(n), 128), 2 * TUNE_MAX_TOKENS)
 
 
-def _for_head_dim(table, names, causal_default=None):
+def _for_head_dim(table, causal_default=None):
     """early_config_prune hook: keep the candidates listed for this BLOCK_D; untuned, the
     pinned default (the list's first entry, or `causal_default[dim]` for causal calls)."""
     def prune(configs, named_args, **kwargs):
@@ -92,8 +93,8 @@ def _for_head_dim(table, names, causal_default=None):
         tune = AUTOTUNE and named_args["seq_bucket"] <= TUNE_MAX_TOKENS
         pinned = (causal_default or {}).get(dim, table[dim][0]) if kwargs.get("CAUSAL") else table[dim][0]
         wanted = table[dim] if tune else [pinned]
-        keep = [c for c in configs if _entry(c, names) in wanted]
-        return sorted(keep, key=lambda c: wanted.index(_entry(c, names)))
+        keep = [c for c in configs if _entry(c) in wanted]
+        return sorted(keep, key=lambda c: wanted.index(_entry(c)))
     return prune
 
 
@@ -109,32 +110,32 @@ def persistent() -> dict:
 
 
 def fwd_configs():
-    return _configs(_FWD, ("BLOCK_M", "BLOCK_N"))
+    return _configs(_FWD)
 
 
 def fwd_prune():
-    return {"early_config_prune": _for_head_dim(_FWD, ("BLOCK_M", "BLOCK_N"))}
+    return {"early_config_prune": _for_head_dim(_FWD)}
 
 
 def bwd_kv_configs():
-    return _configs(_BWD_KV, ("BLOCK_N", "BLOCK_M"))
+    return _configs(_BWD_KV)
 
 
 def bwd_kv_prune():
-    return {"early_config_prune": _for_head_dim(_BWD_KV, ("BLOCK_N", "BLOCK_M"), _BWD_KV_CAUSAL)}
+    return {"early_config_prune": _for_head_dim(_BWD_KV, _BWD_KV_CAUSAL)}
 
 
 def bwd_kv_dq_configs():
-    return _configs(_BWD_KV_DQ, ("BLOCK_N", "BLOCK_M"))
+    return _configs(_BWD_KV_DQ)
 
 
 def bwd_kv_dq_prune():
-    return {"early_config_prune": _for_head_dim(_BWD_KV_DQ, ("BLOCK_N", "BLOCK_M"))}
+    return {"early_config_prune": _for_head_dim(_BWD_KV_DQ)}
 
 
 def bwd_q_configs():
-    return _configs(_BWD_Q, ("BLOCK_M", "BLOCK_N"))
+    return _configs(_BWD_Q)
 
 
 def bwd_q_prune():
-    return {"early_config_prune": _for_head_dim(_BWD_Q, ("BLOCK_M", "BLOCK_N"))}
+    return {"early_config_prune": _for_head_dim(_BWD_Q)}

@@ -1,50 +1,83 @@
-"""The model's own config: the keys of configs/model/*.yaml, resolved.
+"""The model's config: the keys of configs/model/*.yaml, declared once.
 
-`GPTConfig.from_cfg` checks the node against the config schema (training/schema.py, through
-training.config.check_group) before any weights are allocated: a bad value is one line naming
-the key and the reason.
+`GPTConfig` is both the schema of the `model` config group (training.schema registers it with
+Hydra, which types every YAML file and override against it; each number's range is field
+metadata, checked by training.config.check_group) and the model's own resolved config.
+`GPTConfig.from_cfg` takes a node that check has passed (training.builders.build_model runs it
+before any weights are allocated, so a bad value is one line naming the key) and fills in what
+the tokenizer decides. The field helpers below (`Choice`, `ranged`) serve every group's schema;
+they live here, in the lowest layer that declares config, so that the model imports nothing of
+training. Imports nothing heavy: `train.py --help` loads it.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 VOCAB_MULTIPLE = 64  # tensor-core-friendly head width when the tokenizer sets the size
+
+
+class Choice(str, Enum):
+    """A config value from a fixed set; compares equal to (and prints as) its plain string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def choice(name: str, *values: str) -> type[Choice]:
+    return Choice(name, [(v, v) for v in values])
+
+
+def ranged(default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
+           lt: float | None = None, le: float | None = None) -> Any:
+    """A field whose value must lie in a range (null passes where the type is Optional)."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}
+    return field(default=default, metadata={"range": bounds})
+
+
+PosEmb = choice("PosEmb", "rope", "learned")
+Norm = choice("Norm", "rmsnorm", "layernorm")
+Mlp = choice("Mlp", "swiglu", "gelu")
+Checkpointing = choice("Checkpointing", "none", "full", "selective")
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-@dataclass(frozen=True)
+@dataclass
 class GPTConfig:
-    name: str = "custom"
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int = 4
-    d_model: int = 128
-    d_ff: Optional[int] = None          # None: 4*d_model (gelu) or 8/3*d_model rounded to 64 (swiglu)
-    vocab_size: Optional[int] = None    # None: the tokenizer's size rounded up to 64
-    max_seq_len: int = 1024
-    pos_emb: str = "rope"
-    rope_theta: float = 10000.0
-    norm: str = "rmsnorm"
-    norm_eps: float = 1e-5
-    mlp: str = "swiglu"
+    name: str = "tiny"
+    n_layer: int = ranged(4, ge=1)
+    n_head: int = ranged(4, ge=1)
+    n_kv_head: int = ranged(4, ge=1)
+    d_model: int = ranged(128, ge=1)
+    d_ff: Optional[int] = ranged(None, ge=1)          # null: 4*d_model (gelu) or 8/3*d_model rounded to 64 (swiglu)
+    vocab_size: Optional[int] = ranged(None, ge=1)    # null: the tokenizer's size rounded up to 64
+    max_seq_len: int = ranged(1024, ge=1)
+    pos_emb: PosEmb = PosEmb.rope
+    rope_theta: float = ranged(10000.0, gt=0)
+    norm: Norm = Norm.rmsnorm
+    norm_eps: float = ranged(1e-5, gt=0)
+    mlp: Mlp = Mlp.swiglu
     tie_embeddings: bool = True
     bias: bool = False
-    dropout: float = 0.0                # embeddings' sum and each residual branch's output
-    attention_dropout: float = 0.0      # attention probabilities (SDPA's dropout_p): needs attention=sdpa
-    init_std: float = 0.02
-    activation_checkpointing: str = "none"
-    loss_chunk_size: int = 0
-    reset_positions: bool = False       # positions restart at 0 at each document of a packed window
-    block_chunk_size: int = 0           # >0: a block's per-token stages run over chunks of this many tokens
-    offload_activations: bool = False   # full checkpointing's block inputs wait in host memory
-    init_from: Optional[str] = None     # a Hugging Face folder to start from (training/hf.py reads it)
+    dropout: float = ranged(0.0, ge=0, lt=1)          # embeddings' sum and each residual branch's output
+    attention_dropout: float = ranged(0.0, ge=0, lt=1)  # attention probabilities (SDPA's dropout_p): attention=sdpa
+    init_std: float = ranged(0.02, gt=0)
+    init_from: Optional[str] = None                   # a Hugging Face folder to start from (training/hf.py reads it)
+    activation_checkpointing: Checkpointing = Checkpointing.none
+    loss_chunk_size: int = ranged(0, ge=0)
+    offload_activations: bool = False                 # full checkpointing's block inputs wait in host memory
+    block_chunk_size: int = ranged(0, ge=0)           # >0: a block's per-token stages run over chunks of this many
+    reset_positions: bool = False                     # positions restart at 0 at each document of a packed window
 
     @property
     def head_dim(self) -> int:
@@ -54,12 +87,10 @@ class GPTConfig:
     def from_cfg(cls, cfg_model, vocab_size: int) -> "GPTConfig":
         """Build from the `model` config node (DictConfig or dict) and the tokenizer's size.
 
-        Fills in `vocab_size` and `d_ff` when null; the schema fills keys the node lacks.
+        Fills in `vocab_size` and `d_ff` when null.
         """
-        from training.config import check_group
-
         values = OmegaConf.to_container(cfg_model, resolve=True) if isinstance(cfg_model, DictConfig) else dict(cfg_model)
-        config = cls(**check_group("model", values))
+        config = cls(**values)
         if vocab_size < 1:
             raise ValueError(f"tokenizer vocab_size must be positive, got {vocab_size}")
         if config.vocab_size is None:

@@ -11,6 +11,14 @@ Packed documents (`context_parallel_batch(..., document_ids=...)`): the chunks a
 the work the document mask leaves them (model.cp_layout.balanced_layout), and the model gets,
 as its document ids, each local token's document start (a true position): the ring's layout and
 steps travel with that tensor, and positions restart at the document starts on every rank.
+
+Where context parallelism lives. model/ holds what the attention computes, given a process
+group: this module (the batch cut into each rank's tokens, `use_context_parallel` putting the ring
+in the attention layers' place), model.cp_layout (which chunks each rank holds, and their work)
+and model.ring_attention (the ring's steps and their exact log-sum-exp merge). training/ holds
+the processes: training.distributed builds the 2-D mesh whose CP groups are handed to the model,
+training.context_parallel says what a config may combine with it and computes each rank's share
+of the loss. Nothing in model/ creates a process group.
 """
 from __future__ import annotations
 

@@ -173,11 +173,6 @@ class GPT(nn.Module):
         n_matmul = self.num_params(exclude_embeddings=True) + c.vocab_size * c.d_model
         return 6.0 * n_matmul + 12.0 * c.n_layer * c.d_model * seq_len / 2
 
-    def estimate_mfu(self, tokens_per_s: float, seq_len: int, peak_flops: float) -> float:
-        """Model FLOPs utilisation: achieved training FLOP/s over the hardware's peak_flops
-        (e.g. 989e12 for dense bf16 on an H100/H200)."""
-        return tokens_per_s * self.flops_per_token(seq_len) / peak_flops
-
 
 def build_model(cfg_model, vocab_size: int, attention: str, window: int | None = None,
                 deterministic: bool = True, kernel: str = "auto") -> GPT:

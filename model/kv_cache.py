@@ -61,9 +61,6 @@ class KVCache:
     def advance(self, new_tokens: int) -> None:
         self.length += new_tokens
 
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values) if t is not None)
-
 
 class StaticKVCache(KVCache):
     """A KVCache whose one-token steps have fixed shapes: `position` (a device tensor) says where

@@ -85,11 +85,11 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
     """Call a script's main with its arguments. Bad input (a ValueError, a missing file, a bad
     config key, value or type) becomes one line on stderr and exit status 2, as train.py does;
     FLASHTRAIN_TRACEBACK=1 shows the whole traceback instead."""
-    from training.config import config_error_line, is_config_error
-
     try:
         main(sys.argv[1:])
     except Exception as exc:  # noqa: BLE001 (only bad input is caught; anything else re-raised)
+        from training.config import config_error_line, is_config_error   # only then: tools run without Hydra
+
         if not isinstance(exc, (ValueError, FileNotFoundError)) and not is_config_error(exc) \
                 or os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
             raise

@@ -23,16 +23,10 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
 
 def load_for_eval(args: argparse.Namespace):
     """(model, cfg, tokenizer, device, checkpoint path) for the parsed checkpoint arguments."""
-    from training.checkpoint import checkpoint_dir, latest_checkpoint
-    from training.dcp import is_sharded_checkpoint
-    from training.evaluate import load_model_for_eval
+    from training.builders import load_model_for_eval
+    from training.resume import checkpoint_to_load
 
-    path = args.checkpoint
-    if path.is_dir() and not is_sharded_checkpoint(path):
-        found = latest_checkpoint(checkpoint_dir(path))
-        if found is None:
-            raise ValueError(f"{path} holds no usable checkpoint under checkpoints/")
-        path = found[0]
+    path = checkpoint_to_load(args.checkpoint)[0] if args.checkpoint.is_dir() else args.checkpoint
     model, cfg, tokenizer = load_model_for_eval(path, device=args.device, attention=args.attention)
     return model, cfg, tokenizer, next(model.parameters()).device, path
 

@@ -99,7 +99,7 @@ VOCAB = 50257   # GPT-2's tokenizer: the random prompts' ids, the model's head s
 
 
 def build(model_overrides: list[str], attention: str, device, dtype):
-    from model import build_model
+    from training.builders import build_model
     from training.config import compose
 
     cfg = compose(model_overrides)

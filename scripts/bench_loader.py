@@ -46,7 +46,7 @@ def main(argv: list[str]) -> None:
     add_out_argument(parser, "bench_loader")
     args = parser.parse_args(argv)
 
-    from data import build_data
+    from training.builders import build_data
     from training.config import compose
 
     cfg = compose(args.overrides)

@@ -348,9 +348,10 @@ def train_loss(run_dir: Path, batches: int = 50) -> None:
     import _common  # noqa: F401
     import torch
 
-    from data import build_data
+    from training.builders import build_data
     from data.sampler import ValidationWindows
-    from training.evaluate import evaluate_loss, load_model_for_eval
+    from training.builders import load_model_for_eval
+    from training.evaluate import evaluate_loss
 
     model, cfg, _ = load_model_for_eval(run_dir / "model.safetensors", attention="sdpa")
     device = next(model.parameters()).device

@@ -35,6 +35,7 @@ import torch
 
 from _common import (REPO_ROOT, add_out_argument, console, device_slug, environment, markdown_table, print_table, run_cli,
                      write_json, write_text)
+from _memory import release_memory
 
 GPT2 = ["model=gpt2-small", "logger=none", "trainer.progress=false"]
 
@@ -47,7 +48,7 @@ def compose_cfg(overrides: list[str]):
 def build(cfg, attention: str, device: torch.device):
     """Model (compiled when the config says so) and optimizer, from the Trainer's own builders."""
     from training.optim import build_optimizer
-    from training.trainer import model_from_config
+    from training.builders import model_from_config
 
     model = model_from_config(cfg, cfg.model.vocab_size, attention).to(device)
     optimizer = build_optimizer(model, cfg.optim, device)
@@ -155,26 +156,16 @@ def measure(attention: str, seq_len: int, args, device, out) -> dict:
     if real["status"] == "ok":
         row.update(real_tokens_per_s=real["tokens_per_s"], real_intervals=real["intervals"],
                    loop_overhead=1 - real["tokens_per_s"] / row["bare_tokens_per_s"])
-    peak = _peak(device)
+    from training.metrics import mfu, peak_flops
+
+    peak = peak_flops(device, None)
     if peak:
-        row["bare_mfu"] = row["bare_tokens_per_s"] * flops / peak
+        row["bare_mfu"] = mfu(row["bare_tokens_per_s"], flops, peak)
         if "real_tokens_per_s" in row:
-            row["real_mfu"] = row["real_tokens_per_s"] * flops / peak
+            row["real_mfu"] = mfu(row["real_tokens_per_s"], flops, peak)
     out.print(row)
-    _release(device)
+    release_memory(device)
     return row
-
-
-def _peak(device):
-    from training.metrics import peak_flops
-    return peak_flops(device, None)
-
-
-def _release(device):
-    import gc
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- ablation
@@ -186,7 +177,7 @@ def ablation(args, device, out) -> dict:
     """Cumulative loop features on the bare step at one shape, then a profile of bare vs full."""
     from tqdm import tqdm
 
-    from data import build_data
+    from training.builders import build_data
     from training.device import autocast, resolve_precision
     from training.optim import lr_at
 

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
     require_output_file(args.json, "--json")
     require_output_file(args.markdown, "--markdown")
 
-    from data import build_data
+    from training.builders import build_data
     from training.config import compose
 
     cfg = compose(args.overrides)

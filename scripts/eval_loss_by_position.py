@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     require_positive(args, "seq_len", "batch_size", "batches", "buckets")
 
-    from data import build_data
+    from training.builders import build_data
 
     model, cfg, _, device, path = load_for_eval(args)
     seq_len = args.seq_len or int(cfg.trainer.seq_len)

@@ -11,7 +11,7 @@ process (no GPUs, no process group); `--single-file` also writes it as the singl
 The default output is `model_step_<N>.safetensors` in the checkpoint's run folder (beside the
 `model.safetensors` a finished run writes itself, which is never replaced by default). An existing
 output file is refused unless --force. Load it with
-`training.evaluate.load_model_for_eval("runs/a/model_step_00000300.safetensors")` or
+`training.builders.load_model_for_eval("runs/a/model_step_00000300.safetensors")` or
 `scripts/generate.py runs/a/model_step_00000300.safetensors`.
 """
 from __future__ import annotations
@@ -38,18 +38,12 @@ def main(argv: list[str]) -> Path:
     if args.out is not None and args.out.exists() and not args.force:
         raise ValueError(f"{args.out} exists; pass --force to replace it")
 
-    from training.checkpoint import checkpoint_dir, is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
-    from training.dcp import consolidate, is_sharded_checkpoint
+    from training.checkpoint import is_sharded, save_checkpoint
+    from training.dcp import consolidate
     from training.export import save_weights
+    from training.resume import checkpoint_to_load
 
-    source = args.checkpoint
-    if source.is_dir() and not is_sharded_checkpoint(source):
-        found = latest_checkpoint(checkpoint_dir(source))
-        if found is None:
-            raise ValueError(f"{source} holds no usable checkpoint under checkpoints/")
-        path, state = found
-    else:
-        path, state = source, load_checkpoint(source)
+    path, state = checkpoint_to_load(args.checkpoint)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     out = args.out or run_dir / f"model_step_{state['step']:08d}.safetensors"
     if out.exists() and not args.force:

@@ -42,8 +42,8 @@ def kernel_table(name: str):
 
     return {"fwd": (flash_fwd.flash_fwd_kernel, tuning._FWD, ("BLOCK_M", "BLOCK_N")),
             "q": (flash_bwd.flash_bwd_q_kernel, tuning._BWD_Q, ("BLOCK_M", "BLOCK_N")),
-            "kv": (flash_bwd.flash_bwd_kv_kernel, tuning._BWD_KV, ("BLOCK_N", "BLOCK_M")),
-            "kv_dq": (flash_bwd.flash_bwd_kv_dq_kernel, tuning._BWD_KV_DQ, ("BLOCK_N", "BLOCK_M"))}[name]
+            "kv": (flash_bwd.flash_bwd_kv_kernel, tuning._BWD_KV, ("BLOCK_M", "BLOCK_N")),
+            "kv_dq": (flash_bwd.flash_bwd_kv_dq_kernel, tuning._BWD_KV_DQ, ("BLOCK_M", "BLOCK_N"))}[name]
 
 
 def launch_values(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, int]:

@@ -154,7 +154,8 @@ class StepProbe:
 
     def __init__(self, cfg: DictConfig, impl: str, device: torch.device, budget_bytes: int | None, env=None):
         from training.distributed import DistEnv
-        from training.trainer import TrainStep, model_from_config
+        from training.builders import model_from_config
+        from training.trainer import TrainStep
 
         self.device, self.batch_size, self.budget = device, cfg.batch_size, budget_bytes
         self.partial = cfg.partial_step

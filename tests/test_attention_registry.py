@@ -99,7 +99,7 @@ def test_flash_in_the_model_matches_naive():
     """The registry's flash entry inside a real GPT, with either backward: same loss and
     gradients as naive (float32; on CPU through Triton's interpreter)."""
     from omegaconf import OmegaConf
-    from model import build_model
+    from training.builders import build_model   # the schema's checks, then model.build_model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "model" / "tiny.yaml")
     cfg.merge_with({"n_layer": 2, "d_model": 64, "n_head": 4, "n_kv_head": 2})
@@ -122,7 +122,7 @@ def test_attention_deterministic_reaches_the_kernel(value):
     """`attention.deterministic` (configs/attention/shared/keys.yaml) goes from the config to
     the function every block calls."""
     from training.config import compose
-    from training.trainer import model_from_config
+    from training.builders import model_from_config
     cfg = compose(["attention=flash", f"attention.deterministic={str(value).lower()}", "run.dir=x"])
     assert cfg.attention.deterministic is value
     fn = model_from_config(cfg, vocab_size=256).blocks[0].attn.attention

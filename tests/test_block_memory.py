@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import model.offload as offload_module
-from model import build_model
+from training.builders import build_model   # the schema's checks, then model.build_model
 from tests.test_memory_features import TINY, assert_same, loss_and_grads
 from tests.trainrun import cache_dir, losses, run_in_process, tiny_overrides  # noqa: F401 (cache_dir: fixture)
 
@@ -225,7 +225,8 @@ def test_train_runs_with_both_features(tmp_path, cache_dir):
 def test_compiling_with_offload_compiles_each_block():
     """The saved-tensor hooks sit between blocks, so TrainStep compiles the blocks one by one."""
     from training.config import compose
-    from training.trainer import TrainStep, model_from_config
+    from training.builders import model_from_config
+    from training.trainer import TrainStep
 
     cfg = compose(["model.n_layer=2", "model.activation_checkpointing=full", "model.offload_activations=true",
                    "trainer.compile=true"])

@@ -147,7 +147,7 @@ def test_warmup_then_cosine_to_min_lr():
 
 
 def test_weight_decay_hits_matrices_only_and_embeddings_unless_told_not_to():
-    from model import build_model
+    from training.builders import build_model   # the schema's checks, then model.build_model
 
     cfg = compose(["run.dir=x", "model.tie_embeddings=false", "model.bias=true", "model.pos_emb=learned",
                    "model.max_seq_len=256", "optim.decay_embeddings=false"])

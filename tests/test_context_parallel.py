@@ -64,7 +64,8 @@ def run_steps(extra: list[str], env=None) -> dict:
     import torch.distributed as dist
 
     from training.config import compose
-    from training.trainer import TrainStep, model_from_config
+    from training.builders import model_from_config
+    from training.trainer import TrainStep
 
     cfg = compose(BASE + extra)
     torch.manual_seed(0)
@@ -148,7 +149,7 @@ def test_summed_loss_over_chunks_equals_the_mean_times_the_count():
     sum's gradient is 16 times the mean's bit for bit. (With a count such as 19, 1/19 is rounded
     and each gradient element carries its own last-bit rounding: no exact statement is possible.)
     Counting the ignored targets too would give a factor of 24."""
-    from model import build_model
+    from training.builders import build_model   # the schema's checks, then model.build_model
 
     torch.manual_seed(0)
     idx, targets = torch.randint(VOCAB, (2, 12)), torch.randint(VOCAB, (2, 12))
@@ -366,7 +367,8 @@ def gpu_step(device, precision: str, attention: str, env=None) -> dict:
     import torch.distributed as dist
 
     from training.config import compose
-    from training.trainer import TrainStep, model_from_config
+    from training.builders import model_from_config
+    from training.trainer import TrainStep
 
     size = env.cp_size if env else 1
     cfg = compose(GPU_OVERRIDES + [f"trainer.precision={precision}", f"trainer.context_parallel={size}"])

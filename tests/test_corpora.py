@@ -46,7 +46,7 @@ def files_overrides(run_dir, cache_dir, folder, *extra) -> list[str]:
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe", "pretrained"])
 def test_one_text_file_trains_with_every_tokenizer(tmp_path, plays, caplog, tokenizer):
-    from training.evaluate import load_model_for_eval
+    from training.builders import load_model_for_eval
 
     extra = {"bytes": ["tokenizer=bytes"],
              "bpe": ["tokenizer=bpe", "tokenizer.vocab_size=400", "tokenizer.train_max_bytes=null"]}
@@ -73,7 +73,7 @@ def test_one_text_file_trains_with_every_tokenizer(tmp_path, plays, caplog, toke
 
 def test_a_moved_token_cache_is_found_through_flashtrain_cache(tmp_path, plays, monkeypatch):
     import data.cache
-    from training.evaluate import load_model_for_eval
+    from training.builders import load_model_for_eval
 
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     assert run_in_process(files_overrides(run_dir, cache, plays)) == 0
@@ -85,6 +85,6 @@ def test_a_moved_token_cache_is_found_through_flashtrain_cache(tmp_path, plays, 
     def no_build(*args, **kwargs):
         raise AssertionError("the corpus was tokenized again")
     monkeypatch.setattr(data.cache, "build", no_build)
-    from data import build_data
+    from training.builders import build_data
     bundle = build_data(cfg, seq_len=64, seed=cfg.seed)
     assert bundle.val_split == "tokens" and not cache.exists()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from data import build_data
+from training.builders import build_data
 from data.cache import load_or_build
 from data.sources.stdlib import StdlibSource
 from data.tokenizer import ByteTokenizer

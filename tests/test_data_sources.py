@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from data import build_data
+from training.builders import build_data
 from data.passkey import passkey_prompt
 
 BYTES = {"name": "bytes"}

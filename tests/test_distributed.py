@@ -48,7 +48,8 @@ def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None, pre
     import functools
 
     from training.config import compose
-    from training.trainer import TrainStep, model_from_config
+    from training.builders import model_from_config
+    from training.trainer import TrainStep
 
     cfg = compose(STEP_OVERRIDES + [f"trainer.precision={precision}", f"trainer.compile={compiled}"]
                   + ([f"trainer.parallel={parallel}"] if parallel else []))
@@ -139,7 +140,7 @@ def test_fsdp_bf16_parameters_train_like_ddp_under_bf16_autocast(parallel_states
 
 def model_from_default() -> dict:
     from training.config import compose
-    from training.trainer import model_from_config
+    from training.builders import model_from_config
 
     torch.manual_seed(0)
     return model_from_config(compose(STEP_OVERRIDES), 64, attention="sdpa").double().state_dict()
@@ -334,7 +335,7 @@ SAMPLER_DATA = {"name": "stdlib", "max_bytes": 20_000, "include_tests": True, "v
 def sampler_of(cache: str, rank: int = 0, world: int = 1):
     from omegaconf import OmegaConf
 
-    from data import build_data
+    from training.builders import build_data
     cfg = OmegaConf.create({"data": {**SAMPLER_DATA, "cache_dir": cache}, "tokenizer": {"name": "bytes"}})
     return build_data(cfg, seq_len=256, seed=7, rank=rank, world_size=world, progress=False).train
 
@@ -391,7 +392,7 @@ def test_moving_windows_through_one_two_one_processes_neither_repeat_nor_skip(tm
 # ----------------------------------------------------------------------------- the token cache
 
 def test_two_processes_building_one_cache_both_get_a_valid_one(tmp_path):
-    code = ("import sys; from omegaconf import OmegaConf; from data import build_data; "
+    code = ("import sys; from omegaconf import OmegaConf; from training.builders import build_data; "
             "cfg = OmegaConf.create({'data': {'name': 'stdlib', 'max_bytes': 300000, 'include_tests': False, "
             "'val_fraction': 0.1, 'cache_dir': sys.argv[1]}, 'tokenizer': {'name': 'bytes'}}); "
             "b = build_data(cfg, seq_len=64, seed=0, progress=False); print(b.cache.path, b.cache.n_tokens)")
@@ -406,8 +407,9 @@ def test_two_processes_building_one_cache_both_get_a_valid_one(tmp_path):
 
 @pytest.mark.slow
 def test_weights_export_loads_for_eval_on_one_process(ddp_run, tmp_path):
-    from data import build_data
-    from training.evaluate import evaluate_loss, load_model_for_eval
+    from training.builders import build_data
+    from training.builders import load_model_for_eval
+    from training.evaluate import evaluate_loss
 
     model, cfg, _ = load_model_for_eval(ddp_run / "model.safetensors", device="cpu")
     batches = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed).val_batches(cfg.trainer.batch_size,

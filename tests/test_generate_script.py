@@ -21,7 +21,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_greedy_batch_matches_the_model_and_jsonl(run_dir, tmp_path):
-    from training.evaluate import load_model_for_eval
+    from training.builders import load_model_for_eval
 
     out = tmp_path / "out.jsonl"
     args = [str(run_dir), "--device", "cpu", "--prompt", "def f(x):", "--prompt", "import os",

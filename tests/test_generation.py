@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from model import KVCache, build_model
+from model import KVCache
+from training.builders import build_model
 from model.generation import Sampling, decode, next_tokens
 from model.rope import rope_cos_sin, rope_table
 

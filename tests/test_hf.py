@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data.tokenizer import ByteTokenizer, JsonTokenizer, train_bpe
-from model import build_model
+from training.builders import build_model   # the schema's checks, then model.build_model
 from tests.trainrun import REPO, cache_dir, run_in_process, tiny_overrides  # noqa: F401 (cache_dir: fixture)
 from training.hf import export_hf, hf_architecture, tokenizer_json_text
 
@@ -141,7 +141,7 @@ def test_init_from_refuses_what_does_not_map(tmp_path, cache_dir, capsys):
 
 
 def test_export_script_on_a_trained_run(tmp_path, cache_dir):
-    from training.evaluate import load_model_for_eval
+    from training.builders import load_model_for_eval
 
     run_dir = tmp_path / "run"
     assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=2)) == 0

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import build_model
+from training.builders import build_model   # the schema's checks, then model.build_model
 from model.losses import chunked_linear_cross_entropy
 
 TINY = dict(name="t", n_layer=2, n_head=4, n_kv_head=2, d_model=32, vocab_size=None, max_seq_len=64)

@@ -6,7 +6,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from model import GPT, GPTConfig, build_model
+from model import GPT, GPTConfig
+from training.builders import build_model   # the schema's checks, then model.build_model
+from training.metrics import mfu
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = dict(name="t", n_layer=2, n_head=4, n_kv_head=2, d_model=32, vocab_size=None, max_seq_len=64)
@@ -151,7 +153,7 @@ def test_flops_per_token_formula():
     n_matmul = model.num_params(exclude_embeddings=True) + c.vocab_size * c.d_model
     assert model.flops_per_token(64) == 6 * n_matmul + 6 * c.n_layer * c.d_model * 64
     assert model.flops_per_token(128) - model.flops_per_token(64) == 6 * c.n_layer * c.d_model * 64
-    assert model.estimate_mfu(1000.0, 64, peak_flops=model.flops_per_token(64) * 4000) == pytest.approx(0.25)
+    assert mfu(1000.0, model.flops_per_token(64), peak=model.flops_per_token(64) * 4000) == pytest.approx(0.25)
 
 
 def test_gpt2_small_flops_near_nanogpt_estimate():

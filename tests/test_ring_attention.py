@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from kernels import attention_reference, flash_attention_backward
 from kernels.masks import document_bounds, visible_mask
-from model import build_model
+from training.builders import build_model   # the schema's checks, then model.build_model
 from model.context_parallel import (context_parallel_batch, context_parallel_positions, document_layout,
                                     gather_from_context_parallel, merge_context_parallel, split_for_context_parallel,
                                     use_context_parallel)

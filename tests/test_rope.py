@@ -1,7 +1,7 @@
 """RoPE: the table op's values, its broadcasting, and that a compiled model builds the table once."""
 import torch
 
-from model import build_model
+from training.builders import build_model   # the schema's checks, then model.build_model
 from model.rope import apply_rope, rope_cos_sin, rope_table
 
 

@@ -24,8 +24,9 @@ from training.checkpoint import CheckpointError, latest_checkpoint, list_checkpo
 # ----------------------------------------------------------------------------- DCP, a kill mid-save
 
 def _tiny_fsdp(env):
+    from training.builders import model_from_config
     from training.config import compose
-    from training.trainer import TrainStep, model_from_config
+    from training.trainer import TrainStep
 
     cfg = compose(["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", "model.vocab_size=64",
                    "trainer.batch_size=2", f"trainer.grad_accum={WORLD}", "trainer.precision=fp32",

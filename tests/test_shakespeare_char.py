@@ -45,7 +45,7 @@ def test_the_recipe_runs_on_a_local_text_file_with_nanogpts_split(run_dir, text_
     assert (cfg.data.windows, cfg.optim.betas, cfg.optim.warmup_steps) == ("moving", [0.9, 0.99], 100)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
-    from data import build_data
+    from training.builders import build_data
 
     bundle = build_data(cfg, seq_len=64, seed=cfg.seed, progress=False)
     n_chars = len(text_file.read_text())

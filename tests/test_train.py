@@ -52,8 +52,9 @@ def test_run_dir_holds_resolved_config_and_last_checkpoints(trained):
 
 
 def test_load_model_for_eval_reproduces_the_logged_val_loss(trained):
-    from data import build_data
-    from training.evaluate import evaluate_loss, load_model_for_eval
+    from training.builders import build_data
+    from training.builders import load_model_for_eval
+    from training.evaluate import evaluate_loss
 
     model, cfg, tokenizer = load_model_for_eval(trained / "checkpoints" / "step_00000040.pt", device="cpu")
     assert not model.training and tokenizer.decode(tokenizer.encode("def f(): pass")) == "def f(): pass"

@@ -3,7 +3,6 @@ import pytest
 
 from kernels import tuning
 
-NAMES = ("BLOCK_M", "BLOCK_N")
 
 
 @pytest.fixture
@@ -11,9 +10,9 @@ def prune(monkeypatch):
     monkeypatch.setattr(tuning, "INTERPRET", False)
     monkeypatch.setattr(tuning, "AUTOTUNE", True)
     unique = dict.fromkeys(e for entries in tuning._FWD.values() for e in entries)  # as _configs builds them
-    candidates = [tuning._cfg(a, b, NAMES, w, s) for a, b, w, s in unique]
-    hook = tuning._for_head_dim(tuning._FWD, NAMES)
-    return lambda block_d, n: [tuning._entry(c, NAMES) for c in
+    candidates = [tuning._cfg(*entry) for entry in unique]
+    hook = tuning._for_head_dim(tuning._FWD)
+    return lambda block_d, n: [tuning._entry(c) for c in
                                hook(candidates, {"seq_bucket": tuning.seq_bucket(n)}, BLOCK_D=block_d)]
 
 
@@ -41,14 +40,13 @@ def test_length_bands():
 
 
 def _kept(table: dict, prune, dim: int, causal: bool, tokens: int = 1 << 20) -> list:
-    """(BLOCK_N, BLOCK_M, warps, stages) entries a dK/dV kernel's prune hook keeps at `tokens`
+    """(BLOCK_M, BLOCK_N, warps, stages) entries a dK/dV kernel's prune hook keeps at `tokens`
     (default 1M, past the tuning limit), out of every candidate in its table."""
-    names = ("BLOCK_N", "BLOCK_M")
     unique = dict.fromkeys(e for entries in table.values() for e in entries)
-    candidates = [tuning._cfg(a, b, names, w, s) for a, b, w, s in unique]
+    candidates = [tuning._cfg(*entry) for entry in unique]
     kept = prune()["early_config_prune"](candidates, {"seq_bucket": tuning.seq_bucket(tokens)},
                                          BLOCK_D=dim, CAUSAL=causal)
-    return [tuning._entry(c, names) for c in kept]
+    return [tuning._entry(c) for c in kept]
 
 
 def test_causal_backward_pins_its_own_default(monkeypatch):
@@ -79,6 +77,6 @@ def test_atomic_backward_pins_128_keys_per_program(monkeypatch):
         for causal in (False, True):
             pinned = _kept(tuning._BWD_KV_DQ, tuning.bwd_kv_dq_prune, dim, causal)
             assert pinned == [tuning._BWD_KV_DQ[dim][0]]
-            assert tuning._BWD_KV_DQ[dim][0][0] == 128
+            assert tuning._BWD_KV_DQ[dim][0][1] == 128   # (BLOCK_M, BLOCK_N, warps, stages)
         tuned = _kept(tuning._BWD_KV_DQ, tuning.bwd_kv_dq_prune, dim, True, tokens=4096)
         assert tuned == tuning._BWD_KV_DQ[dim]

@@ -4,7 +4,7 @@ Types, unknown keys and choices are checked by Hydra against the schema (trainin
 the config is composed; `config_error_line` turns its errors into one line naming the key. What a
 type cannot say (ranges, declared in the schema's field metadata, and the checks across keys and
 groups) is `check_group` / `validate_config` here, which every consumer calls: the Trainer once the
-config is final, `build_model` and `build_data` for the groups they are given.
+config is final, training.builders' `build_model` and `build_data` for the groups they are given.
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ shares add up to the single-process mean exactly, however unevenly -100 targets 
 ranks. Gradients are reduced over all N ranks (DDP or FSDP2 average over the world), so the
 training step scales each share by C: the average over N of C x share is the mean over the DP
 groups of the micro-batch means, the single-process loss and gradient.
+
+This is the process-group side of context parallelism; the attention side is in model/ (see
+model.context_parallel for the map of both).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ the RNGs or pickle.
 A finished run writes `<run.dir>/model.safetensors`; `python scripts/export_weights.py CKPT` makes
 one from any checkpoint. The file holds every weight once (a tied output head is stored under the
 embedding's name only) and, as metadata, the run's resolved config as JSON, which
-`training.evaluate.load_model_for_eval` uses to rebuild the model and tokenizer.
+`training.builders.load_model_for_eval` uses to rebuild the model and tokenizer.
 """
 from __future__ import annotations
 

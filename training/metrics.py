@@ -35,6 +35,12 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
     return None
 
 
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float, devices: int = 1) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak FLOP/s of `devices` accelerators
+    (`peak` each, e.g. 989e12 for dense bf16 on an H100/H200)."""
+    return tokens_per_s * flops_per_token / (peak * devices)
+
+
 class Throughput:
     """Tokens per second over the interval since the last call (the caller syncs the device)."""
 

@@ -36,8 +36,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from training.checkpoint import (DATA_CHANGES, CheckpointError, check_model_config, check_unchanged, checkpoint_dir,
-                                 lineage_id, list_checkpoints, load_checkpoint, peek_lineage, step_of)
+from training.checkpoint import (ANY_RUN, DATA_CHANGES, CheckpointError, check_model_config, check_unchanged,
+                                 checkpoint_dir, latest_checkpoint, lineage_id, list_checkpoints, load_checkpoint,
+                                 peek_lineage, step_of)
 from training.dcp import is_sharded_checkpoint
 from training.export import WEIGHTS_NAME
 from training.runfiles import append_line
@@ -97,6 +98,18 @@ def recorded_run_id(run_dir: str | Path) -> str | None:
         return None
     ids = [row.get("run_id") for row in _rows(path)]
     return ids[-1] if ids else None
+
+
+def checkpoint_to_load(source: Path) -> tuple[Path, dict]:
+    """(path, state) of a checkpoint (a file or a DCP folder), or of a run folder's newest usable checkpoint written by
+    the run its lineage.jsonl names (any run's in a folder without one): what the scripts that
+    read a trained run (evals, export) take as their argument."""
+    if not source.is_dir() or is_sharded_checkpoint(source):   # a file, or one FSDP run's DCP folder
+        return source, load_checkpoint(source)
+    found = latest_checkpoint(checkpoint_dir(source), recorded_run_id(source) or ANY_RUN)
+    if found is None:
+        raise ValueError(f"{source} holds no usable checkpoint under checkpoints/")
+    return found
 
 
 def _rows(path: Path) -> list[dict]:

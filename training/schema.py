@@ -4,7 +4,9 @@ Hydra merges every YAML file of configs/ into these classes when it composes the
 unknown key, a value of the wrong type or a value outside a choice (`trainer.precision=fp8`)
 fails at composition, before anything runs. The YAML files stay the presets users pick
 (`model=gpt2-small`); the range of each number is declared here as field metadata and checked
-by `training.config.check_group` (one place). Imports nothing heavy: `train.py --help` loads it.
+by `training.config.check_group` (one place). The model group's class is the model's own
+`GPTConfig` (model/config.py), with the field helpers every group uses. Imports nothing heavy:
+`train.py --help` loads it.
 
 Where a group's options have different keys (data sources, tokenizers, loggers) each option has
 its own class, named in its YAML file's defaults list (`/schema/data/stdlib@_here_`).
@@ -12,46 +14,23 @@ its own class, named in its YAML file's defaults list (`/schema/data/stdlib@_her
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-
-class Choice(str, Enum):
-    """A config value from a fixed set; compares equal to (and prints as) its plain string."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-def _choice(name: str, *values: str) -> type[Choice]:
-    return Choice(name, [(v, v) for v in values])
+from model.config import GPTConfig, ranged
+from model.config import choice as _choice
 
 
 Precision = _choice("Precision", "auto", "bf16", "fp32")
 Device = _choice("Device", "auto", "cpu", "cuda")
 Parallel = _choice("Parallel", "ddp", "fsdp")          # training.distributed implements them
-PosEmb = _choice("PosEmb", "rope", "learned")
-Norm = _choice("Norm", "rmsnorm", "layernorm")
-Mlp = _choice("Mlp", "swiglu", "gelu")
-Checkpointing = _choice("Checkpointing", "none", "full", "selective")
 Optimizer = _choice("Optimizer", "adamw")
 Schedule = _choice("Schedule", "cosine", "constant")
 WandbMode = _choice("WandbMode", "online", "offline", "disabled")
 Download = _choice("Download", "full", "lazy")
 Windows = _choice("Windows", "moving", "fixed")          # data.sampler.WINDOWS
 Kernel = _choice("Kernel", "auto", "triton", "gluon")   # kernels.kernel_choice.KERNELS
-
-
-def ranged(default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
-           lt: float | None = None, le: float | None = None) -> Any:
-    """A field whose value must lie in a range (null passes where the type is Optional)."""
-    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}
-    return field(default=default, metadata={"range": bounds})
 
 
 def _list(*values: Any, expect: str | None = None) -> Any:
@@ -61,32 +40,7 @@ def _list(*values: Any, expect: str | None = None) -> Any:
 
 # ----------------------------------------------------------------------------- groups
 
-@dataclass
-class ModelConfig:
-    name: str = "tiny"
-    n_layer: int = ranged(4, ge=1)
-    n_head: int = ranged(4, ge=1)
-    n_kv_head: int = ranged(4, ge=1)
-    d_model: int = ranged(128, ge=1)
-    d_ff: Optional[int] = ranged(None, ge=1)          # null: 4*d_model (gelu) or 8/3*d_model (swiglu)
-    vocab_size: Optional[int] = ranged(None, ge=1)    # null: the tokenizer's size rounded up to 64
-    max_seq_len: int = ranged(1024, ge=1)
-    pos_emb: PosEmb = PosEmb.rope
-    rope_theta: float = ranged(10000.0, gt=0)
-    norm: Norm = Norm.rmsnorm
-    norm_eps: float = ranged(1e-5, gt=0)
-    mlp: Mlp = Mlp.swiglu
-    tie_embeddings: bool = True
-    bias: bool = False
-    dropout: float = ranged(0.0, ge=0, lt=1)
-    attention_dropout: float = ranged(0.0, ge=0, lt=1)
-    init_std: float = ranged(0.02, gt=0)
-    init_from: Optional[str] = None
-    activation_checkpointing: Checkpointing = Checkpointing.none
-    loss_chunk_size: int = ranged(0, ge=0)
-    offload_activations: bool = False
-    block_chunk_size: int = ranged(0, ge=0)
-    reset_positions: bool = False
+ModelConfig = GPTConfig   # the model's own dataclass (model/config.py), the one declaration of its keys
 
 
 @dataclass

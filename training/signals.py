@@ -49,10 +49,6 @@ class StopRequest:
         return self._signum
 
     @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum is not None else 0
 

@@ -1,4 +1,4 @@
-"""One `Trainer`: everything a run needs built from the config, the training step, evaluation,
+"""One `Trainer`: a run built from the config (through training.builders), the training step,
 checkpoints and the loop, written once for `train.py`, the scripts and one or many processes.
 
     trainer = Trainer(cfg)      # bad input raises (ValueError, FileNotFoundError) before any step
@@ -23,21 +23,21 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.tokenizer import save_tokenizer
 from model.context_parallel import use_context_parallel
+from training.builders import build_data, model_from_config, resolve_config
 from training.checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_dir, checkpoint_path,
                                  last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint,
                                  save_sharded_checkpoint)
 from training.dcp import consolidate, is_sharded_checkpoint, load_sharded, optimizer_by_index
-from training.config import validate_config
 from training.context_parallel import check_context_parallel, context_parallel_loss, context_parallel_size
-from training.device import autocast, resolve_device, resolve_precision, set_deterministic
+from training.device import autocast, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, check_launcher, env_world, init_distributed,
                                   is_sharded, local_grad_accum, set_gradient_sync, wrap_model)
 from training.evaluate import evaluate_loss
 from training.export import WEIGHTS_NAME, save_weights
 from training.faults import fault_line
-from training.hf import apply_init_from, load_hf_weights
+from training.hf import load_hf_weights
 from training.loggers import Loggers
-from training.metrics import Throughput, peak_flops
+from training.metrics import Throughput, mfu, peak_flops
 from training.optim import build_optimizer, lr_at
 from training.resume import plan_start, record, superseded_dir
 from training.rng import rng_state, seed_everything
@@ -49,63 +49,7 @@ from training.summary import RunReport
 log = logging.getLogger("train")
 
 
-# ----------------------------------------------------------------------------- builders
-
-def resolve_config(cfg: DictConfig) -> torch.device:
-    """Validate every group and record in `cfg` what `auto` became (device, attention, precision)."""
-    from model.attention import check_attention_dropout, resolve_attention
-
-    if cfg.get("resume") == "auto" and OmegaConf.is_interpolation(cfg.run, "dir"):
-        raise ValueError("resume=auto needs run.dir=<the folder of the run to continue>: without it every run "
-                         "gets a new folder, so there would be nothing to resume")
-    OmegaConf.resolve(cfg)
-    if cfg.model.get("init_from"):
-        apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones
-    validate_config(cfg)
-    device = resolve_device(cfg.device)
-    # before anything starts CUDA (resolving the kernel below reads the GPU's capability)
-    set_deterministic(bool(cfg.trainer.get("deterministic", False)), device)
-    attention = cfg.attention.name
-    if attention == "auto" and context_parallel_size(cfg) > 1:  # the ring needs a block that returns the lse
-        attention = "flash" if device.type == "cuda" else "naive"
-    with open_dict(cfg):
-        cfg.device = device.type
-        cfg.attention.name = resolve_attention(attention, device, cfg.model.get("attention_dropout", 0.0))
-        cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
-        if cfg.attention.name == "flash":
-            cfg.attention.kernel = resolve_forward_kernel(cfg, device)
-        elif cfg.attention.get("kernel", "auto") != "auto":
-            raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's forward kernel; "
-                             f"attention={cfg.attention.name} takes only attention.kernel=auto")
-    check_attention_dropout(cfg.attention.name, cfg.model.get("attention_dropout", 0.0))
-    if cfg.trainer.get("deterministic") and cfg.attention.name == "sdpa" and device.type == "cuda":
-        log.info("trainer.deterministic=true with attention=sdpa: PyTorch leaves out its cuDNN backend and runs a "
-                 "deterministic backward (slower than its default)")
-    return device
-
-
-def resolve_forward_kernel(cfg: DictConfig, device: torch.device) -> str:
-    """attention.kernel for attention=flash as 'triton' or 'gluon' (kernels.kernel_choice): what the
-    model's q, k, v will be (the autocast dtype, the head dim, causal, masked) decides, before any
-    work; kernel=gluon where it cannot run is the kernels' one-line ValueError."""
-    from kernels.kernel_choice import resolve_kernel
-
-    dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-    masked = bool(cfg.data.get("document_mask")) or cfg.attention.get("window") is not None
-    return resolve_kernel(str(cfg.attention.get("kernel", "auto")), device, dtype,
-                          cfg.model.d_model // cfg.model.n_head, True, masked, cfg.trainer.seq_len)
-
-
-def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = None):
-    """The GPT of `cfg.model` (attention: the resolved `cfg.attention.name` unless given) with the
-    sliding window of `cfg.attention.window`."""
-    from model import build_model
-    attention = attention or cfg.attention.name
-    return build_model(cfg.model, vocab_size=vocab_size, attention=attention,
-                       window=cfg.attention.get("window"),
-                       deterministic=cfg.attention.get("deterministic", True),  # absent in configs saved before it
-                       kernel=str(cfg.attention.get("kernel", "auto")) if attention == "flash" else "auto")
-
+# ----------------------------------------------------------------------------- the step
 
 def clip_gradients(params: list, max_norm: float) -> torch.Tensor:
     """Total gradient norm (over all ranks' shards under FSDP), gradients scaled down to `max_norm`."""
@@ -283,8 +227,6 @@ class Trainer:
             raise
 
     def _build(self, cfg: DictConfig, device: torch.device, micro_steps: int) -> None:
-        from data import build_data
-
         t = cfg.trainer
         self.start = plan_start(cfg, self.run_dir)  # which checkpoint, which run: refusals before any work
         seed_everything(cfg.seed)
@@ -403,107 +345,142 @@ class Trainer:
         return loggers
 
     def fit(self) -> int:
-        """The training loop; returns the process exit status."""
-        cfg, t, env = self.cfg, self.cfg.trainer, self.env
-        main = env.is_main
-        config = OmegaConf.to_container(cfg)
-        loggers = None
-        tokens_per_step = t.batch_size * t.seq_len * t.grad_accum  # over all ranks: as configured
-        peak = peak_flops(self.device, t.peak_flops)
-        flops_per_token = self.model.flops_per_token(t.seq_len)
-        healthy = torch.ones((), dtype=torch.bool, device=self.device)  # checked when the host syncs anyway
-        meter, saved_step = Throughput(), self.step
-        loss = None
-
-        def check_finite() -> None:
-            if not self.all_finite(healthy):
-                raise FloatingPointError(
-                    f"loss or gradient became NaN/inf by step {self.step} (last loss {loss.item()}); stopped "
-                    f"without saving: {self.note()}")
-
-        def save(export: bool = False) -> None:
-            nonlocal saved_step
-            check_finite()  # never let a poisoned state replace the last good checkpoint
-            path = self.save(config, loggers.wandb_id if loggers else None, export)
-            saved_step = self.step
-            if main:
-                log.info("saved %s", path)
-
-        def close(exit_code: int) -> None:
-            if loggers:
-                with contextlib.suppress(OSError):
-                    loggers.close(exit_code=exit_code)
-
+        """The training loop; returns the process exit status. When to log, evaluate and save is
+        the `Cadence`'s; what a failure becomes (a status, a line) is `_failed`'s."""
+        t = self.cfg.trainer
+        self._config, self._loggers, self._loss = OmegaConf.to_container(self.cfg), None, None
+        self._healthy = torch.ones((), dtype=torch.bool, device=self.device)  # checked when the host syncs anyway
+        cadence, meter = Cadence(t), Throughput()
         try:
-            if main:
-                loggers = self._open_run_files(cfg, config)
-                report = RunReport(cfg, self.run_dir, env.world_size, self.step)   # where the run is, how to resume it
-                log.info("%s: %s params, attention=%s%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
-                         f"{cfg.run.num_params:,}", cfg.attention.name,
-                         f" (forward kernel: {cfg.attention.kernel})" if cfg.attention.name == "flash" else "",
-                         self.device, t.precision,
-                         cfg.run.data_fingerprint,
-                         f", {env.world_size} processes ({t.parallel}"
-                         f"{f', context_parallel={env.cp_size}' if env.cp_size > 1 else ''})" if env.enabled else "",
-                         f", resumed from {self.resumed_from} (step {self.step})" if self.resumed_from else "")
-            with StopRequest() as stop, logging_redirect_tqdm(), tqdm(
-                    total=t.max_steps, initial=self.step, unit="step",
-                    disable=not (t.progress and main and sys.stderr.isatty()),  # no bar frames in a log file
-                    dynamic_ncols=True) as bar:
-                agreed = AgreedStop(env, stop)
-                stopping = False
+            report = self._start_run()
+            with StopRequest() as stop, logging_redirect_tqdm(), self._progress_bar() as bar:
+                agreed, stopping = AgreedStop(self.env, stop), False
                 while self.step < t.max_steps and not stopping:
-                    lr = lr_at(self.step, cfg.optim, t.max_steps)
+                    lr = lr_at(self.step, self.cfg.optim, t.max_steps)
                     self.train_step.set_lr(lr)
-                    loss, grad_norm = self.train_step(self.next_batch)
-                    healthy &= torch.isfinite(loss) & torch.isfinite(grad_norm)
-                    self.step, self.tokens = self.step + 1, self.tokens + tokens_per_step
-                    meter.add(tokens_per_step)
+                    self._loss, grad_norm = self.train_step(self.next_batch)
+                    self._healthy &= torch.isfinite(self._loss) & torch.isfinite(grad_norm)
+                    self.step, self.tokens = self.step + 1, self.tokens + cadence.tokens_per_step
+                    meter.add(cadence.tokens_per_step)
                     bar.update()
                     stopping = agreed.poll()
-
-                    last = self.step == t.max_steps
-                    eval_now = last or (t.eval_every and self.step % t.eval_every == 0)
-                    if eval_now or self.step % t.log_every == 0:
-                        check_finite()
-                        row = {"step": self.step, "loss": self.mean_over_ranks(loss), "lr": lr,
-                               "tokens": self.tokens, "tokens_per_s": meter.rate(), "grad_norm": grad_norm.item()}
-                        if peak:
-                            row["mfu"] = row["tokens_per_s"] * flops_per_token / (peak * env.world_size)
-                        if eval_now:
-                            row["val_loss"] = self.val_loss = self.evaluate()
-                        if main:
-                            loggers.log(row)
-                            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s%s", self.step, t.max_steps,
-                                     row["loss"], lr, row["tokens_per_s"],
-                                     f" | mfu {row['mfu']:.1%}" if peak else "",
-                                     f" | val_loss {row['val_loss']:.4f}" if eval_now else "")
-                    if last or (t.ckpt_every and self.step % t.ckpt_every == 0) or stopping:
-                        save(export=last)
-                    if self.step == saved_step or eval_now:
+                    evaluated, saved = cadence.evaluate(self.step), cadence.save(self.step, stopping)
+                    if cadence.log(self.step):
+                        self._log_step(grad_norm, lr, meter, evaluated, bar)
+                    if saved:
+                        self._save_checked(export=cadence.last(self.step))
+                    if saved or evaluated:
                         meter.restart()  # tokens/s measures training steps, not evals and saves
                 agreed.finish()
-        except FloatingPointError as e:
-            close(1)
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:  # a second Ctrl-C: train.py says it in one line
-            close(130)
-            raise
-        except Exception as e:  # noqa: BLE001 (only the machine's faults are caught; the rest re-raised)
-            line = e.strerror if isinstance(e, CheckpointWriteError) else (
-                str(e) if isinstance(e, ValueError) and loggers is None else fault_line(e))
-            if line is None:
-                raise
-            close(2)
-            who = "" if main else f"rank {env.rank}: "
-            print(f"{who}error: {line.splitlines()[0]}; {self.note()}", file=sys.stderr)
-            return 2
+        except (FloatingPointError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 (_failed re-raises the rest)
+            return self._failed(e)
         exit_code = stop.exit_code or agreed.exit_code
-        close(exit_code)
-        if exit_code and main:
+        self._close(exit_code)
+        if exit_code and self.env.is_main:
             log.warning("%s: checkpoint saved at step %d", stop_reason(exit_code - 128), self.step)
-        if main:
+        if self.env.is_main:
             report.finish(self.step, t.max_steps, self.tokens, exit_code)
         return exit_code
+
+    def _start_run(self) -> RunReport | None:
+        """Rank 0: the run's files and loggers opened, its first line logged; the report of where it is."""
+        cfg, t, env = self.cfg, self.cfg.trainer, self.env
+        self._peak, self._flops_per_token = peak_flops(self.device, t.peak_flops), self.model.flops_per_token(t.seq_len)
+        if not env.is_main:
+            return None
+        self._loggers = self._open_run_files(cfg, self._config)
+        report = RunReport(cfg, self.run_dir, env.world_size, self.step)   # where the run is, how to resume it
+        log.info("%s: %s params, attention=%s%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
+                 f"{cfg.run.num_params:,}", cfg.attention.name,
+                 f" (forward kernel: {cfg.attention.kernel})" if cfg.attention.name == "flash" else "",
+                 self.device, t.precision,
+                 cfg.run.data_fingerprint,
+                 f", {env.world_size} processes ({t.parallel}"
+                 f"{f', context_parallel={env.cp_size}' if env.cp_size > 1 else ''})" if env.enabled else "",
+                 f", resumed from {self.resumed_from} (step {self.step})" if self.resumed_from else "")
+        return report
+
+    def _progress_bar(self) -> tqdm:
+        t = self.cfg.trainer
+        return tqdm(total=t.max_steps, initial=self.step, unit="step",
+                    disable=not (t.progress and self.env.is_main and sys.stderr.isatty()),  # no bar frames in a log file
+                    dynamic_ncols=True)
+
+    def _check_finite(self) -> None:
+        if not self.all_finite(self._healthy):
+            raise FloatingPointError(
+                f"loss or gradient became NaN/inf by step {self.step} (last loss {self._loss.item()}); stopped "
+                f"without saving: {self.note()}")
+
+    def _log_step(self, grad_norm: torch.Tensor, lr: float, meter: Throughput, evaluate: bool, bar: tqdm) -> None:
+        """One metrics row (the validation loss too when `evaluate`), to the loggers and the log;
+        tokens/s is read after the finiteness check has synced the device."""
+        self._check_finite()
+        t = self.cfg.trainer
+        row = {"step": self.step, "loss": self.mean_over_ranks(self._loss), "lr": lr,
+               "tokens": self.tokens, "tokens_per_s": meter.rate(), "grad_norm": grad_norm.item()}
+        if self._peak:
+            row["mfu"] = mfu(row["tokens_per_s"], self._flops_per_token, self._peak, self.env.world_size)
+        if evaluate:
+            row["val_loss"] = self.val_loss = self.evaluate()
+        if self.env.is_main:
+            self._loggers.log(row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s%s", self.step, t.max_steps,
+                     row["loss"], lr, row["tokens_per_s"],
+                     f" | mfu {row['mfu']:.1%}" if self._peak else "",
+                     f" | val_loss {row['val_loss']:.4f}" if evaluate else "")
+
+    def _save_checked(self, export: bool = False) -> None:
+        self._check_finite()  # never let a poisoned state replace the last good checkpoint
+        path = self.save(self._config, self._loggers.wandb_id if self._loggers else None, export)
+        if self.env.is_main:
+            log.info("saved %s", path)
+
+    def _close(self, exit_code: int) -> None:
+        if self._loggers:
+            with contextlib.suppress(OSError):
+                self._loggers.close(exit_code=exit_code)
+
+    def _failed(self, e: BaseException) -> int:
+        """The exit status of a run that stopped on `e`, its one line on stderr: 1 for NaN/inf, 2 for
+        the machine's faults (and bad input found before the loggers opened); a second Ctrl-C and
+        anything else are re-raised (train.py words the first, the second is a bug's traceback)."""
+        if isinstance(e, FloatingPointError):
+            self._close(1)
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        if isinstance(e, KeyboardInterrupt):
+            self._close(130)
+            raise e
+        line = e.strerror if isinstance(e, CheckpointWriteError) else (
+            str(e) if isinstance(e, ValueError) and self._loggers is None else fault_line(e))
+        if line is None:
+            raise e
+        self._close(2)
+        who = "" if self.env.is_main else f"rank {self.env.rank}: "
+        print(f"{who}error: {line.splitlines()[0]}; {self.note()}", file=sys.stderr)
+        return 2
+
+
+class Cadence:
+    """When the loop logs, evaluates and saves: every `trainer.log_every`, `eval_every` and
+    `ckpt_every` steps (0: never), and always evaluates and saves (with the weights export) at the
+    last step; a stop request saves where the run is."""
+
+    def __init__(self, t: DictConfig):
+        self.max_steps, self.log_every, self.eval_every, self.ckpt_every = (t.max_steps, t.log_every, t.eval_every,
+                                                                             t.ckpt_every)
+        self.tokens_per_step = t.batch_size * t.seq_len * t.grad_accum  # over all ranks: as configured
+
+    def last(self, step: int) -> bool:
+        return step == self.max_steps
+
+    def evaluate(self, step: int) -> bool:
+        return self.last(step) or bool(self.eval_every and step % self.eval_every == 0)
+
+    def log(self, step: int) -> bool:
+        return self.evaluate(step) or step % self.log_every == 0
+
+    def save(self, step: int, stopping: bool) -> bool:
+        return self.last(step) or bool(self.ckpt_every and step % self.ckpt_every == 0) or stopping
