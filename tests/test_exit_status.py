@@ -89,7 +89,7 @@ def test_unwritable_folders_are_one_line_before_the_data_setup(tmp_path, cache_d
 def test_resume_pointing_at_a_folder_says_what_to_pass(tmp_path, cache_dir, finished_run, capsys):
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, resume=str(finished_run))) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"error: resume={finished_run} is a folder: pass a checkpoint file") and \
+    assert err.startswith(f"error: resume={finished_run} is a folder: pass a checkpoint (") and \
         f"run.dir={finished_run} resume=auto" in err, err
 
 
