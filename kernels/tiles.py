@@ -165,7 +165,7 @@ def key_ranges(start_m, n_q, n_k, Docs_b, window, BLOCK_M: tl.constexpr, BLOCK_N
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr):
     """Key tiles the query tile [start_m, start_m + BLOCK_M) visits (see `tile_ranges`).
     Without documents or a window this is [0, unmasked_end) unmasked, then the causal
-    diagonal and the ragged last tile masked, as it always was."""
+    diagonal and the ragged last tile masked (the plain causal loop of the paper)."""
     first_lo, first_hi = row_key_bounds(start_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
     last_lo, last_hi = row_key_bounds(start_m + BLOCK_M - 1, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
     lo, mid_lo, mid_hi, hi = tile_ranges(first_lo, first_hi, last_lo, last_hi, BLOCK_N)
