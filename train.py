@@ -22,19 +22,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config import exit_on_config_error, hydra_callbacks, is_main_process, plain
+from training.config import exit_on_config_error, hydra_callbacks, plain
+from training.config import report_error as report
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
 SWEEP_DIR: list[str] = []    # a multirun's folder, for the table printed when it ends
 ALLOW_CALLBACKS = "FLASHTRAIN_ALLOW_HYDRA_CALLBACKS"   # =1: run the hydra.callbacks a config names
-
-
-def report(line: str, every_rank: bool = False) -> int:
-    """One error line on stderr (rank 0 only, unless each rank sees its own); exit status 2."""
-    if every_rank or is_main_process():
-        print(f"error: {line.splitlines()[0] if line else line}", file=sys.stderr)
-    return 2
 
 
 def train(cfg: DictConfig, outcome: dict | None = None, on_start: Callable[[], Callable | None] | None = None) -> int:

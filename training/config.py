@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import time
 import typing
 from contextlib import contextmanager
 from enum import Enum
@@ -82,6 +83,21 @@ def hydra_callbacks(overrides: list[str]) -> list[str]:
 def is_main_process() -> bool:
     """Rank 0 of a torchrun launch, or a lone process: the one that reports what all ranks see."""
     return os.environ.get("RANK", "0") == "0"
+
+
+RANK0_REPORT_WAIT_S = 30.0   # how long another rank leaves rank 0 to report a shared error
+
+
+def report_error(line: str, every_rank: bool = False) -> int:
+    """One error line on stderr; returns exit status 2. What all ranks see alike (the config, the
+    run folder) rank 0 reports. Another rank of a torchrun launch first waits: torchrun stops every
+    worker at the first one that exits, so exiting at once could end rank 0 before it printed (a
+    launch that failed with no line, seen under load). Once rank 0 has exited with its line,
+    torchrun ends this one; only if that does not come does this rank print the line itself."""
+    if not (every_rank or is_main_process()):
+        time.sleep(RANK0_REPORT_WAIT_S)
+    print(f"error: {line.splitlines()[0] if line else line}", file=sys.stderr)
+    return 2
 
 
 # ----------------------------------------------------------------------------- one-line errors
@@ -188,9 +204,7 @@ def exit_on_config_error():
     except Exception as exc:  # noqa: BLE001 (only config errors are caught; the rest re-raised)
         if user_wants_traceback or not is_config_error(exc):
             raise
-        if is_main_process():  # every rank of a torchrun launch composes the same config
-            print(f"error: {config_error_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report_error(config_error_line(exc)))  # every rank of a torchrun launch composes the same config
 
 
 # ----------------------------------------------------------------------------- checks
