@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -156,12 +157,18 @@ def one_folder_per_run(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.argv = one_folder_per_run(sys.argv)
-    with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
-        check_before_hydra(sys.argv[1:])
-        main()
-    if SWEEP_DIR:
-        from training.summary import sweep_summary
-        print(sweep_summary(SWEEP_DIR[0]), flush=True)
-    if FAILED_JOBS:
-        sys.exit(max(FAILED_JOBS))
+    try:
+        sys.argv = one_folder_per_run(sys.argv)
+        with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
+            check_before_hydra(sys.argv[1:])
+            main()
+        if SWEEP_DIR:
+            from training.summary import sweep_summary
+            print(sweep_summary(SWEEP_DIR[0]), flush=True)
+        if FAILED_JOBS:
+            sys.exit(max(FAILED_JOBS))
+    finally:
+        # The run has ended and said how. A Ctrl-C from here on (a second one, in the interpreter's
+        # shutdown) ends the process at once by the signal's default action, not with a traceback
+        # from inside torch's or wandb's atexit handlers.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
