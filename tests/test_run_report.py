@@ -103,3 +103,18 @@ def test_a_default_run_logged_to_files_points_latest_and_stops_in_one_line(tmp_p
     assert proc.returncode == 130, errors
     # the second Ctrl-C stopped at once (one line); or the first had already saved at the step boundary
     assert errors.strip() == "" or len(errors.strip().splitlines()) == 1, errors
+
+
+def test_a_second_ctrl_c_during_a_save_is_still_the_interrupt():
+    """A Ctrl-C that lands inside torch.save comes out as the zip writer's RuntimeError, with the
+    KeyboardInterrupt as its context: the run must still end in the interrupt's one line."""
+    from training.trainer import _second_ctrl_c
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1060032 vs 1059924")
+    except RuntimeError as e:
+        assert isinstance(_second_ctrl_c(e), KeyboardInterrupt)
+    assert _second_ctrl_c(OSError(28, "No space left on device")) is None

@@ -450,9 +450,10 @@ class Trainer:
             self._close(1)
             print(f"error: {e}", file=sys.stderr)
             return 1
-        if isinstance(e, KeyboardInterrupt):
+        interrupt = _second_ctrl_c(e)
+        if interrupt is not None:
             self._close(130)
-            raise e
+            raise interrupt
         line = e.strerror if isinstance(e, CheckpointWriteError) else (
             str(e) if isinstance(e, ValueError) and self._loggers is None else fault_line(e))
         if line is None:
@@ -461,6 +462,15 @@ class Trainer:
         who = "" if self.env.is_main else f"rank {self.env.rank}: "
         print(f"{who}error: {line.splitlines()[0]}; {self.note()}", file=sys.stderr)
         return 2
+
+
+def _second_ctrl_c(e: BaseException | None) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt behind `e`: itself, or the one a library's clean-up turned into another
+    error while unwinding (a second Ctrl-C during a save: torch.save's zip writer then raises a
+    RuntimeError from its __exit__, with the interrupt as its context)."""
+    while e is not None and not isinstance(e, KeyboardInterrupt):
+        e = e.__context__
+    return e
 
 
 class Cadence:
