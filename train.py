@@ -23,8 +23,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config import exit_on_config_error, hydra_callbacks, plain
-from training.config import report_error as report
+from training.config import hydra_callbacks, plain
+from training.config_errors import exit_on_config_error
+from training.config_errors import report_error as report
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)

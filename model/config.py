@@ -2,7 +2,7 @@
 
 `GPTConfig` is both the schema of the `model` config group (training.schema registers it with
 Hydra, which types every YAML file and override against it; each number's range is field
-metadata, checked by training.config.check_group) and the model's own resolved config.
+metadata, checked by training.config_checks.check_group) and the model's own resolved config.
 `GPTConfig.from_cfg` takes a node that check has passed (training.builders.build_model runs it
 before any weights are allocated, so a bad value is one line naming the key) and fills in what
 the tokenizer decides. The field helpers below (`Choice`, `ranged`) serve every group's schema;

@@ -88,7 +88,7 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
     try:
         main(sys.argv[1:])
     except Exception as exc:  # noqa: BLE001 (only bad input is caught; anything else re-raised)
-        from training.config import config_error_line, is_config_error   # only then: tools run without Hydra
+        from training.config_errors import config_error_line, is_config_error   # only then: tools run without Hydra
 
         if not isinstance(exc, (ValueError, FileNotFoundError)) and not is_config_error(exc) \
                 or os.environ.get("FLASHTRAIN_TRACEBACK") == "1":

@@ -272,7 +272,8 @@ def compose_config(overrides: list[str], attention: list[str] = DEFAULT_ATTENTIO
     schema, plus what the options name (the implementations, where the results go)."""
     from omegaconf import open_dict
 
-    from training.config import compose, validate_config
+    from training.config import compose
+    from training.config_checks import validate_config
 
     cfg = compose(overrides, config_name=config_name)
     validate_config(cfg, config_name)

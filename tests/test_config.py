@@ -9,7 +9,9 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.trainrun import cache_dir, losses, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
-from training.config import CONFIG_DIR, compose, config_error_line, validate_config
+from training.config import CONFIG_DIR, compose
+from training.config_checks import validate_config
+from training.config_errors import config_error_line
 from training.optim import build_optimizer, lr_at, param_groups
 
 GROUPS = ["model", "attention", "data", "tokenizer", "optim", "trainer", "logger", "experiment"]
@@ -76,7 +78,7 @@ def test_types_keys_and_choices_are_checked_at_composition(overrides, line):
     assert config_error_line(info.value).startswith(line)
 
 
-RANGE_ERRORS = [  # checked by training.config.validate_config once the config is final
+RANGE_ERRORS = [  # checked by training.config_checks.validate_config once the config is final
     ("trainer.eval_every", -1, "trainer.eval_every=-1: must be an integer >= 0"),
     ("trainer.keep_ckpts", 0, "trainer.keep_ckpts=0: must be a positive integer"),
     ("trainer.peak_flops", -5, "trainer.peak_flops=-5.0: must be null or a number > 0"),

@@ -45,7 +45,8 @@ def tiny_overrides(run_dir, cache_dir, steps: int = 12, **extra) -> list[str]:
 def run_in_process(overrides: list[str]) -> int:
     """train.py's work without a new interpreter: compose the same config, call train()."""
     import train
-    from training.config import compose, config_error_line, is_config_error
+    from training.config import compose
+    from training.config_errors import config_error_line, is_config_error
 
     try:
         cfg = compose(overrides)

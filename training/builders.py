@@ -1,7 +1,7 @@
 """Config -> objects, in one place: the builders train.py, the Trainer, the scripts and the tests use.
 
 The `model` and `data` packages build from config nodes they trust; here each node is first
-checked against the config's schema (training.config.check_group: one line naming a bad key),
+checked against the config's schema (training.config_checks.check_group: one line naming a bad key),
 what `auto` means on this machine is resolved, and a finished run's checkpoint or export is
 turned back into a model for evaluation.
 
@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from training.checkpoint import is_sharded, load_checkpoint, restore_model
-from training.config import check_group, validate_config
+from training.config_checks import check_group, validate_config
 from training.context_parallel import context_parallel_size
 from training.dcp import consolidate
 from training.device import resolve_device, resolve_precision, set_deterministic

@@ -364,7 +364,7 @@ def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
     """Refuse weights trained with another model config, even one with the same tensor shapes
     (heads, norm, RoPE base, tied embeddings): they would load into a different function.
     A key added to the schema since the checkpoint was written counts at its default."""
-    from training.config import check_group
+    from training.config_checks import check_group
 
     saved, current = check_group("model", saved), check_group("model", current)
     ignore = set(_MODEL_KEYS_FREE_TO_CHANGE)

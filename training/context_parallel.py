@@ -52,7 +52,7 @@ def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
     """Raise a one-line ValueError for a combination context parallelism does not support
     (before any process group, data or model is built). A no-op for C = 1. What the ring cannot
     combine with in the config alone (attention dropout, the atomic backward, the kernel choice)
-    is checked with the other cross-key checks in training.config."""
+    is checked with the other cross-key checks in training.config_checks."""
     size, t = context_parallel_size(cfg), cfg.trainer
     if size == 1:
         return

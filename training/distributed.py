@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.config import PARALLEL
+from training.schema import Parallel
+
+PARALLEL = tuple(p.value for p in Parallel)   # the schema's choices, each implemented here
 
 
 @dataclass

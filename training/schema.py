@@ -4,7 +4,7 @@ Hydra merges every YAML file of configs/ into these classes when it composes the
 unknown key, a value of the wrong type or a value outside a choice (`trainer.precision=fp8`)
 fails at composition, before anything runs. The YAML files stay the presets users pick
 (`model=gpt2-small`); the range of each number is declared here as field metadata and checked
-by `training.config.check_group` (one place). The model group's class is the model's own
+by `training.config_checks.check_group` (one place). The model group's class is the model's own
 `GPTConfig` (model/config.py), with the field helpers every group uses. Imports nothing heavy:
 `train.py --help` loads it.
 
@@ -129,7 +129,7 @@ SEED_MAX = 2**63 - 1   # what torch.manual_seed and the samplers take
 class OptimConfig:
     name: Optimizer = Optimizer.adamw
     lr: float = ranged(1e-3, gt=0)
-    min_lr: float = ranged(1e-4, ge=0)                 # and <= lr (training.config)
+    min_lr: float = ranged(1e-4, ge=0)                 # and <= lr (training.config_checks)
     betas: List[float] = _list(0.9, 0.95, expect=BETAS)
     eps: float = ranged(1e-8, gt=0)
     weight_decay: float = ranged(0.1, ge=0)
