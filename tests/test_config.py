@@ -211,3 +211,25 @@ def test_a_preset_with_a_misspelt_key_fails_composition(tmp_path, monkeypatch):
         with pytest.raises(Exception) as info:
             compose([option.replace("/", "="), "run.dir=x"])
         assert config_error_line(info.value).startswith(f"unknown config key '{key}' in configs/{option}.yaml")
+
+
+def test_the_line_names_the_key_and_preset_whatever_hydras_wording(tmp_path, monkeypatch):
+    """The one line comes from the exceptions' types and what Hydra was composing, not from its
+    message text: with every message in the chain reworded, the line is the same."""
+    import shutil
+
+    import training.config
+
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, configs)
+    (configs / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  eval_evry: 10\n")
+    monkeypatch.setattr(training.config, "CONFIG_DIR", configs)
+    for overrides, line in ((["experiment=typo"], "unknown config key 'trainer.eval_evry' in configs/experiment/typo.yaml"),
+                            (["trainer.foo.bar=1"], "unknown config key 'trainer.foo.bar' (`python train.py"),
+                            (["experiment=typo", "trainer.seq_len=x"], "unknown config key 'trainer.eval_evry' in")):
+        with pytest.raises(Exception) as info:
+            compose([*overrides, "run.dir=x"])
+        for exc in (info.value, info.value.__cause__, info.value.__context__):
+            if exc is not None:
+                exc.args = ("Hydra said this another way",)
+        assert "another way" in str(info.value) and config_error_line(info.value).startswith(line), overrides

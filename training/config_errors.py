@@ -1,15 +1,20 @@
 """One-line errors: Hydra's and OmegaConf's composition errors as one line naming the key, and the
 line every rank of a launch reports before exiting 2.
+
+The line is read from the exceptions themselves (their types, their `__cause__`/`__context__`,
+and the Hydra objects the traceback's frames were handling), never from Hydra's message text,
+which changes when Hydra rewords it.
 """
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from contextlib import contextmanager
 
 from training.config_checks import bad_value
+
+VALID_KEYS_HINT = "(`python train.py --cfg job` prints every valid key)"
 
 
 def is_main_process() -> bool:
@@ -32,22 +37,40 @@ def report_error(line: str, every_rank: bool = False) -> int:
     return 2
 
 
+def _handled_while_raising(exc: BaseException, kind: type):
+    """The innermost object of type `kind` among the locals of the frames `exc` was raised
+    through, or None. Hydra keeps no structured record on its composition errors, but its frames
+    hold what it was composing when the error came: the preset's `ResultDefault` (a YAML file of
+    the defaults list) or the command line's `Override`."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        found = next((v for v in list(tb.tb_frame.f_locals.values()) if isinstance(v, kind)), found)
+        tb = tb.tb_next
+    return found
+
+
 def config_error_line(exc: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error: the key and what it must be, an unknown
     key, or a group typo with Hydra's list of valid options."""
+    from hydra.core.default_element import ResultDefault
+    from hydra.core.override_parser.types import Override
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     cause = exc if isinstance(exc, (ValidationError, ConfigKeyError, ConfigAttributeError)) \
         else exc.__cause__ or exc.__context__
-    preset = re.match(r"In '([^']+)': \w+ raised while composing config", str(exc))
-    where = f" in configs/{preset.group(1)}.yaml" if preset else ""   # a YAML preset, not the command line
-    unknown = re.match(r"Could not override '([^']+)'\.\s+To append to your config use", str(exc))
-    if unknown:  # Hydra's hint to append with `+` would make a key no code reads
-        return f"unknown config key '{unknown.group(1)}' (`python train.py --cfg job` prints every valid key)"
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and getattr(cause, "full_key", None):
-        return f"unknown config key '{cause.full_key}'{where} (`python train.py --cfg job` prints every valid key)"
+    preset = _handled_while_raising(exc, ResultDefault)   # a YAML preset, not the command line
+    where = f" in configs/{preset.config_path}.yaml" if preset is not None and preset.config_path else ""
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        # an override's key as typed (OmegaConf's full_key stops at its first unknown part); Hydra's
+        # hint to append with `+` is left out: it would make a key no code reads
+        override = _handled_while_raising(exc, Override) if exc.__cause__ is cause else None
+        key = override.key_or_group if override is not None else getattr(cause, "full_key", None)
+        if key:
+            return f"unknown config key '{key}'{where if override is None else ''} {VALID_KEYS_HINT}"
     if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):
         return bad_value(cause.full_key, cause.value, cause.object_type, cause.full_key.rsplit(".", 1)[-1]) + where
+    # The rest (a group typo with its options, override syntax, + and ~ misuse) carry nothing but
+    # their message: it is joined into one line, Hydra's tab-indented option lists as a list.
     text = str(exc).split("Config search path:")[0]
     line = ""
     for raw in text.splitlines():
