@@ -1,5 +1,5 @@
 """Train a GPT: `python train.py [group=option ...] [key=value ...]`, or on several GPUs
-`torchrun --nproc_per_node=N train.py ...` (see README.md).
+`torchrun --nproc_per_node=N train.py ...` (see docs/parallel.md).
 
 Exit status: 0 finished; 1 the loss went NaN/inf (no checkpoint written after it); 2 bad input
 (config key or value, data path, folder, checkpoint, a run.dir in use) or the machine (out of memory,
@@ -145,7 +145,7 @@ def check_before_hydra(argv: list[str]) -> None:
     names = hydra_callbacks([a for a in argv if "=" in a])
     if names:
         sys.exit(report(f"hydra.callbacks ({', '.join(names)}) would run code named in a config file before "
-                        f"training starts; flashtrain runs them only with {ALLOW_CALLBACKS}=1 (README, Configs are code)"))
+                        f"training starts; flashtrain runs them only with {ALLOW_CALLBACKS}=1 (docs/training.md, 'Configs are code')"))
 
 
 def one_folder_per_run(argv: list[str]) -> list[str]:

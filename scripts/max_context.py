@@ -31,7 +31,7 @@ Writes <out>/<name>.json (after every probe), .md (the table) and two PNGs: peak
 against length, and the maximum per implementation; --out defaults to outputs/max_context/
 (git-ignored), `--out benchmarks/max_context` writes the committed results.
 
-Several GPUs, one sequence split over them (README, Context parallelism):
+Several GPUs, one sequence split over them (docs/parallel.md, "Context parallelism"):
 
     torchrun --standalone --nproc_per_node=2 scripts/max_context.py model=gpt2-small --attention flash \
         'features=[ckpt+chunked]' trainer.context_parallel=2

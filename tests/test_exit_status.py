@@ -1,5 +1,6 @@
-"""The exit-status contract of train.py (README "Resume"): bad input is one line on stderr and
-status 2 before any step, whether Hydra, a config value, a folder or the corpus is at fault."""
+"""The exit-status contract of train.py (docs/training.md, "Stopping and exit statuses"): bad input
+is one line on stderr and status 2 before any step, whether Hydra, a config value, a folder or the
+corpus is at fault."""
 from __future__ import annotations
 
 import json

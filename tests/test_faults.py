@@ -369,7 +369,7 @@ def test_hydra_callbacks_from_a_config_are_refused_before_hydra_runs_them(tmp_pa
     assert stop.value.code == 2 and not marker.exists()
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: hydra.callbacks (payload) would run code named in a config file before training starts; "
-        f"flashtrain runs them only with {train.ALLOW_CALLBACKS}=1 (README, Configs are code)"]
+        f"flashtrain runs them only with {train.ALLOW_CALLBACKS}=1 (docs/training.md, 'Configs are code')"]
     monkeypatch.setenv(train.ALLOW_CALLBACKS, "1")
     train.check_before_hydra(argv)  # explicitly allowed: left to Hydra
 

@@ -297,7 +297,7 @@ class Trainer:
 
     def save(self, config: dict, wandb_id: str | None, export: bool = False) -> Path | None:
         """Every rank takes part. Under FSDP each rank writes its shards of a DCP folder; otherwise
-        rank 0 writes the whole state as one file (see README, Multi-GPU)."""
+        rank 0 writes the whole state as one file (docs/parallel.md, "Checkpoints on several GPUs")."""
         meta = {"step": self.step, "tokens": self.tokens, "rng": rng_state(), "sampler": self.data.train.state_dict(),
                 "config": config, "wandb_id": wandb_id, "lineage": self.start.lineage}
         if is_sharded(self.model):
