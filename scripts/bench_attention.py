@@ -5,7 +5,7 @@
     python scripts/bench_attention.py --quick    # two lengths, memory up to 32K (1-2 minutes)
     python scripts/bench_attention.py --long     # gpt2-small's heads, batch 1, N up to 256K
     python scripts/bench_attention.py --smoke    # CPU-sized plumbing check (not a benchmark)
-    python scripts/bench_attention.py --training # the shapes models train with (issue 11's table)
+    python scripts/bench_attention.py --training # the shapes models train with
 
 --training with every backend (ours, ours-auto, ours-gluon, ours-atomic, sdpa-default, sdpa-cudnn, flex) takes an
 estimated ~13-15 minutes on one H200 (ours-gluon adds ~1-2 minutes: its forward compiles in ~5 s per
