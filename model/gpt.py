@@ -90,12 +90,30 @@ class GPT(nn.Module):
         - reduction: "sum" returns the summed loss of the non-ignored tokens (a context-parallel
           rank's share, normalised by the whole sequence's token count: training.context_parallel).
         """
-        seq_len = idx.shape[1]
+        self._check_call(document_ids, cache)
+        positions = self._positions(idx, positions, document_ids, cache)
+        x, rope = self._embed(idx, positions)
+        x = self._run_blocks(x, rope, document_ids, cache)
+        if targets is None:
+            x = self.norm_out(x)
+            return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep > 0 else x)
+        return self.head_loss(x, targets, reduction)
+
+    def _check_call(self, document_ids: torch.Tensor | None, cache: KVCache | None) -> None:
+        """What forward refuses before any work: attention dropout the backend cannot do (in
+        training only) and a packed window decoded through a KV cache."""
         if self.training:
             check_attention_dropout(self.attention_name, self.config.attention_dropout)
         if document_ids is not None and cache is not None:
             raise ValueError("document_ids cannot be used with a KV cache: generation decodes one document "
                              "(split a packed prompt into its documents)")
+
+    def _positions(self, idx: torch.Tensor, positions: int | torch.Tensor | None,
+                   document_ids: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        """Every token's position as a (T,) or (B, T) tensor on idx's device, from forward's
+        `positions` (None: after the cache's tokens, or from 0), counted from each document's start
+        under `model.reset_positions`. A start past model.max_seq_len is refused here."""
+        seq_len = idx.shape[1]
         if positions is None:
             positions = cache.next_positions(seq_len) if cache is not None else 0
         if isinstance(positions, int):
@@ -110,26 +128,34 @@ class GPT(nn.Module):
             positions = positions.to(idx.device)
         if document_ids is not None and self.config.reset_positions:
             positions = self.document_positions(positions, document_ids)
+        return positions
+
+    def _embed(self, idx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The token embeddings (plus learned position embeddings, after dropout) and the RoPE
+        table the blocks rotate with (None with learned positions)."""
         x = self.tok_emb(idx)
         rope = None
         if self.pos_emb is None:
             rope = rope_table(positions, self.config.head_dim, self.config.rope_theta)
         else:
             x = x + self.pos_emb(positions)
-        x = self.dropout(x)
+        return self.dropout(x), rope
+
+    def _run_blocks(self, x: torch.Tensor, rope: torch.Tensor | None, document_ids: torch.Tensor | None,
+                    cache: KVCache | None) -> torch.Tensor:
+        """The blocks in order: a training/eval pass (block inputs offloaded to the host with
+        `model.offload_activations`), or a generation step through the KV cache, which then
+        counts these tokens as cached."""
         if cache is None:
             offload = block_offload(self.config.offload_activations, x, len(self.blocks))
             for i, block in enumerate(self.blocks):
                 with offload(i, x):
                     x = block(x, rope, document_ids, self.window, self.drops_attention and self.training)
-        else:
-            for layer, block in enumerate(self.blocks):
-                x = block.forward_cached(x, rope, cache, layer, self.window, self.decode_attention)
-            cache.advance(seq_len)
-        if targets is None:
-            x = self.norm_out(x)
-            return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep > 0 else x)
-        return self.head_loss(x, targets, reduction)
+            return x
+        for layer, block in enumerate(self.blocks):
+            x = block.forward_cached(x, rope, cache, layer, self.window, self.decode_attention)
+        cache.advance(x.shape[1])
+        return x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The final norm, the head and the cross-entropy of the blocks' output: a method of its
