@@ -204,7 +204,11 @@ def test_strided_views_of_fused_qkv(deterministic):
 
 
 def test_backward_is_deterministic():
-    q, k, v, do = make_inputs(2, 130, 130, 8, 2, 64, DTYPES[0])
+    """The default backward gives the same bits on every call. On the GPU the shape is big enough
+    for many programs to race, were the kernel order-dependent; the interpreter runs programs one
+    after another, so on the CPU a smaller shape with the same ragged tile and GQA suffices."""
+    B, H = (2, 8) if HAS_CUDA else (1, 4)
+    q, k, v, do = make_inputs(B, 130, 130, H, 2, 64, DTYPES[0])
     first = forward_backward(flash_attention, q, k, v, do, True)
     for _ in range(2):
         again = forward_backward(flash_attention, q, k, v, do, True)
