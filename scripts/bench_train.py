@@ -77,25 +77,44 @@ class Timer:
         return (time.perf_counter() - began) / n
 
 
-def bare_step(cfg, attention: str, device, batches: int = 4):
-    """A closure running one nanoGPT-style step on pre-made GPU batches (rotating through a few)."""
+ABLATION = ("bare", "+real batches", "+grad clip", "+lr update", "+nan tracking", "+progress bar")
+
+
+def loop_step(level: int, cfg, model, step_model, optimizer, device, data=None, bar=None, batches: int = 4):
+    """A closure running one training step with the loop's first `level` pieces (ABLATION's
+    order). Level 0 is the bare, nanoGPT-style step: forward (loss inside), backward, optimizer
+    step and zero_grad on a few batches made on the device beforehand, rotated through."""
     from training.device import autocast, resolve_precision
+    from training.optim import lr_at
 
     t = cfg.trainer
-    model, step_model, optimizer = build(cfg, attention, device)
     precision = resolve_precision(t.precision, device)
-    data = [torch.randint(cfg.model.vocab_size, (2, t.batch_size, t.seq_len), device=device) for _ in range(batches)]
-    state = {"i": 0}
+    made = [torch.randint(cfg.model.vocab_size, (2, t.batch_size, t.seq_len), device=device) for _ in range(batches)]
+    state = {"i": 0, "healthy": torch.ones((), dtype=torch.bool, device=device)}
 
     def step():
-        x, y = data[state["i"] % batches]
+        i = state["i"]
         state["i"] += 1
+        if level >= 1:
+            x, y = data.train.next_batch(t.batch_size)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        else:
+            x, y = made[i % batches]
+        if level >= 3:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(i, cfg.optim, 10**6)
         with autocast(device, precision):
             loss = step_model(x, y)
         loss.backward()
+        if level >= 2:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return step, model, optimizer
+        if level >= 4:
+            state["healthy"] &= torch.isfinite(loss.detach()) & torch.isfinite(grad_norm)
+        if level >= 5:
+            bar.update()
+    return step
 
 
 def real_run(overrides: list[str], steps: int, log_every: int, device, env: dict | None = None) -> dict:
@@ -144,12 +163,13 @@ def measure(attention: str, seq_len: int, args, device, out) -> dict:
     cfg = compose_cfg(overrides)
     row = {"attention": attention, "T": seq_len, "B": batch, "tokens_per_step": batch * seq_len}
     timer = Timer(device)
-    step, model, _ = bare_step(cfg, attention, device)
+    model, step_model, optimizer = build(cfg, attention, device)
+    step = loop_step(0, cfg, model, step_model, optimizer, device)
     for _ in range(args.warmup):
         step()
     step_s = timer(step, args.steps)
     flops = model.flops_per_token(seq_len)
-    del step, model
+    del step, model, step_model, optimizer   # the real run below needs the memory back
     row.update(bare_step_ms=step_s * 1e3, bare_tokens_per_s=batch * seq_len / step_s)
     real = real_run(overrides, args.warmup + args.steps, max(1, args.steps // 3), device)
     row["real_status"] = real["status"]
@@ -170,55 +190,23 @@ def measure(attention: str, seq_len: int, args, device, out) -> dict:
 
 # ----------------------------------------------------------------------------- ablation
 
-ABLATION = ("bare", "+real batches", "+grad clip", "+lr update", "+nan tracking", "+progress bar")
-
-
 def ablation(args, device, out) -> dict:
     """Cumulative loop features on the bare step at one shape, then a profile of bare vs full."""
     from tqdm import tqdm
 
     from training.builders import build_data
-    from training.device import autocast, resolve_precision
-    from training.optim import lr_at
 
     seq_len = args.ablation_len
     batch = max(1, args.tokens // seq_len)
     overrides = GPT2 + [f"attention={args.attention[0]}", f"trainer.seq_len={seq_len}", f"trainer.batch_size={batch}",
                         f"trainer.compile={str(device.type == 'cuda').lower()}", *args.overrides]
     cfg = compose_cfg(overrides)
-    precision = resolve_precision(cfg.trainer.precision, device)
     data = build_data(cfg, seq_len=seq_len, seed=cfg.seed)
     model, step_model, optimizer = build(cfg, args.attention[0], device)
-    gpu_batches = [torch.randint(cfg.model.vocab_size, (2, batch, seq_len), device=device) for _ in range(4)]
-    healthy = torch.ones((), dtype=torch.bool, device=device)
     bar = tqdm(total=10**9, disable=False, file=open(os.devnull, "w"))
-    counter = {"i": 0}
 
     def make_step(level: int):
-        def step():
-            i = counter["i"]
-            counter["i"] += 1
-            if level >= 1:
-                x, y = data.train.next_batch(batch)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            else:
-                x, y = gpu_batches[i % 4]
-            if level >= 3:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(i, cfg.optim, 10**6)
-            with autocast(device, precision):
-                loss = step_model(x, y)
-            loss.backward()
-            if level >= 2:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if level >= 4:
-                nonlocal healthy
-                healthy &= torch.isfinite(loss.detach()) & torch.isfinite(grad_norm)
-            if level >= 5:
-                bar.update()
-        return step
+        return loop_step(level, cfg, model, step_model, optimizer, device, data, bar)
 
     timer = Timer(device)
     rows = []
