@@ -38,6 +38,42 @@ SPLIT = 256          # keys per split program: 16 splits per head at a 4K cache,
 
 
 @triton.jit
+def _split_keys(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                n, cols, lo, hi, live, n_valid, scale, HEAD_DIM: tl.constexpr):
+    """Fold the keys n into every row's running max m, sum l and weighted sum of values (the
+    forward's online softmax; row r sees keys [lo_r, hi_r), keys past n_valid load as zeros)."""
+    in_cache = (n < n_valid)[:, None] & (cols < HEAD_DIM)[None, :]
+    k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kn + cols[None, :] * stride_kd,
+                mask=in_cache, other=0.0).to(tl.float32)
+    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale           # (BLOCK_R, BLOCK_N), log2 domain
+    seen = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & live[:, None]
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row that has seen no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vn + cols[None, :] * stride_vd,
+                mask=in_cache, other=0.0).to(tl.float32)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _split_epilogue(PartO, PartLse, acc, l_i, m_i, b, t, head, split, n_q, n_heads, n_splits, live, cols,
+                    HEAD_DIM: tl.constexpr):
+    """Epilogue: the split's normalised output o_s and log-sum-exp lse_s of every row (a row that
+    saw no key of the split: o_s = 0, lse_s = -inf, which the merge adds as exact zeros)."""
+    has_keys = l_i > 0
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    row_offs = ((b * n_q + t) * n_heads + head) * n_splits + split          # (BLOCK_R,) into PartLse
+    tl.store(PartLse + row_offs, lse, mask=live)
+    tl.store(PartO + row_offs[:, None] * HEAD_DIM + cols[None, :], out,
+             mask=live[:, None] & (cols < HEAD_DIM)[None, :])
+
+
+@triton.jit
 def flash_decode_split_kernel(
         Q, K, V, PartO, PartLse, Len,
         stride_qb, stride_qt, stride_qh, stride_qd,
@@ -80,30 +116,9 @@ def flash_decode_split_kernel(
     k_base = K + b * stride_kb + kv_head * stride_kh
     v_base = V + b * stride_vb + kv_head * stride_vh
     for start in range(start_lo, end, BLOCK_N):
-        n = start + keys
-        in_cache = (n < n_valid)[:, None] & (cols < HEAD_DIM)[None, :]
-        k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kn + cols[None, :] * stride_kd,
-                    mask=in_cache, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale           # (BLOCK_R, BLOCK_N), log2 domain
-        seen = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & live[:, None]
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row that has seen no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vn + cols[None, :] * stride_vd,
-                    mask=in_cache, other=0.0).to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
-
-    has_keys = l_i > 0
-    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
-    row_offs = ((b * n_q + t) * n_heads + head) * n_splits + split          # (BLOCK_R,) into PartLse
-    tl.store(PartLse + row_offs, lse, mask=live)
-    tl.store(PartO + row_offs[:, None] * HEAD_DIM + cols[None, :], out,
-             mask=live[:, None] & (cols < HEAD_DIM)[None, :])
+        acc, l_i, m_i = _split_keys(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                    start + keys, cols, lo, hi, live, n_valid, scale, HEAD_DIM)
+    _split_epilogue(PartO, PartLse, acc, l_i, m_i, b, t, head, split, n_q, n_heads, n_splits, live, cols, HEAD_DIM)
 
 
 @triton.jit
