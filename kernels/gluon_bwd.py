@@ -432,27 +432,12 @@ def _dq_partition(k_s4, v_s4, smem, bars, kv_bar, descs, work, scalars,
         mbarrier.arrive(dq_empty.index(jb), count=1)
 
 
-@gluon.jit(do_not_specialize=["n_heads", "n_kv_heads", "n_q", "n_k", "n_q_pad"])
-def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
-                     DQacc, dQ, Sem, Ticket,
-                     n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                     WARP_SPECIALIZE: gl.constexpr, DQ_WRITER: gl.constexpr, DQ_BUFS: gl.constexpr,
-                     DQ_WARPS: gl.constexpr, LSE_DIRECT: gl.constexpr):
-    """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,). Descriptors: q/do (B, Nq, H, D) and k/v/dk/dv
-    (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2 and Delta (B*H, Nq_pad) in blocks [1, BLOCK_M]."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
-    dtype: gl.constexpr = k_desc.dtype
-    gl.static_assert(HEAD_DIM % 16 == 0 and HEAD_DIM <= 256, "wgmma takes head dims in steps of 16")
-    gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each consumer warp owns 16 key rows")
-    gl.static_assert(BLOCK_M % 64 == 0 and BLOCK_M <= 128, "query tiles of 64 or 128 rows")
-    gl.static_assert(BLOCK_N % BLOCK_M == 0, "a key tile spans whole query tiles")
-    gl.static_assert(STAGES >= 2, "the ring needs a stage to fill while one is read")
-    gl.static_assert(not DQ_WRITER or WARP_SPECIALIZE, "the dQ writer is a partition of its own")
-
-    # work item from a ticket: KV heads in order, key tiles in descending order within each
+@gluon.jit
+def _work_item(Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """This program's key tile, from a ticket (KV heads in order, key tiles in descending order
+    within each), and the query tiles it visits: [lo, mid) masked, [mid, n_m) unmasked (causal:
+    [lo, n_m) are those seeing any key), per query head of its GQA group."""
     n_kt = gl.cdiv(n_k, BLOCK_N)
     ticket = gl.atomic_add(Ticket, 1, sem="relaxed")
     bh_kv = ticket // n_kt
@@ -463,7 +448,6 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     h0 = h_kv * group
     start_n = pid_n * BLOCK_N
     n_m = gl.cdiv(n_q, BLOCK_M)
-    # query tiles [lo, mid) masked, [mid, n_m) unmasked (causal: [lo, n_m) are those seeing any key)
     if CAUSAL:
         shift = n_k - n_q
         lo = gl.maximum(start_n - shift, 0) // BLOCK_M
@@ -475,8 +459,18 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     if start_n + BLOCK_N > n_k:   # ragged last key tile: mask the keys past n_k everywhere
         mid = n_m
     per_head = n_m - lo
-    total = group * per_head
+    return n_kt, n_m, b, h_kv, group, h0, pid_n, start_n, lo, mid, per_head, group * per_head
 
+
+@gluon.jit
+def _allocate(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
+              STAGES: gl.constexpr, DQ_WRITER: gl.constexpr, DQ_BUFS: gl.constexpr):
+    """Shared memory (the K and V tiles, the STAGES-deep ring of Q, dO, L2 and Delta, dS^T, the dQ
+    buffers) and the mbarriers, initialised."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
+    dtype: gl.constexpr = k_desc.dtype
     blk_layout: gl.constexpr = q_desc.layout
     k_s4 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_s4 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -504,11 +498,64 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     for s in gl.static_range(DQ_BUFS):
         mbarrier.init(dq_ready.index(s), count=1)
         mbarrier.init(dq_empty.index(s), count=1)
+    return k_s4, v_s4, (q_bufs, do_bufs, lse_bufs, delta_bufs, ds_s, dq_bufs), (ready, empty, dq_ready, dq_empty), kv_bar
+
+
+@gluon.jit
+def _prefetch(k_desc, v_desc, k_s4, v_s4, kv_bar, q_desc, do_desc, lse_desc, delta_desc, smem, bars,
+              b, h_kv, h0, start_n, lo, per_head, total, n_heads):
+    """Without warp specialisation: the K and V tiles' loads, then the first STAGES - 1 steps'."""
+    q_bufs, do_bufs, lse_bufs, delta_bufs, ds_s, dq_bufs = smem
+    ready = bars[0]
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    compat.tma_load(k_desc, [b, start_n, h_kv, 0], kv_bar, k_s4)
+    compat.tma_load(v_desc, [b, start_n, h_kv, 0], kv_bar, v_s4)
+    for j in gl.static_range(STAGES - 1):
+        _load_step(j, q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
+                   b, h0, lo, gl.maximum(per_head, 1), n_heads, j < total)
+
+
+@gluon.jit
+def _store_dk_dv(dk_desc, dv_desc, k_s, v_s, k_s4, v_s4, dk, dv, sm_scale, b, start_n, h_kv):
+    """Epilogue: dK = scale * dS^T Q and dV through the K and V buffers (every wgmma that read them
+    is done) to TMA stores, which drop the rows past n_k of a ragged last tile."""
+    dtype: gl.constexpr = dk_desc.dtype
+    compat.thread_barrier()
+    k_s.store((dk * sm_scale).to(dtype))
+    v_s.store(dv.to(dtype))
+    fence_async_shared()
+    compat.thread_barrier()
+    compat.tma_store(dk_desc, [b, start_n, h_kv, 0], k_s4)
+    compat.tma_store(dv_desc, [b, start_n, h_kv, 0], v_s4)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["n_heads", "n_kv_heads", "n_q", "n_k", "n_q_pad"])
+def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc,
+                     DQacc, dQ, Sem, Ticket,
+                     n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                     WARP_SPECIALIZE: gl.constexpr, DQ_WRITER: gl.constexpr, DQ_BUFS: gl.constexpr,
+                     DQ_WARPS: gl.constexpr, LSE_DIRECT: gl.constexpr):
+    """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,). Descriptors: q/do (B, Nq, H, D) and k/v/dk/dv
+    (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2 and Delta (B*H, Nq_pad) in blocks [1, BLOCK_M]."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
+    gl.static_assert(HEAD_DIM % 16 == 0 and HEAD_DIM <= 256, "wgmma takes head dims in steps of 16")
+    gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each consumer warp owns 16 key rows")
+    gl.static_assert(BLOCK_M % 64 == 0 and BLOCK_M <= 128, "query tiles of 64 or 128 rows")
+    gl.static_assert(BLOCK_N % BLOCK_M == 0, "a key tile spans whole query tiles")
+    gl.static_assert(STAGES >= 2, "the ring needs a stage to fill while one is read")
+    gl.static_assert(not DQ_WRITER or WARP_SPECIALIZE, "the dQ writer is a partition of its own")
+    n_kt, n_m, b, h_kv, group, h0, pid_n, start_n, lo, mid, per_head, total = _work_item(
+        Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    k_s4, v_s4, smem, bars, kv_bar = _allocate(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
+                                               STAGES, DQ_WRITER, DQ_BUFS)
     k_s = k_s4.reshape([BLOCK_N, HEAD_DIM])
     v_s = v_s4.reshape([BLOCK_N, HEAD_DIM])
 
-    smem = (q_bufs, do_bufs, lse_bufs, delta_bufs, ds_s, dq_bufs)
-    bars = (ready, empty, dq_ready, dq_empty)
     descs = (q_desc, do_desc, lse_desc, delta_desc, DQacc, dQ, Sem)
     work = (b, h_kv, h0, pid_n, start_n, lo, per_head, total)
     scalars = (n_heads, n_q, n_k, n_kt, n_q_pad, qk_scale, sm_scale)
@@ -529,25 +576,12 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
                 (_load_partition, (k_s4, v_s4, smem, bars, kv_bar, wdescs, work, scalars, CAUSAL, DETERMINISTIC)),
             ], [1], [24])
     else:
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-        compat.tma_load(k_desc, [b, start_n, h_kv, 0], kv_bar, k_s4)
-        compat.tma_load(v_desc, [b, start_n, h_kv, 0], kv_bar, v_s4)
-        for j in gl.static_range(STAGES - 1):
-            _load_step(j, q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
-                       b, h0, lo, gl.maximum(per_head, 1), n_heads, j < total)
+        _prefetch(k_desc, v_desc, k_s4, v_s4, kv_bar, q_desc, do_desc, lse_desc, delta_desc, smem, bars,
+                  b, h_kv, h0, start_n, lo, per_head, total, n_heads)
         dk, dv = _consume(k_s, v_s, smem, bars, kv_bar, descs, work, scalars, mid, n_m, group,
                           CAUSAL, DETERMINISTIC, WARP_SPECIALIZE, DQ_WRITER, LSE_DIRECT)
 
-    # dK, dV through the K and V buffers (every wgmma that read them is done) to TMA stores,
-    # which drop the rows past n_k of a ragged last tile
-    compat.thread_barrier()
-    k_s.store((dk * sm_scale).to(dtype))
-    v_s.store(dv.to(dtype))
-    fence_async_shared()
-    compat.thread_barrier()
-    compat.tma_store(dk_desc, [b, start_n, h_kv, 0], k_s4)
-    compat.tma_store(dv_desc, [b, start_n, h_kv, 0], v_s4)
-    tma.store_wait(0)
+    _store_dk_dv(dk_desc, dv_desc, k_s, v_s, k_s4, v_s4, dk, dv, sm_scale, b, start_n, h_kv)
 
 
 # ---- host side ------------------------------------------------------------------------------
