@@ -93,6 +93,18 @@ def _tile_ranges(start_m, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
+def _stage_range(STAGE: gl.constexpr, mid, hi):
+    """The key tiles of stage STAGE of a program's loop (`_tile_ranges`): 0 the unmasked [0, mid),
+    1 the masked [mid, hi). One loop body serves both, MASK = STAGE == 1 (the tutorial's STAGE)."""
+    first = 0
+    end = mid
+    if STAGE == 1:
+        first = mid
+        end = hi
+    return first, end
+
+
+@gluon.jit
 def _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL: gl.constexpr, MASK: gl.constexpr):
     """The online-softmax step on raw scores s (ROWS x BLOCK_N, keys from start_n): (P, m_new, alpha)
     with P = exp2(s * scale - m_new) and alpha = exp2(m_old - m_new), the factor by which the running
@@ -240,14 +252,12 @@ def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_heads, kv
     q_smem = q_smem4.reshape([BLOCK_M, HEAD_DIM])
     shift = n_k - n_q
     mbarrier.wait(q_ready, 0)
-    for start_n in range(0, mid, BLOCK_N):
-        acc, m_i, l_i = _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, acc, m_i, l_i,
-                                        rows, start_n, n_tiles, n_k, shift, qk_scale, b, h_kv,
-                                        BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False, num_warps)
-    for start_n in range(mid, hi, BLOCK_N):
-        acc, m_i, l_i = _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, acc, m_i, l_i,
-                                        rows, start_n, n_tiles, n_k, shift, qk_scale, b, h_kv,
-                                        BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True, num_warps)
+    for stage in gl.static_range(2):   # the unmasked key tiles [0, mid), then the masked ones [mid, hi)
+        first, end = _stage_range(stage, mid, hi)
+        for start_n in range(first, end, BLOCK_N):
+            acc, m_i, l_i = _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, acc, m_i, l_i,
+                                            rows, start_n, n_tiles, n_k, shift, qk_scale, b, h_kv,
+                                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, stage == 1, num_warps)
     _epilogue(acc, m_i, l_i, q_smem4, o_desc, lse_ptr, b, h, n_heads, n_q, start_m, BLOCK_M, HEAD_DIM, num_warps)
 
 
@@ -322,14 +332,12 @@ def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
                                            rows, mid, hi, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES,
                                            CAUSAL, PINGPONG, WG)
     else:
-        for start_n in range(0, mid, BLOCK_N):
-            acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows,
-                                     start_n, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False,
-                                     PINGPONG, WG)
-        for start_n in range(mid, hi, BLOCK_N):
-            acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows,
-                                     start_n, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True,
-                                     PINGPONG, WG)
+        for stage in gl.static_range(2):   # the unmasked key tiles, then the masked ones
+            first, end = _stage_range(stage, mid, hi)
+            for start_n in range(first, end, BLOCK_N):
+                acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i,
+                                         rows, start_n, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                         stage == 1, PINGPONG, WG)
     _epilogue(acc, m_i, l_i, q_bufs.index(WG), o_desc, lse_ptr, b, h, n_heads, n_q, start_row, ROWS, HEAD_DIM, 4)
 
 
