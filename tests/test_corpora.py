@@ -1,4 +1,4 @@
-"""Corpora of any shape (issue 13): one big plain-text file trains with every tokenizer, the run keeps
+"""Corpora of any shape: one big plain-text file trains with every tokenizer, the run keeps
 its tokenizer so evaluation and generation need no corpus, and a moved token cache is found again."""
 from __future__ import annotations
 

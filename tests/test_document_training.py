@@ -1,4 +1,4 @@
-"""Document masks and sliding windows in the model and the training loop (issue 13).
+"""Document masks and sliding windows in the model and the training loop.
 
 The central check: in a packed window with the document mask (and `model.reset_positions`),
 every document gets exactly the per-token loss it gets alone, for every attention
