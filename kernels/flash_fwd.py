@@ -37,8 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import (LN2, key_ranges, load_tile, mask_row, query_heads, query_tile_longest_first, row_key_bounds, store_tile,
-                          tile_offsets, visible)
+from kernels.tiles import (LN2, key_ranges, load_tile, query_program, row_key_bounds, stage_range, store_tile, tile_offsets,
+                           visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
 
 
@@ -70,6 +70,20 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     return acc, l_i, m_new
 
 
+@triton.jit
+def _fwd_epilogue(Out, Lse, b, h, n_heads, stride_ob, stride_on, stride_oh, stride_od,
+                  acc, l_i, m_i, start_m, rows_m, offs_m, offs_d, n_q, HEAD_DIM: tl.constexpr):
+    """Epilogue: O = acc / l and the natural-log L = (m + log2(l)) * ln 2 of the tile's rows.
+    Rows that saw no key (causal with n_q > n_k, or a window before the keys): O = 0, L = -inf."""
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    store_tile(Out + b * stride_ob + h * stride_oh, start_m, stride_on,
+               tile_offsets(rows_m, offs_d, stride_on, stride_od), rows_m, n_q, offs_d,
+               acc / l_safe[:, None], HEAD_DIM)
+    tl.store(Lse + (b * n_heads + h) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+
 @triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"], prune_configs_by=fwd_prune(),
                  **persistent())
 @triton.jit
@@ -91,15 +105,10 @@ def flash_fwd_kernel(
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     # torch.compile passes Python floats as fp64; keep every score in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
-    pid_m = query_tile_longest_first()
-    b, h, h_kv = query_heads(tl.program_id(1), n_heads, kv_group)
-    start_m = pid_m * BLOCK_M
-    rows_m = tl.arange(0, BLOCK_M)
-    offs_m = start_m + rows_m
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    Docs_b = mask_row(Docs, b, n_q, n_k)
+    b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d, Docs_b = query_program(
+        Docs, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, BLOCK_D)
 
+    # Load the Q tile once; K and V tiles stream past it.
     Q_bh = Q + b * stride_qb + h * stride_qh
     K_bh = K + b * stride_kb + h_kv * stride_kh
     V_bh = V + b * stride_vb + h_kv * stride_vh
@@ -112,28 +121,16 @@ def flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key tiles: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; the
-    # rest lie wholly outside every row's view (other documents, past the window, causal).
+    # Key tiles: masked, unmasked, masked (`stage_range`); the rest lie wholly outside every
+    # row's view (other documents, past the window, causal) and are never loaded.
     row_lo, row_hi = row_key_bounds(offs_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
     lo, mid_lo, mid_hi, hi = key_ranges(start_m, n_q, n_k, Docs_b, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, DOCS)
-    for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                                  start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                                  HEAD_DIM, BLOCK_D, True, PRECISION)
-    for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                                  start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                                  HEAD_DIM, BLOCK_D, False, PRECISION)
-    for start_n in range(mid_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                                  start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                                  HEAD_DIM, BLOCK_D, True, PRECISION)
+    for stage in tl.static_range(3):
+        first, end = stage_range(stage, lo, mid_lo, mid_hi, hi)
+        for start_n in range(first, end, BLOCK_N):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                                      start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                                      HEAD_DIM, BLOCK_D, stage != 1, PRECISION)
 
-    # Rows that saw no key (causal with n_q > n_k, or a window before the keys): O = 0, L = -inf.
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
-    store_tile(Out + b * stride_ob + h * stride_oh, start_m, stride_on,
-               tile_offsets(rows_m, offs_d, stride_on, stride_od), rows_m, n_q, offs_d,
-               acc / l_safe[:, None], HEAD_DIM)
-    tl.store(Lse + (b * n_heads + h) * n_q + offs_m, lse, mask=offs_m < n_q)
+    _fwd_epilogue(Out, Lse, b, h, n_heads, stride_ob, stride_on, stride_oh, stride_od,
+                  acc, l_i, m_i, start_m, rows_m, offs_m, offs_d, n_q, HEAD_DIM)

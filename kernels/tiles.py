@@ -187,6 +187,40 @@ def query_ranges(start_n, n_q, n_k, Docs_b, window, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
+def stage_range(STAGE: tl.constexpr, lo, mid_lo, mid_hi, hi):
+    """The tiles of stage STAGE of a program's loop over the ranges of `tile_ranges`: 0 the
+    masked tiles before the unmasked ones, 1 the unmasked tiles, 2 the masked ones after them
+    (the diagonal). Kernels run `for stage in tl.static_range(3)` with MASK = stage != 1: one
+    loop body for the causal and the full case (the STAGE of Triton's fused-attention tutorial)."""
+    start = mid_hi
+    end = hi
+    if STAGE == 0:
+        start = lo
+        end = tl.minimum(mid_lo, hi)
+    if STAGE == 1:
+        start = mid_lo
+        end = mid_hi
+    return start, end
+
+
+@triton.jit
+def query_program(Docs, n_heads, kv_group, n_q, n_k,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where a program of a (cdiv(n_q, BLOCK_M), B * H) grid works (the forward's and dQ's):
+    batch b, query head h, KV head h_kv, its query tile's first row start_m, the tile's rows
+    rows_m and positions offs_m, a key tile's rows offs_n, the head dim's columns offs_d, and
+    Docs_b, its batch row of the mask buffer."""
+    pid_m = query_tile_longest_first()
+    b, h, h_kv = query_heads(tl.program_id(1), n_heads, kv_group)
+    start_m = pid_m * BLOCK_M
+    rows_m = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows_m
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    return b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d, mask_row(Docs, b, n_q, n_k)
+
+
+@triton.jit
 def visible(cols, lo, hi):
     """(len(lo) x len(cols)): row r sees key cols[c] iff lo[r] <= cols[c] < hi[r] (`row_key_bounds`)."""
     return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
