@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import (LOG2E, key_ranges, load_tile, mask_row, query_heads, query_ranges, query_tile_longest_first, row_key_bounds,
+from kernels.tiles import (LOG2E, key_ranges, load_tile, mask_row, query_program, query_ranges, row_key_bounds, stage_range,
                            store_tile, tile_offsets, visible)
 from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_configs, bwd_kv_dq_prune, bwd_kv_prune, bwd_q_configs,
                             bwd_q_prune, persistent)
@@ -118,25 +118,10 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_o
 
 
 @triton.jit
-def _bwd_kv_program(
-    Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dQ,
-    stride_qb, stride_qn, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_dob, stride_don, stride_doh, stride_dod,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
-    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DOCS: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-):
-    """One (key tile, batch x KV head) program of the dK/dV kernels (both kernels below)."""
-    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
-    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
-    sm_scale = tl.cast(sm_scale, tl.float32)
+def _key_program(Docs, n_kv_heads, n_q, n_k, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where a program of a (cdiv(n_k, BLOCK_N), B * Hkv) grid works (the dK/dV kernels'): batch b,
+    KV head h_kv, its key tile's first row start_n, rows rows_n and positions offs_n, a query
+    tile's rows rows_m, the head dim's columns offs_d, and Docs_b, its batch row of the mask buffer."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -146,56 +131,68 @@ def _bwd_kv_program(
     offs_n = start_n + rows_n
     rows_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    Docs_b = mask_row(Docs, b, n_q, n_k)
+    return b, h_kv, start_n, rows_n, offs_n, rows_m, offs_d, mask_row(Docs, b, n_q, n_k)
 
-    k = load_tile(K + b * stride_kb + h_kv * stride_kh, start_n, stride_kn,
-                  tile_offsets(rows_n, offs_d, stride_kn, stride_kd), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = load_tile(V + b * stride_vb + h_kv * stride_vh, start_n, stride_vn,
-                  tile_offsets(rows_n, offs_d, stride_vn, stride_vd), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    q_offs = tile_offsets(rows_m, offs_d, stride_qn, stride_qd)
-    do_offs = tile_offsets(rows_m, offs_d, stride_don, stride_dod)
-    dq_offs = tile_offsets(rows_m, offs_d, stride_dqn, stride_dqd)
+
+@triton.jit
+def _bwd_kv_epilogue(dK, dV, b, h_kv, sdk, sdv, dk, dv, sm_scale, start_n, rows_n, offs_d, n_k, HEAD_DIM: tl.constexpr):
+    """Epilogue: the key tile's dK = scale * dS^T Q and dV = P^T dO, summed over its group's query heads."""
+    store_tile(dK + b * sdk[0] + h_kv * sdk[2], start_n, sdk[1],
+               tile_offsets(rows_n, offs_d, sdk[1], sdk[3]), rows_n, n_k, offs_d, dk * sm_scale, HEAD_DIM)
+    store_tile(dV + b * sdv[0] + h_kv * sdv[2], start_n, sdv[1],
+               tile_offsets(rows_n, offs_d, sdv[1], sdv[3]), rows_n, n_k, offs_d, dv, HEAD_DIM)
+
+
+@triton.jit
+def _bwd_kv_program(
+    Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dQ, sq, sk, sv, sdo, sdk, sdv, sdq,
+    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+):
+    """One (key tile, batch x KV head) program of the dK/dV kernels (both kernels below). sq .. sdq:
+    each tensor's strides (batch, sequence, head, head dim) as one tuple."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    b, h_kv, start_n, rows_n, offs_n, rows_m, offs_d, Docs_b = _key_program(Docs, n_kv_heads, n_q, n_k,
+                                                                            BLOCK_N, BLOCK_M, BLOCK_D)
+    # Load the K and V tile once; dK and dV stay in registers while the query tiles stream past.
+    k = load_tile(K + b * sk[0] + h_kv * sk[2], start_n, sk[1],
+                  tile_offsets(rows_n, offs_d, sk[1], sk[3]), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(V + b * sv[0] + h_kv * sv[2], start_n, sv[1],
+                  tile_offsets(rows_n, offs_d, sv[1], sv[3]), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    q_offs = tile_offsets(rows_m, offs_d, sq[1], sq[3])
+    do_offs = tile_offsets(rows_m, offs_d, sdo[1], sdo[3])
+    dq_offs = tile_offsets(rows_m, offs_d, sdq[1], sdq[3])
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query tiles that see any of these keys: [lo, mid_lo) masked, [mid_lo, mid_hi)
-    # unmasked, [mid_hi, hi) masked; the others see none of them and are skipped.
-    # A ragged last key tile needs no extra masking for dK/dV: its out-of-range keys were
-    # loaded as zeros and only produce rows of dK/dV that are never stored. Their dQ share
-    # would be 0 * P, and P = exp2(0 - L) can overflow: with DQ_ATOMIC that one tile runs
-    # every query tile masked, which zeroes P past n_k.
+    # Query tiles that see any of these keys: masked, unmasked, masked (`stage_range`); others skipped.
+    # A ragged last key tile's keys past n_k load as zeros and only make rows of dK/dV never stored,
+    # but their dQ share 0 * P can overflow (P = exp2(0 - L)): with DQ_ATOMIC that tile runs all masked.
     lo, mid_lo, mid_hi, hi = query_ranges(start_n, n_q, n_k, Docs_b, window, BLOCK_N, BLOCK_M, CAUSAL, WINDOW, DOCS)
     if DQ_ATOMIC:
         if start_n + BLOCK_N > n_k:
             mid_hi = mid_lo
-
-    for g in range(0, kv_group):
+    for g in range(0, kv_group):  # every query head of the GQA group: dK, dV arrive summed over it
         h = h_kv * kv_group + g
-        Q_bh = Q + b * stride_qb + h * stride_qh
-        dO_bh = dOut + b * stride_dob + h * stride_doh
-        dQ_bh = dQ + b * stride_dqb + h * stride_dqh
+        Q_bh = Q + b * sq[0] + h * sq[2]
+        dO_bh = dOut + b * sdo[0] + h * sdo[2]
+        dQ_bh = dQ + b * sdq[0] + h * sdq[2]
         Lse_bh = Lse + (b * n_heads + h) * n_q
         Delta_bh = Delta + (b * n_heads + h) * n_q
-        for start_m in range(lo, tl.minimum(mid_lo, hi), BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs, dq_offs,
-                                  stride_qn, stride_don, stride_dqn, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, window, qk_scale, sm_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, True, PRECISION, DQ_ATOMIC)
-        for start_m in range(mid_lo, mid_hi, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs, dq_offs,
-                                  stride_qn, stride_don, stride_dqn, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, window, qk_scale, sm_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, False, PRECISION, DQ_ATOMIC)
-        for start_m in range(mid_hi, hi, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs, dq_offs,
-                                  stride_qn, stride_don, stride_dqn, start_m, rows_m, offs_n, offs_d,
-                                  n_q, n_k, window, qk_scale, sm_scale,
-                                  HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, True, PRECISION, DQ_ATOMIC)
+        for stage in tl.static_range(3):
+            first, end = stage_range(stage, lo, mid_lo, mid_hi, hi)
+            for start_m in range(first, end, BLOCK_M):
+                dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs,
+                                      dq_offs, sq[1], sdo[1], sdq[1], start_m, rows_m, offs_n, offs_d,
+                                      n_q, n_k, window, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW,
+                                      stage != 1, PRECISION, DQ_ATOMIC)
 
-    store_tile(dK + b * stride_dkb + h_kv * stride_dkh, start_n, stride_dkn,
-               tile_offsets(rows_n, offs_d, stride_dkn, stride_dkd), rows_n, n_k, offs_d, dk * sm_scale, HEAD_DIM)
-    store_tile(dV + b * stride_dvb + h_kv * stride_dvh, start_n, stride_dvn,
-               tile_offsets(rows_n, offs_d, stride_dvn, stride_dvd), rows_n, n_k, offs_d, dv, HEAD_DIM)
+    _bwd_kv_epilogue(dK, dV, b, h_kv, sdk, sdv, dk, dv, sm_scale, start_n, rows_n, offs_d, n_k, HEAD_DIM)
 
 
 @triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
@@ -217,14 +214,11 @@ def flash_bwd_kv_kernel(
     """Grid: (cdiv(n_k, BLOCK_N), B * Hkv). qk_scale = sm_scale * log2(e). Deterministic:
     reads the Delta that flash_bwd_q_kernel stored, writes dK and dV only."""
     # DQ_ATOMIC=False: the program never touches dQ, so dK and its strides fill dQ's slots.
+    sdk = (stride_dkb, stride_dkn, stride_dkh, stride_dkd)
     _bwd_kv_program(Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dK,  # dK in dQ's slot
-                    stride_qb, stride_qn, stride_qh, stride_qd,
-                    stride_kb, stride_kn, stride_kh, stride_kd,
-                    stride_vb, stride_vn, stride_vh, stride_vd,
-                    stride_dob, stride_don, stride_doh, stride_dod,
-                    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-                    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-                    stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dK's strides in dQ's slot
+                    (stride_qb, stride_qn, stride_qh, stride_qd), (stride_kb, stride_kn, stride_kh, stride_kd),
+                    (stride_vb, stride_vn, stride_vh, stride_vd), (stride_dob, stride_don, stride_doh, stride_dod),
+                    sdk, (stride_dvb, stride_dvn, stride_dvh, stride_dvd), sdk,  # dK's strides in dQ's slot
                     n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
                     HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, False)
 
@@ -251,15 +245,25 @@ def flash_bwd_kv_dq_kernel(
     accumulated with atomic adds, already scaled. Delta from flash_bwd_delta_kernel.
     Grid: (cdiv(n_k, BLOCK_N), B * Hkv)."""
     _bwd_kv_program(Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dQ,
-                    stride_qb, stride_qn, stride_qh, stride_qd,
-                    stride_kb, stride_kn, stride_kh, stride_kd,
-                    stride_vb, stride_vn, stride_vh, stride_vd,
-                    stride_dob, stride_don, stride_doh, stride_dod,
-                    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-                    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-                    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+                    (stride_qb, stride_qn, stride_qh, stride_qd), (stride_kb, stride_kn, stride_kh, stride_kd),
+                    (stride_vb, stride_vn, stride_vh, stride_vd), (stride_dob, stride_don, stride_doh, stride_dod),
+                    (stride_dkb, stride_dkn, stride_dkh, stride_dkd), (stride_dvb, stride_dvn, stride_dvh, stride_dvd),
+                    (stride_dqb, stride_dqn, stride_dqh, stride_dqd),
                     n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
                     HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, True)
+
+
+@triton.jit
+def _delta_and_lse(Out, Lse, Delta, b, h, n_heads, stride_ob, stride_on, stride_oh, stride_od,
+                   do, start_m, rows_m, offs_m, offs_d, n_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Delta_i = rowsum(dO_i * O_i) of the query tile (as flash_bwd_delta_kernel), stored for
+    flash_bwd_kv_kernel; and the tile's L in the exp2 domain, from which P is recomputed."""
+    o = load_tile(Out + b * stride_ob + h * stride_oh, start_m, stride_on,
+                  tile_offsets(rows_m, offs_d, stride_on, stride_od), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + (b * n_heads + h) * n_q + offs_m, delta, mask=offs_m < n_q)
+    lse = tl.load(Lse + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+    return delta, _lse_log2(lse)
 
 
 @triton.jit
@@ -300,47 +304,31 @@ def flash_bwd_q_kernel(
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
-    pid_m = query_tile_longest_first()
-    b, h, h_kv = query_heads(tl.program_id(1), n_heads, kv_group)
-    start_m = pid_m * BLOCK_M
-    rows_m = tl.arange(0, BLOCK_M)
-    offs_m = start_m + rows_m
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    Docs_b = mask_row(Docs, b, n_q, n_k)
+    b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d, Docs_b = query_program(
+        Docs, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, BLOCK_D)
 
+    # Load the Q and dO tiles once; K and V tiles stream past them.
     q = load_tile(Q + b * stride_qb + h * stride_qh, start_m, stride_qn,
                   tile_offsets(rows_m, offs_d, stride_qn, stride_qd), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = load_tile(dOut + b * stride_dob + h * stride_doh, start_m, stride_don,
                    tile_offsets(rows_m, offs_d, stride_don, stride_dod), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    o = load_tile(Out + b * stride_ob + h * stride_oh, start_m, stride_on,
-                  tile_offsets(rows_m, offs_d, stride_on, stride_od), rows_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)   # as flash_bwd_delta_kernel
-    tl.store(Delta + (b * n_heads + h) * n_q + offs_m, delta, mask=offs_m < n_q)
-    lse = tl.load(Lse + (b * n_heads + h) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
-    lse = _lse_log2(lse)
+    delta, lse = _delta_and_lse(Out, Lse, Delta, b, h, n_heads, stride_ob, stride_on, stride_oh, stride_od,
+                                do, start_m, rows_m, offs_m, offs_d, n_q, HEAD_DIM, BLOCK_D)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
     K_bh = K + b * stride_kb + h_kv * stride_kh
     V_bh = V + b * stride_vb + h_kv * stride_vh
     k_offs = tile_offsets(offs_n, offs_d, stride_kn, stride_kd)
     v_offs = tile_offsets(offs_n, offs_d, stride_vn, stride_vd)
 
-    # the forward's key tiles: masked, unmasked, masked; the rest skipped
+    # the forward's key tiles: masked, unmasked, masked (`stage_range`); the rest skipped
     row_lo, row_hi = row_key_bounds(offs_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
     lo, mid_lo, mid_hi, hi = key_ranges(start_m, n_q, n_k, Docs_b, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, DOCS)
-    for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
-        dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                         start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                         HEAD_DIM, BLOCK_D, True, PRECISION)
-    for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                         start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                         HEAD_DIM, BLOCK_D, False, PRECISION)
-    for start_n in range(mid_hi, hi, BLOCK_N):
-        dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                         start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                         HEAD_DIM, BLOCK_D, True, PRECISION)
+    for stage in tl.static_range(3):
+        first, end = stage_range(stage, lo, mid_lo, mid_hi, hi)
+        for start_n in range(first, end, BLOCK_N):
+            dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
+                             start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
+                             HEAD_DIM, BLOCK_D, stage != 1, PRECISION)
 
     store_tile(dQ + b * stride_dqb + h * stride_dqh, start_m, stride_dqn,
                tile_offsets(rows_m, offs_d, stride_dqn, stride_dqd), rows_m, n_q, offs_d, dq * sm_scale, HEAD_DIM)
