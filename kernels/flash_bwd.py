@@ -44,6 +44,17 @@ from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_configs, bwd_kv_dq_prune, 
 
 
 @triton.jit
+def _tile_and_head(n_heads, BLOCK: tl.constexpr):
+    """(first row of the program's tile, batch, head) in a (cdiv(rows, BLOCK), B * n_heads) grid;
+    batch and head in int64 for addressing."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    return pid * BLOCK, b, h
+
+
+@triton.jit
 def flash_bwd_delta_kernel(
     Out, dOut, Delta,
     stride_ob, stride_on, stride_oh, stride_od,
@@ -54,11 +65,7 @@ def flash_bwd_delta_kernel(
     """Delta[b, h, i] = sum_d O[b, i, h, d] * dO[b, i, h, d], in float32 (before the atomic
     backward; the deterministic one computes it in flash_bwd_q_kernel)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
-    start_m = pid_m * BLOCK_M
+    start_m, b, h = _tile_and_head(n_heads, BLOCK_M)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     o = load_tile(Out + b * stride_ob + h * stride_oh, start_m, stride_on,
@@ -122,11 +129,7 @@ def _key_program(Docs, n_kv_heads, n_q, n_k, BLOCK_N: tl.constexpr, BLOCK_M: tl.
     """Where a program of a (cdiv(n_k, BLOCK_N), B * Hkv) grid works (the dK/dV kernels'): batch b,
     KV head h_kv, its key tile's first row start_n, rows rows_n and positions offs_n, a query
     tile's rows rows_m, the head dim's columns offs_d, and Docs_b, its batch row of the mask buffer."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // n_kv_heads).to(tl.int64)
-    h_kv = (pid_bh % n_kv_heads).to(tl.int64)
-    start_n = pid_n * BLOCK_N
+    start_n, b, h_kv = _tile_and_head(n_kv_heads, BLOCK_N)
     rows_n = tl.arange(0, BLOCK_N)
     offs_n = start_n + rows_n
     rows_m = tl.arange(0, BLOCK_M)
