@@ -125,16 +125,16 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_o
 
 
 @triton.jit
-def _key_program(Docs, n_kv_heads, n_q, n_k, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _key_program(n_kv_heads, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Where a program of a (cdiv(n_k, BLOCK_N), B * Hkv) grid works (the dK/dV kernels'): batch b,
     KV head h_kv, its key tile's first row start_n, rows rows_n and positions offs_n, a query
-    tile's rows rows_m, the head dim's columns offs_d, and Docs_b, its batch row of the mask buffer."""
+    tile's rows rows_m, the head dim's columns offs_d (indices only: see tiles.query_program)."""
     start_n, b, h_kv = _tile_and_head(n_kv_heads, BLOCK_N)
     rows_n = tl.arange(0, BLOCK_N)
     offs_n = start_n + rows_n
     rows_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    return b, h_kv, start_n, rows_n, offs_n, rows_m, offs_d, mask_row(Docs, b, n_q, n_k)
+    return b, h_kv, start_n, rows_n, offs_n, rows_m, offs_d
 
 
 @triton.jit
@@ -160,8 +160,8 @@ def _bwd_kv_program(
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
-    b, h_kv, start_n, rows_n, offs_n, rows_m, offs_d, Docs_b = _key_program(Docs, n_kv_heads, n_q, n_k,
-                                                                            BLOCK_N, BLOCK_M, BLOCK_D)
+    b, h_kv, start_n, rows_n, offs_n, rows_m, offs_d = _key_program(n_kv_heads, BLOCK_N, BLOCK_M, BLOCK_D)
+    Docs_b = mask_row(Docs, b, n_q, n_k)
     # Load the K and V tile once; dK and dV stay in registers while the query tiles stream past.
     k = load_tile(K + b * sk[0] + h_kv * sk[2], start_n, sk[1],
                   tile_offsets(rows_n, offs_d, sk[1], sk[3]), rows_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
@@ -307,8 +307,8 @@ def flash_bwd_q_kernel(
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     sm_scale = tl.cast(sm_scale, tl.float32)
-    b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d, Docs_b = query_program(
-        Docs, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, BLOCK_D)
+    b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d = query_program(n_heads, kv_group, BLOCK_M, BLOCK_N, BLOCK_D)
+    Docs_b = mask_row(Docs, b, n_q, n_k)
 
     # Load the Q and dO tiles once; K and V tiles stream past them.
     q = load_tile(Q + b * stride_qb + h * stride_qh, start_m, stride_qn,

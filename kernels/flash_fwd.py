@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.tiles import (LN2, key_ranges, load_tile, query_program, row_key_bounds, stage_range, store_tile, tile_offsets,
+from kernels.tiles import (LN2, key_ranges, load_tile, mask_row, query_program, row_key_bounds, stage_range, store_tile, tile_offsets,
                            visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
 
@@ -105,8 +105,8 @@ def flash_fwd_kernel(
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     # torch.compile passes Python floats as fp64; keep every score in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
-    b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d, Docs_b = query_program(
-        Docs, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, BLOCK_D)
+    b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d = query_program(n_heads, kv_group, BLOCK_M, BLOCK_N, BLOCK_D)
+    Docs_b = mask_row(Docs, b, n_q, n_k)
 
     # Load the Q tile once; K and V tiles stream past it.
     Q_bh = Q + b * stride_qb + h * stride_qh

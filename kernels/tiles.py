@@ -204,12 +204,14 @@ def stage_range(STAGE: tl.constexpr, lo, mid_lo, mid_hi, hi):
 
 
 @triton.jit
-def query_program(Docs, n_heads, kv_group, n_q, n_k,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def query_program(n_heads, kv_group, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Where a program of a (cdiv(n_q, BLOCK_M), B * H) grid works (the forward's and dQ's):
     batch b, query head h, KV head h_kv, its query tile's first row start_m, the tile's rows
-    rows_m and positions offs_m, a key tile's rows offs_n, the head dim's columns offs_d, and
-    Docs_b, its batch row of the mask buffer."""
+    rows_m and positions offs_m, a key tile's rows offs_n, the head dim's columns offs_d.
+
+    Helpers return indices, never a pointer into a kernel argument: Inductor's mutation analysis
+    (torch.compile) takes an argument whose pointer a helper returns for written, and an argument
+    slot filled with another tensor then reads stale copies (tests/test_kernel_mutation.py)."""
     pid_m = query_tile_longest_first()
     b, h, h_kv = query_heads(tl.program_id(1), n_heads, kv_group)
     start_m = pid_m * BLOCK_M
@@ -217,7 +219,7 @@ def query_program(Docs, n_heads, kv_group, n_q, n_k,
     offs_m = start_m + rows_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    return b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d, mask_row(Docs, b, n_q, n_k)
+    return b, h, h_kv, start_m, rows_m, offs_m, offs_n, offs_d
 
 
 @triton.jit

@@ -154,3 +154,65 @@ print(json.dumps(results))
 def test_decode_kernels_compile_for_sm90_without_spills():
     """kernels/decode.py, as a CUDA-graph decode step launches it (no GPU here to run it)."""
     assert compile_in_subprocess(DECODE_SCRIPT) == {"split_mha64": 0, "split_gqa128_window": 0, "merge": 0}
+
+
+MUTATION_SCRIPT = r"""
+import json
+import torch
+import triton
+import torch._higher_order_ops.triton_kernel_wrap as inductor_kernels
+from triton.backends.compiler import GPUTarget
+from triton.runtime.autotuner import Autotuner
+from kernels import flash_op
+from kernels.masks import bounds_buffer
+
+class Hopper:   # what Inductor asks the driver for, on a machine without one
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+triton.runtime.driver.set_active(Hopper())
+
+launches = []
+class Recorder:   # stands in for wrap_triton: records each launch's kernel and arguments
+    def __init__(self, kernel):
+        self.kernel = kernel
+    def __getitem__(self, grid):
+        return lambda *args, **consts: launches.append((self.kernel, args, consts))
+
+q = torch.randn(2, 256, 8, 64, dtype=torch.float16)
+k, v = torch.randn(2, 256, 2, 64, dtype=torch.float16), torch.randn(2, 256, 2, 64, dtype=torch.float16)
+out, lse, do = torch.empty_like(q), torch.empty(2, 8, 256), torch.randn_like(q)
+docs = bounds_buffer(torch.repeat_interleave(torch.arange(2), 128)[None].expand(2, -1).contiguous(), None, 256)
+results = {}
+for tag, bounds, window in (("", None, 0), ("_masked", docs, 17)):
+    launches.clear()
+    flash_op._launch_forward(q, k, v, True, 0.125, Recorder, bounds, window)
+    for deterministic in (True, False):
+        flash_op._launch_backward(do, q, k, v, out, lse, True, 0.125, Recorder, bounds, window, deterministic)
+    for kernel, args, consts in launches:
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        kwargs = {**dict(zip(fn.arg_names, args)), **consts,
+                  **(kernel.configs[0].all_kwargs() if isinstance(kernel, Autotuner) else {})}
+        if hasattr(inductor_kernels, "identify_accessed_tensors"):
+            written = [d.name for d in inductor_kernels.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes]
+        else:
+            written = inductor_kernels.identify_mutated_tensors(kernel, kwargs, {})
+        results[fn.__name__ + tag] = sorted(n for n in written if isinstance(kwargs.get(n), torch.Tensor))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_inductor_sees_each_kernel_write_only_its_outputs():
+    """Under torch.compile, Inductor launches the kernels itself and decides from its own analysis
+    of their TTIR which arguments they write; it copies and re-reads those. A slot the kernel never
+    uses is filled with another tensor (Docs with the LSE when there is no mask), so an input taken
+    for written gives wrong results, not an error: a helper that returned a pointer into Docs once
+    made the compiled dK/dV wrong on the GPU while eager was exact. This runs that analysis on the
+    CPU, for every launch of the forward and both backwards, with and without masks."""
+    outputs = {"flash_fwd_kernel": ["Lse", "Out"], "flash_bwd_delta_kernel": ["Delta"],
+               "flash_bwd_q_kernel": ["Delta", "dQ"], "flash_bwd_kv_kernel": ["dK", "dV"],
+               "flash_bwd_kv_dq_kernel": ["dK", "dQ", "dV"]}
+    written = compile_in_subprocess(MUTATION_SCRIPT)
+    expected = {name + tag: outs for name, outs in outputs.items() for tag in ("", "_masked")
+                if name + tag in written or name != "flash_bwd_delta_kernel"}
+    assert written == expected
