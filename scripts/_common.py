@@ -14,8 +14,10 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -198,6 +200,32 @@ def error_text(exc: BaseException) -> str:
     """One line for a table cell or JSON field: the type and the first line of the message."""
     first = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {first}"[:300]
+
+
+WARMUP_MS, REP_MS = 25, 100   # do_bench's warm-up and measuring time per call site
+
+
+def kernel_timer(device: torch.device, cpu_calls: int = 3) -> tuple[Callable[[Callable], float], str]:
+    """Milliseconds per call, and how they were measured: triton's do_bench median on CUDA. On
+    the CPU (smoke runs, plumbing only) one warm-up then the median of `cpu_calls` calls, or a
+    single call when `cpu_calls` is 1 (the Triton interpreter takes seconds per call)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return (lambda fn: triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"),
+                f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms")
+
+    def cpu_median(fn) -> float:
+        if cpu_calls > 1:
+            fn()
+        times = []
+        for _ in range(cpu_calls):
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+        return statistics.median(times)
+    how = "one call" if cpu_calls == 1 else f"median of {cpu_calls} after 1 warm-up"
+    return cpu_median, f"time.perf_counter, {how} (CPU smoke run, not a benchmark)"
 
 
 def write_json(path: Path, obj: Any) -> None:

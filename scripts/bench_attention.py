@@ -58,12 +58,11 @@ import torch
 import torch.nn.functional as F
 
 from _common import (add_out_argument, console, device_slug, draw_safely, environment, error_text, human_bytes,
-                     markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
+                     kernel_timer, markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
                      save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
 from _memory import is_oom, peak_meter, release_memory
 
 TOKENS, HIDDEN = 16384, 2048
-WARMUP_MS, REP_MS = 25, 100
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -174,25 +173,6 @@ def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal:
     """FLOPs of each pass: forward 4*B*H*N^2*D (halved when causal), backward 2.5x, both 3.5x."""
     forward = 4 * batch * heads * seq_len**2 * head_dim / (2 if causal else 1)
     return {"fwd": forward, "bwd": 2.5 * forward, "fwd+bwd": 3.5 * forward}
-
-
-def timer(device: torch.device) -> tuple[Callable[[Callable], float], str]:
-    """Milliseconds per call: triton's do_bench median on CUDA; on the CPU a plain median of three."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return (lambda fn: triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"),
-                f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms")
-
-    def cpu_median(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-        return statistics.median(times)
-    return cpu_median, "time.perf_counter median of 3 after 1 warm-up (CPU smoke run, not a benchmark)"
 
 
 def random_inputs(shape: tuple[int, int, int, int], heads_first: bool, device: torch.device):
@@ -615,7 +595,7 @@ def long_call_timer(bench, threshold_ms: float = 20.0, repeats: int = 3):
 
 def run_training(out_dir: Path, names: list[str], device: torch.device, heads, lengths, sustained_at) -> dict:
     out = console()
-    bench, timer_note = timer(device)
+    bench, timer_note = kernel_timer(device)
     if device.type == "cuda":
         bench, timer_note = long_call_timer(bench), timer_note + "; calls over 20 ms: median of 3 after a warm-up"
     stem = out_dir / f"attention_{device_slug(device)}_training"
@@ -667,7 +647,7 @@ def merge_training(out_dir: Path, parts: list[Path]) -> dict:
 def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dict:
     out = console()
     sweep = SWEEPS[mode]
-    bench, timer_note = timer(device)
+    bench, timer_note = kernel_timer(device)
     stem = out_dir / f"attention_{device_slug(device)}{'' if mode == 'full' else '_' + mode}"
     report = {"metadata": environment(device),
               "settings": {"mode": mode, "tokens": sweep.tokens, "hidden": sweep.hidden, "dtype": "bfloat16",

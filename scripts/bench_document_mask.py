@@ -23,16 +23,14 @@ forward 4 * H * D * pairs, forward+backward 3.5x that. Results: <out>/document_m
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import (add_out_argument, console, device_slug, environment, error_text, markdown_table, print_table,
-                     run_cli, tuning_note, write_json, write_text)
+from _common import (add_out_argument, console, device_slug, environment, error_text, kernel_timer, markdown_table,
+                     print_table, run_cli, tuning_note, write_json, write_text)
 
-WARMUP_MS, REP_MS = 25, 100
 CASES = ("docs-2k", "docs-mixed", "window-4k")
 HEADERS = ["case", "T", "docs", "window", "pass", "ours masked ms", "Flex ms", "ours causal ms",
            "vs Flex", "vs causal", "ours TFLOP/s"]
@@ -115,18 +113,6 @@ def flex(case: dict, device):
                        enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
     return attention
-
-
-def timer(device):
-    if device.type == "cuda":
-        import triton.testing
-        return lambda fn: triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-
-    def cpu_once(fn):  # the interpreter takes seconds per call: one call, plumbing only
-        began = time.perf_counter()
-        fn()
-        return (time.perf_counter() - began) * 1e3
-    return cpu_once
 
 
 def time_backend(make, heads, T, dtype, device, bench) -> dict:
@@ -221,13 +207,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         heads = (2, 1, 16)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    bench = timer(device)
+    bench, timing = kernel_timer(device, cpu_calls=1)
     out = console()
     stem = args.out / f"document_mask_{device_slug(device)}"
     report = {"metadata": environment(device), "heads": "/".join(map(str, heads)), "results": [],
               "dtype": str(dtype).replace("torch.", ""), "T": T,
-              "timing": (f"triton.testing.do_bench median, warmup {WARMUP_MS} ms, rep {REP_MS} ms"
-                         if device.type == "cuda" else "one CPU call (smoke run, not a benchmark)")}
+              "timing": timing}
     report["results"] = earlier_rows(stem.with_suffix(".json"), report, cases)
     measured = {"date": report["metadata"]["date"], "commit": report["metadata"]["git_commit"]}
     causal = time_backend(lambda: ours(None, False), heads, T, dtype, device, bench)

@@ -32,6 +32,7 @@ import torch
 
 from _common import (add_out_argument, argument_parser, attention_list, device_slug, environment, error_text,
                      markdown_table, print_table, run_cli, runnable_attentions, tuning_note, write_json, write_text)
+from _memory import release_memory
 
 SMOKE = dict(model=["model=tiny", "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.n_kv_head=2"],
              batch_sizes=[1, 2], prompt_lens=[64, 128], prefill_len=256, decode_steps=4, warmup_steps=1,
@@ -82,9 +83,7 @@ def prefill_case(model, length: int, repeats: int, device) -> dict:
 
 def measure(fn, device, *args) -> dict:
     """Run one case; an out-of-memory or kernel error is recorded, not fatal to the sweep."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    release_memory(device)   # the previous case's cache, and its peak, out of this one's numbers
     try:
         fn(*args, device)                                  # warm-up: compile, autotune, capture
         result = fn(*args, device)
