@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -26,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config import hydra_callbacks, plain
 from training.config_errors import exit_on_config_error
 from training.config_errors import report_error as report
+from training.signals import exit_at_once_on_ctrl_c
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
@@ -169,7 +169,4 @@ if __name__ == "__main__":
         if FAILED_JOBS:
             sys.exit(max(FAILED_JOBS))
     finally:
-        # The run has ended and said how. A Ctrl-C from here on (a second one, in the interpreter's
-        # shutdown) ends the process at once by the signal's default action, not with a traceback
-        # from inside torch's or wandb's atexit handlers.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        exit_at_once_on_ctrl_c()   # the run has ended and said how; a further Ctrl-C: status 130 at once

@@ -118,3 +118,17 @@ def test_a_second_ctrl_c_during_a_save_is_still_the_interrupt():
     except RuntimeError as e:
         assert isinstance(_second_ctrl_c(e), KeyboardInterrupt)
     assert _second_ctrl_c(OSError(28, "No space left on device")) is None
+
+
+def test_a_ctrl_c_after_the_run_has_ended_exits_130_at_once():
+    """What the test above meets when the second Ctrl-C lands after train.py's last line: status
+    130 with the output flushed, not death by SIGINT (-2) and not a traceback from atexit code."""
+    script = ("import os, signal, sys, time\n"
+              "from training.signals import exit_at_once_on_ctrl_c\n"
+              "exit_at_once_on_ctrl_c()\n"
+              "print('the run said how it ended')\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 130 and proc.stdout == "the run said how it ended\n" and proc.stderr == "", proc

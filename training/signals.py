@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 
 def launched_by_torchrun() -> bool:
@@ -71,3 +72,18 @@ def stop_reason(signum: int) -> str:
     if signum == signal.SIGHUP and launched_by_torchrun():
         return "the launcher (torchrun) is gone"
     return f"{signal.Signals(signum).name} received"
+
+
+def exit_at_once_on_ctrl_c() -> None:
+    """Once a run has ended and said how: a further Ctrl-C (during the interpreter's shutdown,
+    in torch's or wandb's atexit handlers) ends the process at once with status 130, what any
+    interrupted run exits with. Not a traceback from inside those handlers, and not death by the
+    signal either, which would report the run's status as -2 instead of 130."""
+    def exit_130(signum, frame) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, RuntimeError):   # closed, or interrupted mid-write
+                pass
+        os._exit(128 + signal.SIGINT)
+    signal.signal(signal.SIGINT, exit_130)
