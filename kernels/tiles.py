@@ -211,7 +211,8 @@ def query_program(n_heads, kv_group, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
     Helpers return indices, never a pointer into a kernel argument: Inductor's mutation analysis
     (torch.compile) takes an argument whose pointer a helper returns for written, and an argument
-    slot filled with another tensor then reads stale copies (tests/test_kernel_mutation.py)."""
+    slot filled with another tensor then reads stale copies (tests/test_kernel_compile.py,
+    test_inductor_sees_each_kernel_write_only_its_outputs)."""
     pid_m = query_tile_longest_first()
     b, h, h_kv = query_heads(tl.program_id(1), n_heads, kv_group)
     start_m = pid_m * BLOCK_M
