@@ -168,5 +168,9 @@ if __name__ == "__main__":
             print(sweep_summary(SWEEP_DIR[0]), flush=True)
         if FAILED_JOBS:
             sys.exit(max(FAILED_JOBS))
+    except KeyboardInterrupt:  # one train() did not turn into its line: in its clean-up, or in Hydra's code around it
+        exit_at_once_on_ctrl_c()
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
     finally:
         exit_at_once_on_ctrl_c()   # the run has ended and said how; a further Ctrl-C: status 130 at once

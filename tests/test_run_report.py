@@ -132,3 +132,19 @@ def test_a_ctrl_c_after_the_run_has_ended_exits_130_at_once():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 130 and proc.stdout == "the run said how it ended\n" and proc.stderr == "", proc
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_in_train_pys_clean_up_is_one_line_and_130(tmp_path, cache_dir):
+    """The window between the two above: a Ctrl-C after train() has handled its own, here in its
+    clean-up (leaving the process group), ends in one line with 130, not a traceback and death by
+    SIGINT (-2). The Ctrl-C is sent from inside that clean-up, so it lands there every time."""
+    script = ("import os, runpy, signal, sys\n"
+              "import training.distributed\n"
+              "training.distributed.close_distributed = lambda: os.kill(os.getpid(), signal.SIGINT)\n"
+              f"sys.argv = ['train.py', *{tiny_overrides(tmp_path, cache_dir, steps=2)!r}]\n"
+              "runpy.run_path('train.py', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert "step 2/2" in proc.stdout, proc.stdout + proc.stderr   # the run itself ended
+    assert proc.returncode == 130 and proc.stderr.splitlines() == ["error: interrupted"], proc
