@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config import hydra_callbacks, plain
 from training.config_errors import exit_on_config_error
 from training.config_errors import report_error as report
-from training.signals import exit_at_once_on_ctrl_c
+from training.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
@@ -158,6 +158,7 @@ def one_folder_per_run(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    ignore_ctrl_c_as_python_exits()
     try:
         sys.argv = one_folder_per_run(sys.argv)
         with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2

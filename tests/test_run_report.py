@@ -94,8 +94,9 @@ def test_a_default_run_logged_to_files_points_latest_and_stops_in_one_line(tmp_p
             if proc.poll() is None:
                 proc.kill()
     log_lines = out.read_text().splitlines()
-    assert "run folder: outputs/" in log_lines[0] and "(outputs/latest points here)" in log_lines[0], log_lines[:3]
-    run_dir = tmp_path / log_lines[0].split("run folder: ")[1].split(" ")[0]
+    first = next(i for i, line in enumerate(log_lines) if "[data." not in line)   # a cold token cache logs its tokenizing first
+    assert "run folder: outputs/" in log_lines[first] and "(outputs/latest points here)" in log_lines[first], log_lines[:3]
+    run_dir = tmp_path / log_lines[first].split("run folder: ")[1].split(" ")[0]
     assert (tmp_path / "outputs" / "latest").resolve() == run_dir.resolve()
     assert all(line.strip() for line in log_lines), "blank line in the log"
     errors = err.read_text()
@@ -134,12 +135,31 @@ def test_a_ctrl_c_after_the_run_has_ended_exits_130_at_once():
     assert proc.returncode == 130 and proc.stdout == "the run said how it ended\n" and proc.stderr == "", proc
 
 
+
+def test_a_ctrl_c_in_the_last_moments_of_exit_leaves_the_status_alone():
+    """After the last exit handler, Python takes the Ctrl-C handlers away (default action: death
+    by the signal, status -2) before the process ends: from the handler that
+    ignore_ctrl_c_as_python_exits registers on, a Ctrl-C is ignored and the status stays the one
+    the process was exiting with (here 3; the handler of the test above would make it 130)."""
+    script = ("import atexit, os, signal, sys\n"
+              "from training.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits\n"
+              "atexit.register(os.kill, os.getpid(), signal.SIGINT)   # runs after it: as late as Python code can\n"
+              "ignore_ctrl_c_as_python_exits()\n"
+              "exit_at_once_on_ctrl_c()\n"
+              "sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stderr == "", proc
+
 @pytest.mark.slow
 def test_a_ctrl_c_in_train_pys_clean_up_is_one_line_and_130(tmp_path, cache_dir):
     """The window between the two above: a Ctrl-C after train() has handled its own, here in its
     clean-up (leaving the process group), ends in one line with 130, not a traceback and death by
-    SIGINT (-2). The Ctrl-C is sent from inside that clean-up, so it lands there every time."""
+    SIGINT (-2). The Ctrl-C is sent from inside that clean-up, so it lands there every time. The
+    process starts with Ctrl-C's handler as at a terminal: a parent that ignores SIGINT (a script's
+    background job) passes that on, and Python keeps it, so the window would not be reached."""
     script = ("import os, runpy, signal, sys\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "import training.distributed\n"
               "training.distributed.close_distributed = lambda: os.kill(os.getpid(), signal.SIGINT)\n"
               f"sys.argv = ['train.py', *{tiny_overrides(tmp_path, cache_dir, steps=2)!r}]\n"

@@ -13,6 +13,7 @@ saving, as for SIGHUP (status 129), instead of training on as an orphan.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -87,3 +88,14 @@ def exit_at_once_on_ctrl_c() -> None:
                 pass
         os._exit(128 + signal.SIGINT)
     signal.signal(signal.SIGINT, exit_130)
+
+
+def ignore_ctrl_c_as_python_exits() -> None:
+    """Register the process's last exit handler: from there on Ctrl-C is ignored, and the process
+    ends with the status it was exiting with. As Python finalizes, after the exit handlers, it
+    resets every signal that has a Python handler (`exit_at_once_on_ctrl_c`'s too) to its default
+    action, and a Ctrl-C in those last milliseconds would kill the process by the signal (status
+    -2) whatever it had to report; an ignored signal it leaves ignored. Call this before torch or
+    wandb is imported: exit handlers run last-registered first, so theirs still run under
+    `exit_at_once_on_ctrl_c`."""
+    atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
