@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiles import LN2, LOG2E
-from kernels.flash_op import check_inputs
+from kernels.checks import check_inputs, softmax_scale_for
 from kernels.masks import check_masks
+from kernels.tiles import LN2, LOG2E
 
 SPLIT = 256          # keys per split program: 16 splits per head at a 4K cache, 128 at 32K
 
@@ -177,7 +177,7 @@ def flash_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):
     B, n_q, H, D = q.shape
     n_keys, h_kv = k.shape[1], k.shape[2]
     group = H // h_kv
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_for(softmax_scale, D)
     n_splits = triton.cdiv(n_keys, SPLIT)
     part_o = torch.empty((B, n_q, H, n_splits, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, n_q, H, n_splits), dtype=torch.float32, device=q.device)

@@ -15,7 +15,8 @@ import os
 import triton
 from triton.runtime.autotuner import Autotuner
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from kernels.checks import INTERPRET
+
 AUTOTUNE = os.environ.get("FLASHTRAIN_AUTOTUNE", "1") != "0"
 
 
@@ -81,6 +82,28 @@ def seq_bucket(n: int) -> int:
     """Autotuning key: re-tune per power-of-two length band, not per exact length;
     every length past TUNE_MAX_TOKENS shares one band that is never tuned."""
     return min(max(triton.next_power_of_2(n), 128), 2 * TUNE_MAX_TOKENS)
+
+
+# Per kernel of kernels/flash_fwd.py and flash_bwd.py: its table, and its causal pinned default
+# where that differs from the table's first entry.
+TABLES = {"fwd": (_FWD, None), "bwd_q": (_BWD_Q, None), "bwd_kv": (_BWD_KV, _BWD_KV_CAUSAL),
+          "bwd_kv_dq": (_BWD_KV_DQ, None)}
+
+
+def tunes(length: int) -> bool:
+    """Whether calls of this length are autotuned (else every kernel runs its pinned tile)."""
+    return AUTOTUNE and not INTERPRET and seq_bucket(length) <= TUNE_MAX_TOKENS
+
+
+def pinned(kernel: str, head_dim: int, causal: bool) -> dict:
+    """The pinned tile of `kernel` (a TABLES name) as launch keywords: BLOCK_M, BLOCK_N,
+    num_warps, num_stages."""
+    if INTERPRET:
+        return _cfg(32, 32, 4, 1).all_kwargs()
+    table, causal_default = TABLES[kernel]
+    dim = min(d for d in table if d >= max(16, triton.next_power_of_2(head_dim)))
+    entry = (causal_default or {}).get(dim, table[dim][0]) if causal else table[dim][0]
+    return _cfg(*entry).all_kwargs()
 
 
 def _for_head_dim(table, causal_default=None):

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import flash_attention
+from kernels.checks import INTERPRET
 from kernels.decode import decode_mask, decode_reference, flash_decode
-from kernels.kernel_choice import check_kernel
 from kernels.masks import check_masks, visible_mask
+from kernels.plan import check_choice
 from kernels.reference import attention_reference
-from kernels.tuning import INTERPRET
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -102,24 +102,26 @@ def _check_name(name: str) -> str:
     return name
 
 
-def get_attention(name: str, deterministic: bool = True, kernel: str = "auto") -> AttentionFn:
+def get_attention(name: str, deterministic: bool = True, kernel="auto") -> AttentionFn:
     """The attention function registered as `name` (an already resolved name, not 'auto').
-    deterministic (config `attention.deterministic`) picks our kernel's backward: False is the
-    one that adds dQ with atomics. naive's backward is deterministic anyway; sdpa's is whatever
-    PyTorch's backend does, so the flag changes nothing for them. kernel (`attention.kernel`):
-    our kernel's forward, auto | triton | gluon (kernels/kernel_choice.py); the other
-    implementations have no such choice and take only 'auto'."""
+    deterministic (config `attention.deterministic`) picks our kernel's backward: False sums dQ in
+    arrival order. naive's backward is deterministic anyway; sdpa's is whatever PyTorch's backend
+    does, so the flag changes nothing for them. kernel: our kernel's words, auto | triton | gluon for
+    both directions or a (forward, backward) pair (`attention.kernel`, `attention.forward_kernel`,
+    `attention.backward_kernel`; kernels/plan.py says what runs); the other implementations have no
+    such choice and take only 'auto'."""
     if not isinstance(deterministic, bool):
         raise ValueError(f"attention.deterministic must be true or false, got {deterministic!r}")
     fn = ATTENTION[_check_name(name)]
+    words = check_choice(kernel)
     if fn is not flash_attention:
-        if str(kernel) != "auto":
-            raise ValueError(f"attention.kernel={kernel} chooses attention=flash's forward; attention={name} takes "
+        if words != ("auto", "auto"):
+            raise ValueError(f"attention.kernel={kernel} chooses attention=flash's kernels; attention={name} takes "
                              "only attention.kernel=auto")
         return fn
     kwargs = {} if deterministic else {"deterministic": False}
-    if check_kernel(str(kernel)) != "auto":
-        kwargs["kernel"] = str(kernel)
+    if words != ("auto", "auto"):
+        kwargs["kernel"] = words[0] if words[0] == words[1] else words
     return partial(fn, **kwargs) if kwargs else fn
 
 

@@ -32,7 +32,7 @@ def document_positions(positions: torch.Tensor, document_ids: torch.Tensor) -> t
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, attention: str, window: int | None = None,
-                 deterministic: bool = True, kernel: str = "auto"):
+                 deterministic: bool = True, kernel="auto"):
         super().__init__()
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"attention.window={window!r}: must be null or an integer >= 1")
@@ -201,9 +201,10 @@ class GPT(nn.Module):
 
 
 def build_model(cfg_model, vocab_size: int, attention: str, window: int | None = None,
-                deterministic: bool = True, kernel: str = "auto") -> GPT:
+                deterministic: bool = True, kernel="auto") -> GPT:
     """GPT from the `model` config node, the tokenizer's vocabulary size, a resolved
-    attention name (naive | sdpa | flash), `attention.window` (None: full causal attention) and
-    `attention.deterministic` (which backward our kernel runs), `attention.kernel` (which forward);
-    raises ValueError naming a bad config value."""
+    attention name (naive | sdpa | flash), `attention.window` (None: full causal attention),
+    `attention.deterministic` (which backward our kernel runs) and our kernel's words (one for both
+    directions or a (forward, backward) pair, model/attention.py's get_attention); raises
+    ValueError naming a bad config value."""
     return GPT(GPTConfig.from_cfg(cfg_model, vocab_size), attention, window, deterministic, kernel)

@@ -33,7 +33,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 
 from _common import REPO_ROOT, environment, write_json
 
-# name -> kernels.gluon_bwd._launch variant arguments
+# name -> kernels.gluon.backward._launch variant arguments
 VARIANTS = {
     "plain": dict(warp_specialize=False, dq_writer=False),
     "ws": dict(warp_specialize=True, dq_writer=False),
@@ -73,8 +73,9 @@ def correctness(variant: str, out: Path, groups: list[str]) -> dict:
     from test_flash_attention import assert_as_exact_as_plain, make_inputs, NAMES
     from bench_attention import fused_inputs
 
-    from kernels import attention_reference, gluon_bwd
-    from kernels.flash_op import _launch_backward, _launch_forward
+    from kernels import attention_reference
+    from kernels.gluon import backward as gluon_bwd
+    from kernels.flash_op import _triton_backward as _launch_backward, _triton_forward as _launch_forward
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     det.fill_uninitialized_memory = True   # torch.empty returns NaN: an unwritten element fails
@@ -176,8 +177,8 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     from bench_attention import fused_inputs
 
-    from kernels import gluon_bwd
-    from kernels.flash_op import _launch_backward, _launch_forward
+    from kernels.gluon import backward as gluon_bwd
+    from kernels.flash_op import _triton_backward as _launch_backward, _triton_forward as _launch_forward
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
     result = {"env": environment(torch.device("cuda")), "rows": []}

@@ -1,7 +1,7 @@
 """One device round for the Gluon forward: every variant checked against float64, then timed beside ours
 (Triton) and SDPA's cuDNN, forward only, at training shapes.
 
-    python scripts/gluon_check.py --out DIR                 # every variant of kernels/gluon_fwd.VARIANTS
+    python scripts/gluon_check.py --out DIR                 # every rung of kernels/lab/gluon_forward_ladder.LADDER
     python scripts/gluon_check.py --variants ws-pingpong --out DIR
     python scripts/gluon_check.py --rounds r1/gluon_check.json r2/gluon_check.json --out benchmarks/gluon
                                                            # the rounds as gluon_fwd_<gpu>_rounds.{json,md}
@@ -50,7 +50,8 @@ def fused(B, T, H, H_kv, D, dtype=torch.bfloat16):
 
 def forward_fn(name: str, causal: bool):
     """(q, k, v) -> out for a Gluon variant or a baseline, all taking (B, N, H, D) views."""
-    from kernels import flash_attention, gluon_fwd
+    from kernels import flash_attention
+    from kernels.lab import gluon_forward_ladder as ladder
 
     if name == "triton":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, kernel="triton")
@@ -63,14 +64,15 @@ def forward_fn(name: str, causal: bool):
                 return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                       is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
         return cudnn
-    return lambda q, k, v: gluon_fwd.gluon_attention_forward(q, k, v, causal, q.shape[-1] ** -0.5, name)[0]
+    return lambda q, k, v: ladder.forward(q, k, v, causal, q.shape[-1] ** -0.5, name)[0]
 
 
 def check_variant(variant: str) -> dict:
     """Correctness cases (poisoned memory, float64 reference), then one launch per timing shape."""
     import torch.utils.deterministic as det
 
-    from kernels import attention_reference, gluon_fwd
+    from kernels import attention_reference
+    from kernels.lab import gluon_forward_ladder as ladder
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     det.fill_uninitialized_memory = True   # torch.empty is NaN-filled: an unwritten element fails
@@ -83,14 +85,14 @@ def check_variant(variant: str) -> dict:
             else:
                 q, k, v = (torch.randn(B, n, h, D, generator=g).to("cuda", dtype)
                            for n, h in ((n_q, H), (n_k, H_kv), (n_k, H_kv)))
-            out, lse = gluon_fwd.gluon_attention_forward(q, k, v, causal, D ** -0.5, variant)
+            out, lse = ladder.forward(q, k, v, causal, D ** -0.5, variant)
             plain = attention_reference(q, k, v, causal=causal)
             ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
             err = ((out.double() - ref).norm() / ref.norm()).item()
             bound = 2 * ((plain.double() - ref).norm() / ref.norm()).item()
             finite = torch.isfinite(ref_lse)
             lse_err = (lse.double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
-            again = gluon_fwd.gluon_attention_forward(q, k, v, causal, D ** -0.5, variant)
+            again = ladder.forward(q, k, v, causal, D ** -0.5, variant)
             ok = (not out.isnan().any().item() and err <= bound and lse_err <= 1e-4 * (1 + ref_lse[finite].abs().max().item())
                   and torch.equal(torch.isinf(lse), ~finite) and torch.equal(again[0], out) and torch.equal(again[1], lse))
             rows.append({"dtype": str(dtype).split(".")[-1], "shape": [B, n_q, n_k, H, H_kv, D], "causal": causal,
@@ -202,9 +204,9 @@ def merge_rounds(paths: list[Path], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = _common.argument_parser(__doc__)
-    from kernels import gluon_fwd
+    from kernels.lab.gluon_forward_ladder import LADDER
 
-    parser.add_argument("--variants", default=",".join(gluon_fwd.VARIANTS))
+    parser.add_argument("--variants", default=",".join(LADDER))
     parser.add_argument("--check-timeout", type=float, default=75.0, help="seconds for each variant's check")
     parser.add_argument("--timing-timeout", type=float, default=90.0)
     parser.add_argument("--rounds", nargs="+", type=Path, default=None, metavar="JSON",
@@ -220,9 +222,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: the Gluon kernels run on an sm_90 GPU only")
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in gluon_fwd.VARIANTS]
+    unknown = [v for v in variants if v not in LADDER]
     if unknown:
-        raise ValueError(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(gluon_fwd.VARIANTS)}")
+        raise ValueError(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(LADDER)}")
     began = time.monotonic()
     procs = {v: run_child(v, "", args.check_timeout) for v in variants}
     procs["triton-warmup"] = run_child("timing", "triton", args.check_timeout)   # compiles ours meanwhile

@@ -79,12 +79,14 @@ def triton_configs(quick: bool) -> list[tuple[str, tuple]]:
 
 
 def gluon_configs(quick: bool) -> list[tuple[str, tuple]]:
-    from kernels import gluon_fwd
+    from kernels import gluon
+    from kernels.gluon import forward as gluon_fwd
+    from kernels.lab.gluon_forward_ladder import LADDER
 
     configs = []
-    for dim in (128,) if quick else gluon_fwd.HEAD_DIMS:
+    for dim in (128,) if quick else gluon.HEAD_DIMS:
         for causal in (True,) if quick else (False, True):
-            for variant in [gluon_fwd.DEFAULT_VARIANTS[dim]] if quick else gluon_fwd.VARIANTS:
+            for variant in [gluon_fwd.DEFAULT_VARIANTS[dim]] if quick else LADDER:
                 configs.append((f"gluon_fwd {variant} d={dim} causal={int(causal)}",
                                 ("gluon_fwd", variant, dim, causal)))
             for deterministic in (True,) if quick else (False, True):
@@ -139,12 +141,12 @@ def compile_config(spec: tuple):
     if kind == "gluon_fwd":
         return compile_gluon_fwd(spec[1], spec[2], spec[3])
     if kind == "gluon_bwd":
-        from kernels import gluon_bwd
+        from kernels.gluon import backward as gluon_bwd
 
         return gluon_bwd.compile_for_sm90(spec[1], torch.bfloat16, causal=spec[2], deterministic=spec[3],
                                           **gluon_bwd.DEFAULT_VARIANT)
     if kind == "gluon_prep":
-        from kernels import gluon_bwd
+        from kernels.gluon import backward as gluon_bwd
 
         return gluon_bwd.compile_prep_for_sm90(spec[1], torch.bfloat16, causal=spec[2])
     from kernels.decode import flash_decode_merge_kernel, flash_decode_split_kernel

@@ -97,17 +97,20 @@ def compile_for_hopper(kernel, constexprs: dict, warps: int, stages: int, values
 
 
 def compile_gluon_fwd(variant: str | None, head_dim: int, causal: bool, dtype: str = "bf16"):
-    """triton.compile of the Gluon forward `variant` (kernels.gluon_fwd.VARIANTS; None: the default for
-    the head dim) for sm_90a, with the signature its launch has: four TMA descriptors, the LSE pointer,
-    four integers and the fp32 scale."""
+    """triton.compile of the Gluon forward `variant` (a rung of kernels/lab/gluon_forward_ladder.py's
+    LADDER, the production variants included; None: the default for the head dim) for sm_90a, with
+    the signature its launch has: four TMA descriptors, the LSE pointer, four integers and the fp32
+    scale."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import gluon_fwd
+    from kernels.gluon import forward as gluon_fwd
+    from kernels.lab import gluon_forward_ladder
 
-    launch = gluon_fwd.plan(variant, causal, head_dim)
+    variant = variant or gluon_fwd.DEFAULT_VARIANTS[head_dim]
+    launch = gluon_forward_ladder.variant_launch(variant, causal, head_dim)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
     def descriptor(rows: int) -> str:
@@ -145,10 +148,11 @@ def ptxas_report(compiled) -> dict:
 def gluon_report(dims: list[int]) -> list[dict]:
     """Every Gluon forward variant, causal and not: ptxas' count is the launch cap (maxnreg) for the
     warp-specialised ones, whose partitions then take their own budgets (`setmaxnreg`, from the PTX)."""
-    from kernels import gluon_fwd
+    from kernels.gluon import forward as gluon_fwd
+    from kernels.lab.gluon_forward_ladder import LADDER
 
     rows = []
-    for variant in gluon_fwd.VARIANTS:
+    for variant in LADDER:
         for dim in dims:
             for causal in (False, True):
                 compiled = compile_gluon_fwd(variant, dim, causal)
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--shape", default="1/16384/16/16", help="B/T/H/Hkv of the call whose strides specialise the launch")
     parser.add_argument("--limit", type=int, default=None, help="only the first N candidates of each list")
     parser.add_argument("--unspecialized", action="store_true", help="compile without a launch's specialisation")
-    parser.add_argument("--gluon", action="store_true", help="the Gluon forward's variants (kernels/gluon_fwd.py)")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon forward's ladder (kernels/lab/gluon_forward_ladder.py)")
     parser.add_argument("--json", action="store_true", help="also write kernel_report.json under --out")
     add_out_argument(parser, "kernel_report")
     args = parser.parse_args(argv)

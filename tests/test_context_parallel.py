@@ -265,8 +265,10 @@ def test_single_process_checkpoint_resumes_with_context_parallel(single_cp_refer
      "trainer.context_parallel=2: the ring runs our kernel's deterministic backward only"),
     (2, {"trainer.context_parallel": 2, "model.attention_dropout": 0.1},
      "trainer.context_parallel=2: the ring computes attention without dropout"),
-    (2, {"trainer.context_parallel": 2, "attention.kernel": "triton"},
-     "trainer.context_parallel=2: the ring's blocks pick their forward kernel per call (auto)"),
+    (2, {"trainer.context_parallel": 2, "attention.kernel": "gluon"},
+     "trainer.context_parallel=2: the ring's blocks run the Triton kernels"),
+    (2, {"trainer.context_parallel": 2, "attention.backward_kernel": "gluon"},
+     "trainer.context_parallel=2: the ring's blocks run the Triton kernels"),
 ])
 def test_unsupported_context_parallel_is_one_line_exit_2(tmp_path, cache_dir, short_documents, capsys, monkeypatch,
                                                          world, extra, message):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from data.sampler import windows_to_batch
-from kernels.tuning import INTERPRET
+from kernels.checks import INTERPRET
 from training.builders import build_model   # the schema's checks, then model.build_model
 from tests.trainrun import cache_dir, losses, run_in_process, tiny_overrides  # noqa: F401 (fixture)
 from training.config import compose

@@ -1,6 +1,6 @@
 """The Gluon (Hopper) attention backward: exactness on an sm_90 GPU, compilation and refusals on CPUs.
 
-On the GPU, our Triton forward feeds kernels.gluon_bwd.gluon_attention_backward, held to the bound
+On the GPU, our Triton forward feeds kernels.gluon.backward.gluon_attention_backward, held to the bound
 of tests/test_flash_attention.py (at most 2x the plain formula's own error against float64,
 NaN-poisoned outputs, NaN never passes), on every shape kind that file tests at head dims 64 and 128.
 Gluon has no interpreter, so on a CPU (CI) the kernel is compiled for sm_90a instead, under this
@@ -20,7 +20,8 @@ from conftest import HAS_CUDA
 from test_flash_attention import (GPU_SHAPES, assert_as_exact_as_plain, forward_backward, make_inputs,  # noqa: F401
                                   poison_uninitialised_memory, rel_err)
 from kernels import attention_reference
-from kernels.gluon_bwd import gluon_attention_backward, gluon_backward_unsupported
+from kernels.gluon import tma_refusal
+from kernels.gluon.backward import gluon_attention_backward
 
 REPO = Path(__file__).resolve().parents[1]
 ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
@@ -32,8 +33,8 @@ class _TritonForwardGluonBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, deterministic):
-        from kernels.flash_op import _launch_forward
-        out, lse = _launch_forward(q, k, v, causal, scale)
+        from kernels.flash_op import _triton_forward
+        out, lse = _triton_forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
         ctx.mark_non_differentiable(lse)
@@ -85,7 +86,7 @@ def test_fused_qkv_views(head_dim):
     """q, k, v as unbound views of one (B, N, 3, H, D) projection, as the model passes them."""
     qkv = torch.randn(2, 1000, 3, 4, head_dim, device="cuda").to(torch.bfloat16)
     q, k, v = qkv.unbind(2)
-    assert not q.is_contiguous() and gluon_backward_unsupported(q, k, v, True) is None
+    assert not q.is_contiguous() and not any(tma_refusal(n, t) for n, t in zip("qkv", (q, k, v)))
     do = torch.randn(2, 1000, 4, head_dim, device="cuda").to(torch.bfloat16)
     check_against_reference(q, k, v, do, True)
 
@@ -126,40 +127,48 @@ def test_agrees_with_the_triton_backward(head_dim):
 
 # ---- CPU: refusals, compilation ---------------------------------------------------------------
 
-def _cpu(shape=(1, 8, 2, 64), dtype=torch.bfloat16):
+def _cpu(shape=(1, 8, 2, 64), dtype=torch.float16):
     return torch.randn(*shape).to(dtype)
 
 
 @pytest.mark.parametrize("make, match", [
     (lambda: (_cpu(dtype=torch.float32),) * 3, "float16 and bfloat16"),
-    (lambda: (_cpu((1, 8, 2, 96)),) * 3, "head_dim 96"),
+    (lambda: (_cpu((1, 8, 2, 96)),) * 3, "head dims 64, 128, got 96"),
     (lambda: (_cpu(), _cpu((1, 8, 3, 64)), _cpu((1, 8, 3, 64))), "not a multiple"),
-    (lambda: (_cpu(), _cpu((1, 8, 2, 64)), _cpu((1, 9, 2, 64))), "k and v"),
-    (lambda: (_cpu(),) * 2 + (_cpu(dtype=torch.float16),), "share q's dtype"),
-    (lambda: (torch.randn(1, 8, 2 * 64 * 3 + 4).to(torch.bfloat16)[..., :128].unflatten(-1, (2, 64)),) * 3,
-     "multiple of 16 bytes"),
-    (lambda: (_cpu(),) * 3, "sm_90"),
+    (lambda: (_cpu(), _cpu((1, 8, 2, 64)), _cpu((1, 9, 2, 64))), "k and v must have the same shape"),
+    (lambda: (_cpu(),) * 2 + (_cpu(dtype=torch.bfloat16),), "must share a dtype"),
+    (lambda: (torch.randn(1, 8, 2 * 64 * 3 + 4).to(torch.float16)[..., :128].unflatten(-1, (2, 64)),) * 3,
+     "TMA cannot read"),
+    (lambda: (_cpu(),) * 3, "needs a CUDA device"),
 ])
-def test_unsupported_inputs_get_a_reason(make, match):
+def test_unsupported_inputs_get_a_reason(monkeypatch, make, match):
+    """A one-line ValueError naming why: the input checks every kernel shares, then the Gluon
+    kernels' refusals (as if on a Hopper GPU; CPU tensors pass the shared checks as under
+    Triton's interpreter)."""
+    import kernels.checks
+    monkeypatch.setattr(kernels.checks, "INTERPRET", True)
     q, k, v = make()
-    reason = gluon_backward_unsupported(q, k, v, True)
-    assert reason is not None and match in reason, reason
+    if match != "needs a CUDA device":
+        monkeypatch.setattr("kernels.gluon.backward.device_arch", lambda device: "sm_90")
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):
         lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
         gluon_attention_backward(q, q, k, v, q, lse, True, None)
 
 
 def test_unsupported_causal_flag_and_dout_shape():
-    q = _cpu()
-    assert "causal must be True or False" in gluon_backward_unsupported(q, q, q, "yes")
-    assert "dout has shape" in gluon_backward_unsupported(q, q, q, True, dout=_cpu((1, 9, 2, 64)))
+    q = _cpu(dtype=torch.float16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="causal must be True or False"):
+        gluon_attention_backward(q, q, q, q, q, lse, "yes", None)
+    with pytest.raises(ValueError, match="dout must be a torch.float16 tensor of q's shape"):
+        gluon_attention_backward(_cpu((1, 9, 2, 64), torch.float16), q, q, q, q, lse, True, None)
 
 
 COMPILE = r"""
 import json, sys
 sys.path.insert(0, "scripts")
 from kernel_report import ptxas_report
-from kernels import gluon_bwd
+from kernels.gluon import backward as gluon_bwd
 rows = []
 for variant in sys.argv[1].split(";"):
     kw = json.loads(variant)
@@ -188,7 +197,7 @@ def test_backward_compiles_for_sm90():
     variants once each: all compile for sm_90a under this Triton, issue wgmma and fit in shared
     memory; so does the prep kernel. Spills are read and bounded (the D = 128 consumers run at
     ~220 registers: kernels/NOTES.md), so that a change that adds many fails here first."""
-    from kernels.gluon_bwd import DEFAULT_VARIANT
+    from kernels.gluon.backward import DEFAULT_VARIANT
     variants = [dict(DEFAULT_VARIANT, head_dim=d, causal=c, deterministic=det)
                 for d in (64, 128) for c in (True, False) for det in (True, False)]
     variants += [dict(head_dim=128, warp_specialize=False, dq_writer=False),

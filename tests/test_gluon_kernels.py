@@ -1,13 +1,14 @@
 """The Gluon (Hopper) forward against the float64 reference, and the kernel switch's refusals.
 
-On an sm_90 GPU: every variant of kernels/gluon_fwd.py in bf16 and fp16 within 2x the plain
+On an sm_90 GPU: the Gluon forward (kernels/gluon/forward.py) and every rung of its ladder
+(kernels/lab/gluon_forward_ladder.py) in bf16 and fp16 within 2x the plain
 formula's error (test_flash_attention's bound and helpers), on poisoned memory, over the shapes
 the path covers (odd lengths, GQA, Nq != Nk, causal and not, fused-QKV strides); through
 flash_attention, kernel="gluon" (the Gluon forward and backward) and kernel="auto" (the Gluon
 forward where chosen, the Triton backward), repeated runs bit-identical, torch.compile(fullgraph=True).
 The Gluon backward's own variants and shapes are tests/test_gluon_backward.py's.
-On the CPU: the refusals of kernel="gluon", which must be one-line ValueErrors. That the kernels
-compile for sm_90a on a CPU machine is tests/test_kernel_compile.py's.
+Which kernels a call runs, and the refusals of kernel="gluon", are tests/test_kernel_plan.py's (on
+the CPU); that the kernels compile for sm_90a on a CPU machine is tests/test_kernel_compile.py's.
 """
 import functools
 
@@ -15,7 +16,9 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA
-from kernels import attention_reference, flash_attention, gluon_fwd, kernel_choice
+from kernels import attention_reference, flash_attention, gluon
+from kernels.gluon import forward as gluon_fwd
+from kernels.lab.gluon_forward_ladder import LADDER, variant_launch
 from test_flash_attention import (DEVICE, GPU_SHAPES, NAMES, assert_as_exact_as_plain,  # noqa: F401
                                   assert_compiled_matches_eager, forward_backward, make_inputs,
                                   poison_uninitialised_memory)
@@ -25,12 +28,13 @@ requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 # The Triton kernel's GPU shapes at the head dims this kernel covers (B, n_q, n_k, H, H_kv, D): a single
 # row, ragged tiles, GQA 2/8, MQA, Nq < Nk, Nq > Nk (causal rows that see no key), many programs per head
-SHAPES = [s for s in GPU_SHAPES if s[-1] in gluon_fwd.HEAD_DIMS]
+SHAPES = [s for s in GPU_SHAPES if s[-1] in gluon.HEAD_DIMS]
 shape_ids = functools.partial(str.format, "B{}_q{}_k{}_H{}_kv{}_D{}")
 
 
 def forward_only(variant, q, k, v, causal):
-    return gluon_fwd.gluon_attention_forward(q, k, v, causal, q.shape[-1] ** -0.5, variant)
+    launch = variant_launch(variant or gluon_fwd.DEFAULT_VARIANTS[q.shape[-1]], causal, q.shape[-1])
+    return gluon_fwd.gluon_attention_forward(q, k, v, causal, q.shape[-1] ** -0.5, launch=launch)
 
 
 def check_forward(variant, q, k, v, causal):
@@ -53,13 +57,13 @@ def test_forward_matches_float64_reference(dtype, shape, causal):
 @requires_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES[2:7], ids=lambda s: shape_ids(*s))
-@pytest.mark.parametrize("variant", [v for v in gluon_fwd.VARIANTS if v not in gluon_fwd.DEFAULT_VARIANTS.values()])
+@pytest.mark.parametrize("variant", [v for v in LADDER if v not in gluon_fwd.DEFAULT_VARIANTS.values()])
 def test_every_variant_matches_float64_reference(variant, shape, causal):
-    """The other steps of kernels/NOTES.md's table stay correct too (bf16, fewer shapes)."""
+    """The other rungs of the ladder stay correct too (bf16, fewer shapes)."""
     check_forward(variant, *make_inputs(*shape, torch.bfloat16)[:3], causal)
 
 
-gluon = functools.partial(flash_attention, kernel="gluon")
+both_gluon = functools.partial(flash_attention, kernel="gluon")
 
 
 @requires_hopper
@@ -69,7 +73,7 @@ gluon = functools.partial(flash_attention, kernel="gluon")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_forward_backward_matches_float64_reference(dtype, shape, causal, kernel):
     """Through flash_attention: kernel="gluon" (the Gluon forward and backward) and kernel="auto"
-    (the Gluon forward where it was measured faster, the Triton backward from its LSE)."""
+    (what the kernel plan picks for the shape)."""
     q, k, v, do = make_inputs(*shape, dtype)
     ours = forward_backward(functools.partial(flash_attention, kernel=kernel), q, k, v, do, causal)
     plain = forward_backward(attention_reference, q, k, v, do, causal)
@@ -90,14 +94,14 @@ def fused_qkv(B, N, H, H_kv, D, dtype):
 def test_strided_views(variant, D):
     """A fused QKV projection's views, and (B, H, N, D) storage seen through a transpose, read in place."""
     q, k, v = fused_qkv(2, 333, 12, 4, D, torch.bfloat16)
-    assert not q.is_contiguous() and gluon_fwd.unsupported(q, k, v) is None
+    assert not q.is_contiguous() and not any(gluon.tma_refusal(n, t) for n, t in zip("qkv", (q, k, v)))
     check_forward(variant, q, k, v, True)
     q, k, v = (torch.randn(2, 4, 200, D, device="cuda").to(torch.bfloat16).transpose(1, 2) for _ in range(3))
     check_forward(variant, q, k, v, False)
 
 
 @requires_hopper
-@pytest.mark.parametrize("variant", [None] + list(gluon_fwd.VARIANTS))
+@pytest.mark.parametrize("variant", [None] + list(LADDER))
 def test_repeated_runs_are_bit_identical(variant):
     q, k, v, _ = make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16)
     first = forward_only(variant, q, k, v, True)
@@ -120,12 +124,12 @@ def test_agrees_with_the_triton_forward():
 def test_custom_op_passes_opcheck():
     q, k, v, _ = make_inputs(1, 130, 130, 2, 1, 64, torch.bfloat16)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    for gluon_backward in (False, True):
-        torch.library.opcheck(torch.ops.flashtrain.gluon_attn_fwd.default, (q, k, v, True, 0.125, True, gluon_backward),
+    for backward in ("triton", "gluon"):
+        torch.library.opcheck(torch.ops.flashtrain.gluon_attn_fwd.default, (q, k, v, True, 0.125, None, 0, True, backward),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True, kernel="gluon")
     torch.library.opcheck(torch.ops.flashtrain.gluon_attn_bwd.default,
-                          (torch.randn_like(out), q, k, v, out.detach(), lse.detach(), True, 0.125, True),
+                          (torch.randn_like(out), q, k, v, out.detach(), lse.detach(), True, 0.125, None, 0, True),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -133,7 +137,7 @@ def test_custom_op_passes_opcheck():
 def test_torch_compile_fullgraph_matches_eager():
     """The custom op traces (fullgraph) and runs the same kernels: the same bits, forward and backward."""
     q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
-    assert_compiled_matches_eager(lambda q, k, v: gluon(q, k, v, causal=True) * 2, q, k, v, do)
+    assert_compiled_matches_eager(lambda q, k, v: both_gluon(q, k, v, causal=True) * 2, q, k, v, do)
 
 
 @requires_hopper
@@ -146,60 +150,3 @@ def test_torch_compile_fullgraph_matches_eager():
 def test_gluon_refuses_what_it_cannot_run(make, match):
     with pytest.raises(ValueError, match=match):
         flash_attention(*make(), kernel="gluon")
-
-
-# ---- CPU: the switch's refusals -----------------------------------------------------------------
-
-def test_unknown_kernel_is_refused():
-    q = torch.randn(1, 8, 2, 64, device=DEVICE, dtype=torch.float16)
-    with pytest.raises(ValueError, match="kernel must be one of auto, triton, gluon"):
-        flash_attention(q, q, q, kernel="cudnn")
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="CPU tensors")
-def test_gluon_on_cpu_is_refused_and_auto_runs_triton():
-    q, k, v, _ = make_inputs(1, 40, 40, 2, 2, 64, torch.float32)
-    with pytest.raises(ValueError, match="kernel='gluon' cannot run this call: it needs a CUDA device"):
-        flash_attention(q, k, v, kernel="gluon")
-    assert torch.equal(flash_attention(q, k, v, kernel="auto"), flash_attention(q, k, v, kernel="triton"))
-
-
-@pytest.mark.parametrize("dtype, head_dim, masked, match", [
-    (torch.float32, 64, False, "float16 and bfloat16"),
-    (torch.bfloat16, 80, False, "head dims 64, 128"),
-    (torch.bfloat16, 64, True, "document masks and sliding windows"),
-])
-def test_settings_the_gluon_kernel_refuses(monkeypatch, dtype, head_dim, masked, match):
-    """The config-time check (no tensors) names each reason; 'auto' picks Triton for all of them."""
-    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
-    with pytest.raises(ValueError, match=match):
-        kernel_choice.resolve_kernel("gluon", "cuda:0", dtype, head_dim, True, masked, 8192)
-    assert kernel_choice.resolve_kernel("auto", "cuda:0", dtype, head_dim, True, masked, 8192) == "triton"
-
-
-def test_other_gpus_are_refused(monkeypatch):
-    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (8, 0))
-    with pytest.raises(ValueError, match="written for Hopper .sm_90.; this GPU is sm_80"):
-        kernel_choice.resolve_kernel("gluon", "cuda:0", torch.bfloat16, 64, True, False, 8192)
-    assert kernel_choice.resolve_kernel("triton", "cuda:0", torch.bfloat16, 64, True, False, 8192) == "triton"
-
-
-def test_tma_refusals():
-    base = torch.zeros(1, 64, 2, 68, dtype=torch.bfloat16)
-    assert "multiple of 16 bytes" in gluon_fwd.tma_refusal("q", base[..., :64])
-    assert "head-dim stride" in gluon_fwd.tma_refusal("k", base.transpose(-1, -2))
-    assert "multiple of 16 bytes, as TMA" in gluon_fwd.tma_refusal("v", base.flatten()[1:1 + 64 * 2 * 64].view(1, 64, 2, 64))
-    fused = torch.zeros(2, 33, (12 + 2 * 4) * 64, dtype=torch.bfloat16)
-    q, k, v = (t.unflatten(-1, (-1, 64)) for t in fused.split([12 * 64, 4 * 64, 4 * 64], dim=-1))
-    assert all(gluon_fwd.tma_refusal(n, t) is None for n, t in zip("qkv", (q, k, v)))
-    one = torch.zeros(1, 5, 1, 64, dtype=torch.bfloat16)[:, :, :, :]   # size-1 dims: their stride is never used
-    assert gluon_fwd.tma_refusal("q", one.as_strided(one.shape, (3, 64, 7, 1))) is None
-
-
-@pytest.mark.parametrize("head_dim, causal, length, want", [
-    (128, True, 1024, "gluon"), (128, True, 16384, "gluon"), (128, False, 4096, "triton"), (128, False, 16384, "gluon"),
-    (64, True, 1024, "triton"), (64, True, 4096, "triton"), (64, True, 16384, "gluon"), (64, False, 16384, "gluon"), (64, True, 512, "triton"),
-])
-def test_auto_picks_gluon_only_where_it_was_measured_faster(monkeypatch, head_dim, causal, length, want):
-    monkeypatch.setattr(gluon_fwd, "_capability", lambda index: (9, 0))
-    assert kernel_choice.resolve_kernel("auto", "cuda:0", torch.bfloat16, head_dim, causal, False, length) == want

@@ -95,7 +95,8 @@ GLUON_SCRIPT = r"""
 import json, re, sys
 sys.path.insert(0, "scripts")
 from kernel_report import compile_gluon_fwd, ptxas_report
-from kernels import gluon_fwd
+from kernels import gluon
+from kernels.lab.gluon_forward_ladder import LADDER
 
 def check(variant, head_dim, causal):
     compiled = compile_gluon_fwd(variant, head_dim, causal)
@@ -103,17 +104,18 @@ def check(variant, head_dim, causal):
     return {"wgmma": "wgmma.mma_async" in compiled.asm["ptx"], "spill_bytes": report["spill_bytes"],
             "shared_bytes": compiled.metadata.shared}
 
-results = {f"default-{d}-{c}": check(None, d, c) for d in gluon_fwd.HEAD_DIMS for c in (False, True)}
-results.update({f"{v}-64-True": check(v, 64, True) for v in gluon_fwd.VARIANTS})
+results = {f"default-{d}-{c}": check(None, d, c) for d in gluon.HEAD_DIMS for c in (False, True)}
+results.update({f"{v}-64-True": check(v, 64, True) for v in LADDER})
 print(json.dumps(results))
 """
 
 
 @pytest.mark.slow
 def test_gluon_forward_compiles_for_sm90_without_spills():
-    """The Gluon Hopper forward (kernels/gluon_fwd.py) compiles for sm_90a under this Triton, no GPU
-    needed: the variants flash_attention runs at both head dims, causal and not, and every other
-    variant once. Each reaches wgmma, spills nothing, and fits the H100/H200's 227 KB of shared memory."""
+    """The Gluon Hopper forward (kernels/gluon/forward.py) compiles for sm_90a under this Triton, no GPU
+    needed: the variants flash_attention runs at both head dims, causal and not, and every rung of
+    its ladder (kernels/lab/gluon_forward_ladder.py) once. Each reaches wgmma, spills nothing, and fits
+    the H100/H200's 227 KB of shared memory."""
     results = compile_in_subprocess(GLUON_SCRIPT)
     assert len(results) >= 6, results
     for name, r in results.items():
@@ -185,9 +187,9 @@ docs = bounds_buffer(torch.repeat_interleave(torch.arange(2), 128)[None].expand(
 results = {}
 for tag, bounds, window in (("", None, 0), ("_masked", docs, 17)):
     launches.clear()
-    flash_op._launch_forward(q, k, v, True, 0.125, Recorder, bounds, window)
+    flash_op._triton_forward(q, k, v, True, 0.125, bounds, window, Recorder)
     for deterministic in (True, False):
-        flash_op._launch_backward(do, q, k, v, out, lse, True, 0.125, Recorder, bounds, window, deterministic)
+        flash_op._triton_backward(do, q, k, v, out, lse, True, 0.125, bounds, window, deterministic, Recorder)
     for kernel, args, consts in launches:
         fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
         kwargs = {**dict(zip(fn.arg_names, args)), **consts,

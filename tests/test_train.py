@@ -88,7 +88,7 @@ BAD_INPUT = [
     ({"optim.min_lr": 1.0}, "optim.min_lr=1.0: must lie in [0, optim.lr="),
     ({"attention.name": "bogus"}, "attention 'bogus' is not registered"),
     ({"attention.kernel": "cudnn"}, "attention.kernel='cudnn': expected one of auto, triton, gluon"),
-    ({"attention": "sdpa", "attention.kernel": "gluon"}, "attention.kernel=gluon chooses attention=flash's forward"),
+    ({"attention": "sdpa", "attention.kernel": "gluon"}, "attention.kernel=gluon chooses attention=flash's kernels"),
     ({"device": "tpu"}, "device='tpu': expected one of auto, cpu, cuda"),
     ({"logger.name": "tensorboard"}, "logger.name='tensorboard': expected one of none, wandb"),
     ({"data": "files", "data.max_bytes": None, "data.paths": "[/nonexistent/corpus]"}, "/nonexistent/corpus does not exist"),

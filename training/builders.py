@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from training.checkpoint import is_sharded, load_checkpoint, restore_model
-from training.config_checks import check_group, validate_config
+from training.config_checks import check_group, kernel_words, validate_config
 from training.context_parallel import context_parallel_size
 from training.dcp import consolidate
 from training.device import resolve_device, resolve_precision, set_deterministic
@@ -74,9 +74,9 @@ def resolve_config(cfg: DictConfig) -> torch.device:
         cfg.attention.name = resolve_attention(attention, device, cfg.model.get("attention_dropout", 0.0))
         cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
         if cfg.attention.name == "flash":
-            cfg.attention.kernel = resolve_forward_kernel(cfg, device)
-        elif cfg.attention.get("kernel", "auto") != "auto":
-            raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's forward kernel; "
+            cfg.attention.plan = str(attention_plan(cfg, device))
+        elif kernel_words(cfg) != ("auto", "auto"):
+            raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's kernels; "
                              f"attention={cfg.attention.name} takes only attention.kernel=auto")
     check_attention_dropout(cfg.attention.name, cfg.model.get("attention_dropout", 0.0))
     if cfg.trainer.get("deterministic") and cfg.attention.name == "sdpa" and device.type == "cuda":
@@ -85,16 +85,26 @@ def resolve_config(cfg: DictConfig) -> torch.device:
     return device
 
 
-def resolve_forward_kernel(cfg: DictConfig, device: torch.device) -> str:
-    """attention.kernel for attention=flash as 'triton' or 'gluon' (kernels.kernel_choice): what the
-    model's q, k, v will be (the autocast dtype, the head dim, causal, masked) decides, before any
-    work; kernel=gluon where it cannot run is the kernels' one-line ValueError."""
-    from kernels.kernel_choice import resolve_kernel
+def attention_plan(cfg: DictConfig, device: torch.device):
+    """The kernel plan (kernels/plan.py) the model's attention calls will get: what q, k, v will
+    be (the autocast dtype, head dim, causal, the mask, the length) decides it before any work, so
+    the run can log and record it; a kernel word that cannot run is the kernels' one-line ValueError."""
+    from kernels.plan import Setting, arch_of, plan_kernels
 
     dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-    masked = bool(cfg.data.get("document_mask")) or cfg.attention.get("window") is not None
-    return resolve_kernel(str(cfg.attention.get("kernel", "auto")), device, dtype,
-                          cfg.model.d_model // cfg.model.n_head, True, masked, cfg.trainer.seq_len)
+    head_dim = cfg.model.d_model // cfg.model.n_head
+    if context_parallel_size(cfg) > 1:
+        mask = "key_bounds"       # the ring gives each block its share of the mask
+    elif cfg.data.get("document_mask"):
+        mask = "documents"
+    else:
+        mask = "none" if cfg.attention.get("window") is None else "window"
+    # q, k and v are views of the fused QKV projection (or, after RoPE, contiguous): TMA reads them
+    # whenever a head's row is a multiple of 16 bytes
+    tma = head_dim * dtype.itemsize % 16 == 0
+    setting = Setting(arch_of(device), dtype, head_dim, True, mask, int(cfg.trainer.seq_len), tma,
+                      bool(cfg.attention.get("deterministic", True)), *kernel_words(cfg))
+    return plan_kernels(setting)
 
 
 def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = None):
@@ -104,7 +114,7 @@ def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = 
     return build_model(cfg.model, vocab_size=vocab_size, attention=attention,
                        window=cfg.attention.get("window"),
                        deterministic=cfg.attention.get("deterministic", True),  # absent in configs saved before it
-                       kernel=str(cfg.attention.get("kernel", "auto")) if attention == "flash" else "auto")
+                       kernel=kernel_words(cfg) if attention == "flash" else "auto")
 
 
 def load_model_for_eval(ckpt_path: str | Path, device: str = "auto", attention: str | None = None):

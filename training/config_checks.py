@@ -150,11 +150,18 @@ def _check_masks(cfg: DictConfig) -> None:
     _require(cp == 1 or cfg.attention.deterministic, "trainer.context_parallel", cp,
              "the ring runs our kernel's deterministic backward only: use attention.deterministic=true "
              "or trainer.context_parallel=1")
-    _require(cp == 1 or cfg.attention.get("kernel", "auto") == "auto", "trainer.context_parallel", cp,
-             f"the ring's blocks pick their forward kernel per call (auto); attention.kernel="
-             f"{cfg.attention.get('kernel')} would be ignored: use attention.kernel=auto or trainer.context_parallel=1")
+    _require(cp == 1 or "gluon" not in kernel_words(cfg), "trainer.context_parallel", cp,
+             "the ring's blocks run the Triton kernels (each block takes its share of the mask as key bounds, which "
+             "the Gluon kernels do not): use attention.kernel=auto or triton, or trainer.context_parallel=1")
     _require(not cfg.trainer.deterministic or cfg.attention.deterministic, "trainer.deterministic", True,
              "needs attention.deterministic=true (the atomic backward adds dQ in a different order each run)")
+
+
+def kernel_words(cfg: DictConfig) -> tuple[str, str]:
+    """attention=flash's kernel words per direction: attention.forward_kernel and
+    attention.backward_kernel where set, attention.kernel otherwise."""
+    both = str(cfg.attention.get("kernel", "auto"))
+    return tuple(str(cfg.attention.get(f"{d}_kernel") or both) for d in ("forward", "backward"))
 
 
 def _check_run_folders(cfg: DictConfig) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from kernels.choices import CHOICES
 from model.config import GPTConfig, ranged
 from model.config import choice as _choice
 
@@ -30,7 +31,7 @@ Schedule = _choice("Schedule", "cosine", "constant")
 WandbMode = _choice("WandbMode", "online", "offline", "disabled")
 Download = _choice("Download", "full", "lazy")
 Windows = _choice("Windows", "moving", "fixed")          # data.sampler.WINDOWS
-Kernel = _choice("Kernel", "auto", "triton", "gluon")   # kernels.kernel_choice.KERNELS
+Kernel = _choice("Kernel", *CHOICES)                    # our kernel's words (kernels/plan.py)
 
 
 def _list(*values: Any, expect: str | None = None) -> Any:
@@ -48,7 +49,10 @@ class AttentionConfig:
     name: str = "auto"                                 # the YAML file: auto | flash | sdpa | naive
     window: Optional[int] = ranged(None, ge=1)
     deterministic: bool = True
-    kernel: Kernel = Kernel.auto                       # attention=flash's forward: auto | triton | gluon
+    kernel: Kernel = Kernel.auto                       # attention=flash's kernels, both directions
+    forward_kernel: Optional[Kernel] = None            # the forward's alone (null: attention.kernel)
+    backward_kernel: Optional[Kernel] = None           # the backward's alone (null: attention.kernel)
+    plan: Optional[str] = None                         # what the run's kernels are (set by the run)
 
 
 @dataclass

@@ -392,7 +392,7 @@ class Trainer:
         report = RunReport(cfg, self.run_dir, env.world_size, self.step)   # where the run is, how to resume it
         log.info("%s: %s params, attention=%s%s, device=%s, precision=%s, data=%s%s%s", cfg.model.name,
                  f"{cfg.run.num_params:,}", cfg.attention.name,
-                 f" (forward kernel: {cfg.attention.kernel})" if cfg.attention.name == "flash" else "",
+                 f" (kernels: {cfg.attention.plan})" if cfg.attention.name == "flash" else "",
                  self.device, t.precision,
                  cfg.run.data_fingerprint,
                  f", {env.world_size} processes ({t.parallel}"

@@ -79,8 +79,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import gluon_compat as compat
-from kernels.gluon_fwd import tma_refusal
+from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, device_arch, softmax_scale_for
+from kernels.gluon import compat, refusal, tma_refusal
 from kernels.tiles import LOG2E
 
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring.
@@ -88,7 +88,6 @@ from kernels.tiles import LOG2E
 # (dQ writer) 32 KB a dQ buffer, of Hopper's 227 KB.
 _CONFIGS = {64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=3), 128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2)}
 NUM_WARPS = 8          # the consumer warpgroups (two of four warps)
-DTYPES = (torch.float16, torch.bfloat16)
 
 
 # ---- the prep pass (plain Triton: no tensor cores, nothing to specialise) -----------------------
@@ -648,45 +647,10 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                           options=_launch_options(warp_specialize, dq_writer, dq_warps))
 
 
-def gluon_backward_unsupported(q, k, v, causal, dout=None, out=None) -> str | None:
-    """None if `gluon_attention_backward` runs these inputs, else the one-line reason it does not.
-
-    Same layouts as kernels.flash_attention: q (B, Nq, H, D), k, v (B, Nk, Hkv, D), H % Hkv == 0.
-    Covered: float16/bfloat16, head dims 64 and 128, causal or not, any lengths, any strides TMA
-    can address (last stride 1, the others multiples of 16 bytes: contiguous tensors and views of
-    a fused QKV projection), on an sm_90 GPU. Not covered: document masks and windows."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
-        if t is None and name in ("dout", "out"):
-            continue
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            return f"{name} must be a 4-D (batch, seqlen, heads, head_dim) tensor"
-        if t.dtype not in DTYPES:
-            return f"{name} is {t.dtype}; the Gluon backward takes float16 and bfloat16"
-        if t.dtype != q.dtype or t.device != q.device:
-            return f"{name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
-    B, n_q, H, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-        return f"k and v must be (batch={B}, seqlen, kv_heads, head_dim={D}), got {tuple(k.shape)}, {tuple(v.shape)}"
-    if k.shape[2] == 0 or H % k.shape[2]:
-        return f"q has {H} heads, not a multiple of k's {k.shape[2]}"
-    if min(q.shape) == 0 or k.shape[1] == 0:
-        return f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}"
-    for name, t in (("dout", dout), ("out", out)):
-        if t is not None and t.shape != q.shape:
-            return f"{name} has shape {tuple(t.shape)}, q {tuple(q.shape)}"
-    if D not in _CONFIGS:
-        return f"head_dim {D}: the Gluon backward has tiles for head dims {sorted(_CONFIGS)}"
-    if not isinstance(causal, bool):
-        return f"causal must be True or False, got {causal!r}"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if tma_refusal(name, t):
-            return tma_refusal(name, t)
-    if q.device.type != "cuda":
-        return f"q is on {q.device}; the Gluon backward runs on an sm_90 (Hopper) GPU"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if (major, minor) != (9, 0):
-        return f"{torch.cuda.get_device_name(q.device)} is sm_{major}{minor}; the Gluon backward is built for sm_90 (Hopper)"
-    return None
+def tiles(head_dim: int) -> str:
+    """The tiles of the default variant, as a kernel plan names them."""
+    cfg = _CONFIGS[head_dim]
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}, {cfg['STAGES']} stages"
 
 
 # How the main kernel runs by default: warp-specialised, a TMA producer warp and a 2-warp dQ writer
@@ -702,19 +666,24 @@ def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, det
     lse (B, H, Nq) float32, natural log, -inf for rows that see no key; causal aligned bottom-right.
     dk, dv are summed over each GQA group. deterministic=True (default): dq's float32 sums are
     formed in a fixed order, so the gradients are bit-identical run to run; False: in arrival
-    order. Unsupported inputs raise ValueError with `gluon_backward_unsupported`'s reason.
+    order. Inputs no kernel takes, or that the Gluon kernels refuse (kernels.gluon.refusal), raise
+    ValueError naming why.
     """
-    reason = gluon_backward_unsupported(q, k, v, causal, dout, out)
+    check_inputs(q, k, v)
+    check_like_q(q, dout=dout, out=out)
+    check_lse(q, lse)
+    check_flag(causal, "causal")
+    check_flag(deterministic, "deterministic")
+    tma = not any(tma_refusal(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    reason = refusal(device_arch(q.device), q.dtype, q.shape[-1], "none", tma)
     if reason is not None:
-        raise ValueError(reason)
-    want = (q.shape[0], q.shape[2], q.shape[1])
-    if not isinstance(lse, torch.Tensor) or lse.shape != want or lse.dtype != torch.float32 or lse.device != q.device:
-        raise ValueError(f"lse must be a float32 tensor of shape (batch, heads, seqlen) = {want} on {q.device}")
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+        raise ValueError(f"the Gluon backward cannot run this call: {reason}")
+    return launch_backward(dout, q, k, v, out, lse, causal, softmax_scale_for(softmax_scale, q.shape[-1]),
+                           deterministic)
+
+
+def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, cache=None, key=()):
+    """The default variant on inputs a kernel plan has accepted (no checks: kernels/flash_op.py's path)."""
     return _launch(dout, q, k, v, out, lse, causal, scale, deterministic, **DEFAULT_VARIANT)
 
 

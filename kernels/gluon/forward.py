@@ -16,41 +16,36 @@ TMA. q, k, v, o are described as 4-D tensors (B, N, H, D) with their own strides
 being (1, rows, 1, HEAD_DIM) at coordinates (b, row, head, 0). So strided views of a fused QKV
 projection are read in place, rows past N (ragged last tiles) arrive as zeros without crossing
 into the next sequence, and the output tile's TMA store drops rows past N. A descriptor needs
-16-byte aligned strides and base, and a last stride of 1: `unsupported` says when a view is not.
+16-byte aligned strides and base, and a last stride of 1: kernels.gluon.tma_refusal says when a view is not.
 
 Masks. Key tiles [0, mid) are seen whole by every row of the program and run with no mask;
 [mid, hi) (the causal diagonal and the ragged last key tile) compare each key with its row's
 bound. Tiles past hi are never loaded. Document masks and sliding windows are not implemented
-here: kernels.flash_attention routes them to the Triton kernel, and refuses kernel="gluon".
+here: the kernel plan (kernels/plan.py) runs them on the Triton kernel, and refuses kernel="gluon".
 
-Two kernels, in steps each over the last (kernels/NOTES.md has what each measured):
-
-- `attention_fwd_pipelined` with STAGES=1: one partition; it issues the TMA loads of a tile,
-  waits, computes. The simple, correct baseline.
-- the same with STAGES >= 2: a ring of STAGES K/V buffers in shared memory with one mbarrier
-  per buffer (TMA arrives with the bytes); the loads of tile j + STAGES - 1 are issued before tile
-  j is computed, so the copy engine runs ahead of the tensor cores. A bar.sync before each issue
-  makes every warp done with the buffer being overwritten.
-- `attention_fwd_ws`, FlashAttention-3's structure: gl.warp_specialize into three partitions,
-    producer   1 warp:      Q of both halves, then K and V tiles into the ring (TMA only);
+The kernel, `attention_fwd_ws`, has FlashAttention-3's structure: gl.warp_specialize into three
+partitions,
+    producer   1 warp:      Q of both halves, then K and V tiles into a ring of STAGES buffers (TMA only);
     consumer 0 4 warps:     rows [0, 64) of the program (the default partition);
     consumer 1 4 warps:     rows [64, 128).
-  Barriers: q_ready[2] (one per consumer), k_ready[s] and v_ready[s] (TMA completion: a
-  consumer may start S = Q K^T before V has landed), kv_empty[s] (count 2: both consumers arrive
-  after their P V wgmma has read the buffer; the producer waits on it before refilling). With
-  PINGPONG the two consumers take turns issuing their QK^T wgmma (turn[2], each consumer
-  releases the other's turn after issuing): one warpgroup's softmax then runs while the other's
-  matmuls occupy the tensor cores, instead of both competing for them at the same moment.
-  With OVERLAP (FlashAttention-3's intra-warpgroup overlap) a consumer issues QK^T of tile t
-  together with P V of tile t - 1 and computes tile t's softmax while that P V runs; it then
-  holds two tiles' buffers at once, so it needs STAGES >= 3 to leave the producer one to fill.
+Barriers: q_ready[2] (one per consumer), k_ready[s] and v_ready[s] (TMA completion: a consumer
+may start S = Q K^T before V has landed), kv_empty[s] (count 2: both consumers arrive after their
+P V wgmma has read the buffer; the producer waits on it before refilling). With PINGPONG the two
+consumers take turns issuing their QK^T wgmma (turn[2], each consumer releases the other's turn
+after issuing): one warpgroup's softmax then runs while the other's matmuls occupy the tensor
+cores. With OVERLAP (FlashAttention-3's intra-warpgroup overlap) a consumer issues QK^T of tile t
+together with P V of tile t - 1 and computes tile t's softmax while that P V runs; it then holds
+two tiles' buffers at once, so it needs STAGES >= 3 to leave the producer one to fill.
 
-VARIANTS names these steps with their STAGES; DEFAULT_VARIANTS is what flash_attention runs per
-head dim (the fastest measured). Query tiles run longest first (the last, longest causal tile of each head is dispatched first;
-see kernels/tiles.py's query_tile_longest_first).
+VARIANTS are the settings a kernel plan can pick, DEFAULT_VARIANTS the one per head dim (the
+fastest measured). The steps that led here (one partition, a software-pipelined ring, warp
+specialisation without ping-pong) are kernels/lab/gluon_forward_ladder.py's, and kernels/NOTES.md
+has what each measured. Query tiles run longest first (the last, longest causal tile of each head
+is dispatched first; see kernels/tiles.py's query_tile_longest_first).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,11 +55,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.gluon_compat import thread_barrier, tma_load, tma_store
+from kernels.gluon import tma_strides
+from kernels.gluon.compat import thread_barrier, tma_load, tma_store
+from kernels.launch import launch as run_kernel
 from kernels.tiles import LN2, LOG2E
 
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.float16, torch.bfloat16)
 WG_ROWS = 64            # rows of one warpgroup's wgmma: 4 warps x 16
 
 # ----------------------------------------------------------------------------- device code
@@ -207,77 +202,6 @@ def _program_coordinates(n_heads, kv_group, BLOCK_M: gl.constexpr):
 # Integer arguments only enter scalar arithmetic: not specialising them (on == 1 or % 16) keeps one
 # compiled kernel per (variant, dtype, head dim, causal) instead of one per length class.
 SIZES = ["n_heads", "kv_group", "n_q", "n_k"]
-
-
-@gluon.jit(do_not_specialize=SIZES)
-def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_heads, kv_group, n_q, n_k, qk_scale,
-                            CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            num_warps: gl.constexpr):
-    """One partition of num_warps warps (BLOCK_M = 16 * num_warps rows); K/V through a ring of
-    STAGES buffers, the loads of tile j + STAGES - 1 issued before tile j is computed (STAGES=1:
-    load, wait, compute)."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    gl.static_assert(BLOCK_M == 16 * num_warps, "wgmma: each warp owns 16 rows of the query tile")
-    gl.static_assert(num_warps % 4 == 0, "whole warpgroups")
-    gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N, "K descriptor block has BLOCK_N rows")
-    gl.static_assert(BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0, "wgmma K and N are multiples of 16")
-    gl.static_assert(STAGES >= 1)
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
-    o_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_DIM, num_warps)
-
-    b, h, h_kv, start_m = _program_coordinates(n_heads, kv_group, BLOCK_M)
-    q_smem4 = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-
-    mid, hi = _tile_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-    tma_load(q_desc, [b, start_m, h, 0], q_ready, q_smem4)
-    for i in gl.static_range(STAGES - 1):
-        _issue_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, i, b, h_kv, i < n_tiles, BLOCK_N, STAGES)
-
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    rows = start_m + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-    q_smem = q_smem4.reshape([BLOCK_M, HEAD_DIM])
-    shift = n_k - n_q
-    mbarrier.wait(q_ready, 0)
-    for stage in gl.static_range(2):   # the unmasked key tiles [0, mid), then the masked ones [mid, hi)
-        first, end = _stage_range(stage, mid, hi)
-        for start_n in range(first, end, BLOCK_N):
-            acc, m_i, l_i = _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, acc, m_i, l_i,
-                                            rows, start_n, n_tiles, n_k, shift, qk_scale, b, h_kv,
-                                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, stage == 1, num_warps)
-    _epilogue(acc, m_i, l_i, q_smem4, o_desc, lse_ptr, b, h, n_heads, n_q, start_m, BLOCK_M, HEAD_DIM, num_warps)
-
-
-@gluon.jit
-def _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, acc, m_i, l_i,
-                    rows, start_n, n_tiles, n_k, shift, qk_scale, b, h_kv,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, MASK: gl.constexpr, num_warps: gl.constexpr):
-    tile = start_n // BLOCK_N
-    ahead = tile + STAGES - 1
-    # the buffer `ahead` fills last held tile - 1, which every warp has finished (its wgmmas waited)
-    thread_barrier()
-    _issue_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, ahead, b, h_kv, ahead < n_tiles, BLOCK_N, STAGES)
-    stage = tile % STAGES
-    phase = (tile // STAGES) & 1
-    mbarrier.wait(k_ready.index(stage), phase)
-    return _attend(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
-                   v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), v_ready.index(stage), phase,
-                   k_ready.index(stage), acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, MASK, False, num_warps)
 
 
 # ---- warp-specialised: a TMA producer warp and two consumer warpgroups
@@ -486,21 +410,17 @@ PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
 # ----------------------------------------------------------------------------- host side
 
 BLOCK_N = 128
-# The steps of kernels/NOTES.md's Gluon table, each a kernel and its launch: which kernel, its
-# constexprs (STAGES may depend on the head dim: a D = 128 ring of 3 K/V stages and the two Q
-# halves take 224 KB of the 227 KB of shared memory, so 4 fit at D = 64 only) and launch options.
 _WS = dict(num_warps=4, maxnreg=MAXNREG)
+# The variants a plan can pick: their constexprs (STAGES may depend on the head dim: a D = 128 ring
+# of 3 K/V stages and the two Q halves take 224 KB of the 227 KB of shared memory, so 4 fit at
+# D = 64 only) and launch options. The steps that led to them, kept runnable for comparison, are
+# kernels/lab/gluon_forward_ladder.py's.
 VARIANTS = {
-    "simple": ("pipelined", dict(STAGES=1), dict(num_warps=8)),
-    "pipelined": ("pipelined", dict(STAGES=2), dict(num_warps=8)),
-    "ws": ("ws", dict(STAGES=2, PINGPONG=False, OVERLAP=False), _WS),
-    "ws-pingpong": ("ws", dict(STAGES=2, PINGPONG=True, OVERLAP=False), _WS),
-    "ws-pingpong-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=False), _WS),
-    "ws-pingpong-s4": ("ws", dict(STAGES={64: 4, 128: 3}, PINGPONG=True, OVERLAP=False), _WS),
-    "ws-overlap-s3": ("ws", dict(STAGES=3, PINGPONG=True, OVERLAP=True), _WS),
+    "ws-pingpong-s4": (dict(STAGES={64: 4, 128: 3}, PINGPONG=True, OVERLAP=False), _WS),
+    "ws-overlap-s3": (dict(STAGES=3, PINGPONG=True, OVERLAP=True), _WS),
 }
-# What flash_attention(kernel="gluon") runs, per head dim: the fastest exact variant measured
-# (benchmarks/gluon/gluon_fwd_h200_rounds.md; at D = 64 the intra-warpgroup overlap was slower).
+# What runs per head dim: the fastest exact variant measured (benchmarks/gluon/gluon_fwd_h200_rounds.md;
+# at D = 64 the intra-warpgroup overlap was slower).
 DEFAULT_VARIANTS = {64: "ws-pingpong-s4", 128: "ws-overlap-s3"}
 
 
@@ -513,22 +433,31 @@ class Launch:
     options: dict         # num_warps, maxnreg
 
 
-def plan(variant: str | None, causal: bool, head_dim: int) -> Launch:
-    """How `variant` (None: the default for this head dim) launches: the same plan serves the GPU
-    launch and the CPU compile check (scripts/kernel_report.py)."""
-    variant = variant or DEFAULT_VARIANTS[head_dim]
-    if variant not in VARIANTS:
-        raise ValueError(f"Gluon variant {variant!r} is not one of {', '.join(VARIANTS)}")
-    kind, consts, options = VARIANTS[variant]
+def ws_launch(consts: dict, options: dict, causal: bool, head_dim: int) -> Launch:
+    """The warp-specialised kernel's launch for a variant's constexprs and options."""
     stages = consts["STAGES"]
     consts = dict(consts, STAGES=stages[head_dim] if isinstance(stages, dict) else stages, CAUSAL=bool(causal),
                   BLOCK_N=BLOCK_N)
-    if kind == "pipelined":
-        rows = 16 * options["num_warps"]
-        return Launch(attention_fwd_pipelined, rows, rows, consts, options)
     return Launch(attention_fwd_ws, WG_ROWS, 2 * WG_ROWS, consts, options)
 
 
+@functools.lru_cache(maxsize=None)
+def variant_launch(variant: str | None, causal: bool, head_dim: int) -> Launch:
+    """How `variant` (None: the default for this head dim) launches: the same description serves
+    the GPU launch and the CPU compile check (scripts/kernel_report.py)."""
+    variant = variant or DEFAULT_VARIANTS[head_dim]
+    if variant not in VARIANTS:
+        raise ValueError(f"Gluon forward variant {variant!r} is not one of {', '.join(VARIANTS)}")
+    return ws_launch(*VARIANTS[variant], causal, head_dim)
+
+
+def tiles(variant: str, head_dim: int) -> str:
+    """The variant's tiles, as a kernel plan names them."""
+    launch = variant_launch(variant, True, head_dim)
+    return f"{launch.block_m}x{BLOCK_N}, {launch.constexprs['STAGES']} stages"
+
+
+@functools.lru_cache(maxsize=None)
 def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
     """NVMMA (swizzled, wgmma-readable) shared layout of a (1, rows, 1, head_dim) TMA block."""
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], _GL_DTYPES[dtype])
@@ -537,79 +466,25 @@ def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-def _tma_strides(t: torch.Tensor) -> list[int]:
-    """t's strides for a descriptor; a size-1 dim's stride is never used, so it is made aligned."""
-    aligned = 16 // t.element_size() * max(1, max(t.stride()))
-    return [s if n > 1 else aligned for n, s in zip(t.shape, t.stride())][:-1] + [t.stride(-1)]
+def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of t (B, N, H, D) in blocks of (1, rows, 1, D)."""
+    return TensorDescriptor(t, list(t.shape), tma_strides(t), [1, rows, 1, t.shape[-1]],
+                            shared_layout(rows, t.shape[-1], t.dtype))
 
 
-def tma_refusal(name: str, t: torch.Tensor) -> str | None:
-    """Why `t` cannot be read through a TMA descriptor, or None. Under torch.compile the tensors
-    are fake and have no address: the base is then checked when the op runs (`_base_refusal`)."""
-    strides = _tma_strides(t)
-    if strides[-1] != 1:
-        return f"{name} has head-dim stride {t.stride(-1)}; TMA needs the head dim contiguous (stride 1)"
-    if any(s * t.element_size() % 16 for s in strides[:-1]):
-        return f"{name} has strides {tuple(t.stride())}: TMA needs every stride but the last to be a multiple of 16 bytes"
-    return None if torch.compiler.is_compiling() else _base_refusal(name, t)
-
-
-def _base_refusal(name: str, t: torch.Tensor) -> str | None:
-    if t.data_ptr() % 16:
-        return f"{name} starts at an address that is not a multiple of 16 bytes, as TMA needs"
-    return None
-
-
-@torch.compiler.assume_constant_result
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def setting_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool) -> str | None:
-    """Why the Gluon forward cannot run on this device, dtype, head dim and masking (one line), or
-    None. What tensors add (their strides) is `tma_refusal`'s."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"it needs a CUDA device, got {device}"
-    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    if (major, minor) != (9, 0):
-        return f"it is written for Hopper (sm_90); this GPU is sm_{major}{minor}"
-    if dtype not in DTYPES:
-        return f"it takes float16 and bfloat16, got {dtype}"
-    if head_dim not in HEAD_DIMS:
-        return f"it supports head dims {', '.join(map(str, HEAD_DIMS))}, got {head_dim}"
-    if masked:
-        return "document masks and sliding windows run on the Triton kernel only"
-    return None
-
-
-def unsupported(q, k, v, masked: bool = False) -> str | None:
-    """Why the Gluon forward cannot run these inputs (one line), or None if it can. The inputs have
-    passed kernels.flash_op.check_inputs."""
-    why = setting_refusal(q.device, q.dtype, q.shape[-1], masked)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        why = why or tma_refusal(name, t)
-    return why
-
-
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    block = [1, rows, 1, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), _tma_strides(t), block, shared_layout(rows, t.shape[-1], t.dtype))
-
-
-def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant: str | None = None):
+def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant: str | None = None,
+                            launch: Launch | None = None, cache: dict | None = None):
     """out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 (natural log), by the Gluon kernel
-    `variant` (VARIANTS; None: DEFAULT_VARIANTS). The caller has checked `unsupported(...) is None`."""
+    `variant` (VARIANTS; None: DEFAULT_VARIANTS) or a given `launch`. The caller's kernel plan has
+    accepted the inputs (kernels.gluon.refusal); `cache`: the call signature's compiled kernels
+    (kernels/launch.py)."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    launch = plan(variant, causal, D)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if _base_refusal(name, t):
-            raise ValueError(f"kernel='gluon' cannot run this call: {_base_refusal(name, t)}")
+    spec = launch or variant_launch(variant, causal, D)
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(n_q, launch.block_m), B * H)
-    launch.kernel[grid](_descriptor(q, launch.rows), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-                        _descriptor(out, launch.rows), lse, H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value,
-                        **launch.constexprs, **launch.options)
+    args = (descriptor(q, spec.rows), descriptor(k, BLOCK_N), descriptor(v, BLOCK_N), descriptor(out, spec.rows), lse,
+            H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value)
+    run_kernel(spec.kernel, (triton.cdiv(n_q, spec.block_m), B * H), args, {**spec.constexprs, **spec.options},
+               cache, "gluon_fwd")
     return out, lse
