@@ -1,7 +1,11 @@
 """Check, then time, the Gluon (Hopper) attention backward on the GPU: every variant, one run.
 
-    FLASHTRAIN_AUTOTUNE=0 python scripts/gluon_bwd_check.py --out DIR     # ws and ws_dq2 (the default), ~4-5 min
-    python scripts/gluon_bwd_check.py --out DIR --variants plain,ws,ws_conv,ws_dq,ws_dq2 --groups quick,warm
+    FLASHTRAIN_AUTOTUNE=0 python scripts/gluon_bwd_check.py --out DIR     # the production kernel, ~4-5 min
+    python scripts/gluon_bwd_check.py --out DIR --variants fa3,v1 --groups quick,warm
+
+Variants: `fa3`, kernels/gluon/backward.py (what a kernel plan runs); `fa3-m64`, the same with 64-row
+query tiles at every head dim; `v1`, the earlier design kept in kernels/lab/gluon_backward_v1.py (its
+fastest variant), for comparison in the same run.
 
 Correctness (one subprocess per variant, all at once, each with a time limit, so that a variant
 that hangs or crashes costs only itself): our Triton forward, then the Gluon backward, against
@@ -33,14 +37,25 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 
 from _common import REPO_ROOT, environment, write_json
 
-# name -> kernels.gluon.backward._launch variant arguments
-VARIANTS = {
-    "plain": dict(warp_specialize=False, dq_writer=False),
-    "ws": dict(warp_specialize=True, dq_writer=False),
-    "ws_conv": dict(warp_specialize=True, dq_writer=False, lse_direct=False),
-    "ws_dq": dict(warp_specialize=True, dq_writer=True, dq_bufs=1, dq_warps=1),
-    "ws_dq2": dict(warp_specialize=True, dq_writer=True, dq_bufs=2, dq_warps=2),
-}
+
+
+def _fa3(do, q, k, v, o, lse, causal, scale, deterministic):
+    from kernels.gluon.backward import launch_backward
+    return launch_backward(do, q, k, v, o, lse, causal, scale, deterministic)
+
+
+def _fa3_m64(do, q, k, v, o, lse, causal, scale, deterministic):
+    from kernels.gluon.backward import launch_backward
+    return launch_backward(do, q, k, v, o, lse, causal, scale, deterministic, config=dict(BLOCK_M=64))
+
+
+def _v1(do, q, k, v, o, lse, causal, scale, deterministic):
+    from kernels.lab.gluon_backward_v1 import DEFAULT_VARIANT, _launch
+    return _launch(do, q, k, v, o, lse, causal, scale, deterministic, **DEFAULT_VARIANT)
+
+
+# name -> the backward's launch (dout, q, k, v, out, lse, causal, scale, deterministic) -> dq, dk, dv
+VARIANTS = {"fa3": _fa3, "fa3-m64": _fa3_m64, "v1": _v1}
 # (B, Nq, Nk, H, Hkv, D)
 SHAPES = [
     (1, 1, 1, 1, 1, 64),
@@ -56,7 +71,9 @@ SHAPES = [
 BIG = (1, 4096, 4096, 16, 2, 128)
 GROUPS = ("shapes", "quick", "strides", "big", "warm")
 QUICK = [SHAPES[2], SHAPES[3], SHAPES[6], SHAPES[7], SHAPES[8]]   # GQA, ragged, Nq > Nk, empty tiles, waves
-TIMING = [(16, 1024, 12, 64), (4, 4096, 12, 64), (1, 16384, 12, 64), (4, 4096, 16, 128), (1, 16384, 16, 128)]
+# (B, T, H, Hkv, D): gpt2-small's heads, 16 x 128, and GQA 32/8 x 128
+TIMING = [(16, 1024, 12, 12, 64), (4, 4096, 12, 12, 64), (1, 16384, 12, 12, 64), (4, 4096, 16, 16, 128),
+          (1, 16384, 16, 16, 128), (4, 4096, 32, 8, 128), (1, 16384, 32, 8, 128)]
 
 
 def tflops(B, H, N, D, ms):
@@ -74,19 +91,18 @@ def correctness(variant: str, out: Path, groups: list[str]) -> dict:
     from bench_attention import fused_inputs
 
     from kernels import attention_reference
-    from kernels.gluon import backward as gluon_bwd
     from kernels.flash_op import _triton_backward as _launch_backward, _triton_forward as _launch_forward
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     det.fill_uninitialized_memory = True   # torch.empty returns NaN: an unwritten element fails
-    args = VARIANTS[variant]
-    result = {"variant": variant, "args": args, "cases": []}
+    backward = VARIANTS[variant]
+    result = {"variant": variant, "cases": []}
     path = out / f"correct_{variant}.json"
 
     def grads(q, k, v, do, causal, deterministic):
         scale = 1 / math.sqrt(q.shape[-1])
         o, lse = _launch_forward(q, k, v, causal, scale)
-        return (o, lse) + gluon_bwd._launch(do, q, k, v, o, lse, causal, scale, deterministic, **args)
+        return (o, lse) + backward(do, q, k, v, o, lse, causal, scale, deterministic)
 
     def reference(q, k, v, do, causal):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -109,7 +125,7 @@ def correctness(variant: str, out: Path, groups: list[str]) -> dict:
                 assert_as_exact_as_plain(name, mine, p, ref, do, v)
             row["rel_err_ours_plain"] = errs
             if deterministic:
-                for _ in range(2):
+                for _ in range(5):
                     again = grads(q, k, v, do, causal, deterministic)
                     assert all(torch.equal(a, b) for a, b in zip(ours[2:], again[2:])), "not bit-identical on repeat"
                 tri = _launch_backward(do, q, k, v, ours[0], ours[1], causal, 1 / math.sqrt(q.shape[-1]))
@@ -166,7 +182,7 @@ def cudnn_backward(q, k, v, do):
 
     leaves = [t.transpose(1, 2).detach().clone().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
     dout = do.transpose(1, 2)
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
@@ -177,15 +193,14 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     from bench_attention import fused_inputs
 
-    from kernels.gluon import backward as gluon_bwd
     from kernels.flash_op import _triton_backward as _launch_backward, _triton_forward as _launch_forward
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
     result = {"env": environment(torch.device("cuda")), "rows": []}
     path = out / ("warm_triton.json" if warm else "timing.json")
-    for B, N, H, D in (sorted({(1, 256, 2, d) for *_, d in TIMING}) if warm else TIMING):
-        row = {"B": B, "T": N, "H": H, "D": D, "causal": True, "ms": {}, "tflops": {}}
-        _, (q, k, v), do = fused_inputs(B, N, H, H, D, False, torch.device("cuda"))
+    for B, N, H, Hkv, D in (sorted({(1, 256, 2, 2, d) for *_, d in TIMING}) if warm else TIMING):
+        row = {"B": B, "T": N, "H": H, "Hkv": Hkv, "D": D, "causal": True, "ms": {}, "tflops": {}}
+        _, (q, k, v), do = fused_inputs(B, N, H, Hkv, D, False, torch.device("cuda"))
         q, k, v = (t.detach() for t in (q, k, v))
         scale = 1 / math.sqrt(D)
         o, lse = _launch_forward(q, k, v, True, scale)
@@ -194,11 +209,10 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
                 "cudnn": cudnn_backward(q, k, v, do)}
         if warm:
             bench = lambda fn: fn()  # noqa: E731  (one call compiles)
-        runs.update({f"gluon-{name}": (lambda a=VARIANTS[name]: gluon_bwd._launch(do, q, k, v, o, lse, True, scale, True, **a))
+        runs.update({f"gluon-{name}": (lambda f=VARIANTS[name]: f(do, q, k, v, o, lse, True, scale, True))
                      for name in variants})
         for name in variants:   # the atomic (deterministic=False) order of every variant
-            runs[f"gluon-{name}-atomic"] = (lambda a=VARIANTS[name]: gluon_bwd._launch(do, q, k, v, o, lse, True, scale,
-                                                                                     False, **a))
+            runs[f"gluon-{name}-atomic"] = (lambda f=VARIANTS[name]: f(do, q, k, v, o, lse, True, scale, False))
         result["rows"].append(row)
         for name, fn in runs.items():   # baselines first: a variant that hangs cannot take them along
             try:
@@ -211,7 +225,8 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
             if isinstance(ms, float):
                 row["tflops"][name] = round(tflops(B, H, N, D, ms), 1)
         write_json(path, result)
-        print(B, N, H, D, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row["ms"].items()}, flush=True)
+        print(B, N, H, Hkv, D, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row["ms"].items()},
+              flush=True)
         del q, k, v, do, o, lse
         torch.cuda.empty_cache()
     return result
@@ -242,7 +257,7 @@ def run_workers(commands: dict[str, list[str]], limit_s: float, out: Path) -> di
 def main(argv=None):
     parser = _common.argument_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--variants", default="ws,ws_dq2", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="fa3", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--worker", choices=("correct", "time"), help=argparse.SUPPRESS)
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"correctness groups, of {', '.join(GROUPS)}")
     parser.add_argument("--warm-triton", action="store_true", help=argparse.SUPPRESS)
@@ -291,7 +306,7 @@ def main(argv=None):
             summary["env"], summary["timing"] = timed["env"], timed["rows"]
     write_json(args.out / "gluon_bwd_check.json", summary)
     for row in summary.get("timing", []):
-        print(row["B"], row["T"], row["H"], row["D"], {k: (round(x, 3) if isinstance(x, float) else x)
+        print(row["B"], row["T"], row["H"], row["Hkv"], row["D"], {k: (round(x, 3) if isinstance(x, float) else x)
                                                        for k, x in row["ms"].items()}, flush=True)
     shutil.rmtree(work)
 

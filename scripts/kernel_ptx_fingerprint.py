@@ -92,7 +92,8 @@ def gluon_configs(quick: bool) -> list[tuple[str, tuple]]:
             for deterministic in (True,) if quick else (False, True):
                 configs.append((f"gluon_bwd d={dim} causal={int(causal)} deterministic={int(deterministic)}",
                                 ("gluon_bwd", dim, causal, deterministic)))
-            configs.append((f"gluon_bwd_prep d={dim} causal={int(causal)}", ("gluon_prep", dim, causal)))
+        configs.append((f"gluon_bwd_prep d={dim}", ("gluon_prep", dim)))
+        configs.append((f"gluon_bwd_dq d={dim}", ("gluon_dq", dim)))
     return configs
 
 
@@ -143,12 +144,11 @@ def compile_config(spec: tuple):
     if kind == "gluon_bwd":
         from kernels.gluon import backward as gluon_bwd
 
-        return gluon_bwd.compile_for_sm90(spec[1], torch.bfloat16, causal=spec[2], deterministic=spec[3],
-                                          **gluon_bwd.DEFAULT_VARIANT)
-    if kind == "gluon_prep":
+        return gluon_bwd.compile_for_sm90(spec[1], torch.bfloat16, causal=spec[2], deterministic=spec[3])
+    if kind in ("gluon_prep", "gluon_dq"):
         from kernels.gluon import backward as gluon_bwd
 
-        return gluon_bwd.compile_prep_for_sm90(spec[1], torch.bfloat16, causal=spec[2])
+        return gluon_bwd.compile_aux_for_sm90(spec[1], torch.bfloat16)[kind == "gluon_dq"]
     from kernels.decode import flash_decode_merge_kernel, flash_decode_split_kernel
 
     if kind == "decode_split":
