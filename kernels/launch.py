@@ -31,4 +31,5 @@ def launch(fn, grid, args: tuple, kwargs: dict, cache: dict | None, key) -> None
             cache[key] = (kernel, tuple(kwargs[name] for name in fn.arg_names[len(args):]))
         return
     kernel, tail = compiled
-    kernel[grid(kwargs) if callable(grid) else grid](*args, *tail)
+    grid = grid(kwargs) if callable(grid) else grid
+    kernel[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)   # a compiled kernel takes all three grid dims

@@ -3,9 +3,9 @@
     FLASHTRAIN_AUTOTUNE=0 python scripts/gluon_bwd_check.py --out DIR     # the production kernel, ~4-5 min
     python scripts/gluon_bwd_check.py --out DIR --variants fa3,v1 --groups quick,warm
 
-Variants: `fa3`, kernels/gluon/backward.py (what a kernel plan runs); `fa3-m64`, the same with 64-row
-query tiles at every head dim; `v1`, the earlier design kept in kernels/lab/gluon_backward_v1.py (its
-fastest variant), for comparison in the same run.
+Variants: `fa3`, kernels/gluon/backward.py (what a kernel plan runs); `fa3-m64`, `fa3-end`, `fa3-dv`,
+the same with one setting of its TILES changed (64-row query tiles; HANDOFF_AT_END; DV_EARLY); `v1`,
+the earlier design kept in kernels/lab/gluon_backward_v1.py (its fastest variant).
 
 Correctness (one subprocess per variant, all at once, each with a time limit, so that a variant
 that hangs or crashes costs only itself): our Triton forward, then the Gluon backward, against
@@ -39,14 +39,11 @@ from _common import REPO_ROOT, environment, write_json
 
 
 
-def _fa3(do, q, k, v, o, lse, causal, scale, deterministic):
-    from kernels.gluon.backward import launch_backward
-    return launch_backward(do, q, k, v, o, lse, causal, scale, deterministic)
-
-
-def _fa3_m64(do, q, k, v, o, lse, causal, scale, deterministic):
-    from kernels.gluon.backward import launch_backward
-    return launch_backward(do, q, k, v, o, lse, causal, scale, deterministic, config=dict(BLOCK_M=64))
+def _fa3(config: dict):
+    def backward(do, q, k, v, o, lse, causal, scale, deterministic):
+        from kernels.gluon.backward import launch_backward
+        return launch_backward(do, q, k, v, o, lse, causal, scale, deterministic, config=config)
+    return backward
 
 
 def _v1(do, q, k, v, o, lse, causal, scale, deterministic):
@@ -54,8 +51,12 @@ def _v1(do, q, k, v, o, lse, causal, scale, deterministic):
     return _launch(do, q, k, v, o, lse, causal, scale, deterministic, **DEFAULT_VARIANT)
 
 
-# name -> the backward's launch (dout, q, k, v, out, lse, causal, scale, deterministic) -> dq, dk, dv
-VARIANTS = {"fa3": _fa3, "fa3-m64": _fa3_m64, "v1": _v1}
+# name -> the backward's launch (dout, q, k, v, out, lse, causal, scale, deterministic) -> dq, dk, dv: the
+# production kernel (its TILES), the same with one setting changed, and the earlier design
+VARIANTS = {"fa3": _fa3({}), "fa3-m64": _fa3(dict(BLOCK_M=64)), "fa3-end": _fa3(dict(HANDOFF_AT_END=True)),
+            "fa3-dv": _fa3(dict(DV_EARLY=True)), "v1": _v1}
+
+
 # (B, Nq, Nk, H, Hkv, D)
 SHAPES = [
     (1, 1, 1, 1, 1, 64),
@@ -71,13 +72,15 @@ SHAPES = [
 BIG = (1, 4096, 4096, 16, 2, 128)
 GROUPS = ("shapes", "quick", "strides", "big", "warm")
 QUICK = [SHAPES[2], SHAPES[3], SHAPES[6], SHAPES[7], SHAPES[8]]   # GQA, ragged, Nq > Nk, empty tiles, waves
-# (B, T, H, Hkv, D): gpt2-small's heads, 16 x 128, and GQA 32/8 x 128
-TIMING = [(16, 1024, 12, 12, 64), (4, 4096, 12, 12, 64), (1, 16384, 12, 12, 64), (4, 4096, 16, 16, 128),
-          (1, 16384, 16, 16, 128), (4, 4096, 32, 8, 128), (1, 16384, 32, 8, 128)]
+# (B, T, H, Hkv, D, causal): gpt2-small's heads, 16 x 128, GQA 32/8 x 128, and non-causal cells
+TIMING = [(16, 1024, 12, 12, 64, True), (4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True),
+          (16, 1024, 16, 16, 128, True), (4, 4096, 16, 16, 128, True), (1, 16384, 16, 16, 128, True),
+          (4, 4096, 32, 8, 128, True), (1, 16384, 32, 8, 128, True), (4, 4096, 12, 12, 64, False),
+          (1, 16384, 16, 16, 128, False)]
 
 
-def tflops(B, H, N, D, ms):
-    return 2.5 * 4 * B * H * N * N * D / 2 / (ms * 1e-3) / 1e12
+def tflops(B, H, N, D, ms, causal=True):
+    return 2.5 * 4 * B * H * N * N * D / (2 if causal else 1) / (ms * 1e-3) / 1e12
 
 
 # ---- correctness ----------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def correctness(variant: str, out: Path, groups: list[str]) -> dict:
         for causal in (True, False):
             case(f"{BIG}", *make_inputs(*BIG, torch.bfloat16), causal, True)
     if "warm" in groups:   # compile what the timing run launches (one small call per head dim)
-        for D in sorted({d for *_, d in TIMING}):
+        for D in sorted({t[4] for t in TIMING}):
             _, (q, k, v), do = fused_inputs(1, 256, 2, 2, D, False, torch.device("cuda"))
             case(f"warm D={D}", *(t.detach() for t in (q, k, v)), do, True, True)
             case(f"warm D={D}", *(t.detach() for t in (q, k, v)), do, True, False)
@@ -174,7 +177,7 @@ def correctness(variant: str, out: Path, groups: list[str]) -> dict:
 
 # ---- timing ---------------------------------------------------------------------------------
 
-def cudnn_backward(q, k, v, do):
+def cudnn_backward(q, k, v, do, causal=True):
     """cuDNN's backward (SDPA forced to CUDNN_ATTENTION) as autograd runs it on a retained graph."""
     import torch
     import torch.nn.functional as F
@@ -182,7 +185,7 @@ def cudnn_backward(q, k, v, do):
 
     leaves = [t.transpose(1, 2).detach().clone().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
+        out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
     dout = do.transpose(1, 2)
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
@@ -198,21 +201,21 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
     result = {"env": environment(torch.device("cuda")), "rows": []}
     path = out / ("warm_triton.json" if warm else "timing.json")
-    for B, N, H, Hkv, D in (sorted({(1, 256, 2, 2, d) for *_, d in TIMING}) if warm else TIMING):
-        row = {"B": B, "T": N, "H": H, "Hkv": Hkv, "D": D, "causal": True, "ms": {}, "tflops": {}}
+    for B, N, H, Hkv, D, causal in (sorted({(1, 256, 2, 2, t[4], True) for t in TIMING}) if warm else TIMING):
+        row = {"B": B, "T": N, "H": H, "Hkv": Hkv, "D": D, "causal": causal, "ms": {}, "tflops": {}}
         _, (q, k, v), do = fused_inputs(B, N, H, Hkv, D, False, torch.device("cuda"))
         q, k, v = (t.detach() for t in (q, k, v))
         scale = 1 / math.sqrt(D)
-        o, lse = _launch_forward(q, k, v, True, scale)
-        runs = {"triton": lambda: _launch_backward(do, q, k, v, o, lse, True, scale, deterministic=True),
-                "triton-atomic": lambda: _launch_backward(do, q, k, v, o, lse, True, scale, deterministic=False),
-                "cudnn": cudnn_backward(q, k, v, do)}
+        o, lse = _launch_forward(q, k, v, causal, scale)
+        runs = {"triton": lambda: _launch_backward(do, q, k, v, o, lse, causal, scale, deterministic=True),
+                "triton-atomic": lambda: _launch_backward(do, q, k, v, o, lse, causal, scale, deterministic=False),
+                "cudnn": cudnn_backward(q, k, v, do, causal)}
         if warm:
             bench = lambda fn: fn()  # noqa: E731  (one call compiles)
-        runs.update({f"gluon-{name}": (lambda f=VARIANTS[name]: f(do, q, k, v, o, lse, True, scale, True))
+        runs.update({f"gluon-{name}": (lambda f=VARIANTS[name]: f(do, q, k, v, o, lse, causal, scale, True))
                      for name in variants})
         for name in variants:   # the atomic (deterministic=False) order of every variant
-            runs[f"gluon-{name}-atomic"] = (lambda f=VARIANTS[name]: f(do, q, k, v, o, lse, True, scale, False))
+            runs[f"gluon-{name}-atomic"] = (lambda f=VARIANTS[name]: f(do, q, k, v, o, lse, causal, scale, False))
         result["rows"].append(row)
         for name, fn in runs.items():   # baselines first: a variant that hangs cannot take them along
             try:
@@ -223,9 +226,9 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
             write_json(path, result)
         for name, ms in row["ms"].items():
             if isinstance(ms, float):
-                row["tflops"][name] = round(tflops(B, H, N, D, ms), 1)
+                row["tflops"][name] = round(tflops(B, H, N, D, ms, causal), 1)
         write_json(path, result)
-        print(B, N, H, Hkv, D, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row["ms"].items()},
+        print(B, N, H, Hkv, D, causal, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row["ms"].items()},
               flush=True)
         del q, k, v, do, o, lse
         torch.cuda.empty_cache()
@@ -306,7 +309,7 @@ def main(argv=None):
             summary["env"], summary["timing"] = timed["env"], timed["rows"]
     write_json(args.out / "gluon_bwd_check.json", summary)
     for row in summary.get("timing", []):
-        print(row["B"], row["T"], row["H"], row["Hkv"], row["D"], {k: (round(x, 3) if isinstance(x, float) else x)
+        print(row["B"], row["T"], row["H"], row["Hkv"], row["D"], row["causal"], {k: (round(x, 3) if isinstance(x, float) else x)
                                                        for k, x in row["ms"].items()}, flush=True)
     shutil.rmtree(work)
 

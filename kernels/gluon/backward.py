@@ -72,8 +72,11 @@ from kernels.tiles import LOG2E
 # DQ_BUFS dQ hand-off buffers. Shared memory per program, of Hopper's 227 KB: head dim 64, K and V
 # 32 KB, the ring 2 x 32 KB, dS^T 2 x 32 KB, dQ 2 x 32 KB; head dim 128, K and V 64 KB, the ring
 # 2 x 32 KB, dS^T 2 x 16 KB, dQ 2 x 32 KB.
-TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2),
-         128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2)}
+TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
+                 HANDOFF_AT_END=False),
+         128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
+                  HANDOFF_AT_END=False)}
+SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
 CONSUMER_WARPS = 8                               # two warpgroups
 WORKER_REGS: gl.constexpr = gl.constexpr(24)     # producer and dQ writer; setmaxnreg gives the rest to the consumers
 
@@ -200,8 +203,12 @@ def _stage_range(STAGE: gl.constexpr, lo, mid, n_m):
 @gluon.jit
 def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
           ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale,
-          CAUSAL: gl.constexpr, MASK: gl.constexpr):
-    """Consumer step i over query tile start_m: accumulate dK and dV, leave the dQ share in its buffer."""
+          CAUSAL: gl.constexpr, MASK: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
+          HANDOFF_AT_END: gl.constexpr):
+    """Consumer step i over query tile start_m: accumulate dK and dV, leave the dQ share in its buffer.
+    The schedule flags (TILES) order the same work differently: DV_EARLY issues dV += P^T dO before
+    dP^T is waited for; DQ_OVERLAP stores dQ while dK += dS^T Q runs; HANDOFF_AT_END hands the step's
+    ring stage and dQ buffer on at its end (one more barrier) rather than at the next step's barrier."""
     BLOCK_N: gl.constexpr = k_s.shape[0]
     HEAD_DIM: gl.constexpr = k_s.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
@@ -231,32 +238,49 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         if CAUSAL:
             seen = seen & (keys[:, None] <= queries[None, :] + (n_k - n_q))
         p_t = gl.where(seen, p_t, 0.0)
-    delta = _row_vector(delta_bufs.index(s), s_layout)
-    dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-    ds_t = (p_t * (dp_t - delta[None, :])).to(k_s.dtype)
-    ds_s.store(ds_t)
     # A operands in registers are read while their wgmma runs: they stay in the final wait's deps
     p_op = gl.convert_layout(p_t.to(k_s.dtype), a_layout)
-    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+    if DV_EARLY:   # dV queued behind dP^T: the tensor cores run it while dS is computed and stored
+        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+    delta = _row_vector(delta_bufs.index(s), s_layout)
+    if DV_EARLY:
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+    else:
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+    ds_t = (p_t * (dp_t - delta[None, :])).to(k_s.dtype)
+    ds_s.store(ds_t)
+    if not DV_EARLY:
+        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
     fence_async_shared()
-    compat.thread_barrier()
-    # both halves of dS^T are in place, and every warp is past step i - 1: its ring stage and its dQ
-    # buffer go on to the producer and the writer
-    mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
+    compat.thread_barrier()   # both halves of dS^T are in place
+    if not HANDOFF_AT_END:
+        # every warp is also past step i - 1: its ring stage and dQ buffer go to the producer and writer
+        mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                        use_acc=False, is_async=True)
     ds_op = gl.convert_layout(ds_t, a_layout)
     dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-    dq, dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_op, ds_op))
     jb = i % DQ_BUFS
-    mbarrier.wait(dq_empty.index(jb), ((i // DQ_BUFS) & 1) ^ 1)   # the writer is done with its last use
-    dq_bufs.index(jb).store(dq)
-    fence_async_shared()
+    if DQ_OVERLAP:   # dQ stored while dK still runs
+        dq, dv, p_op = warpgroup_mma_wait(1, deps=(dq, dv, p_op))
+        mbarrier.wait(dq_empty.index(jb), ((i // DQ_BUFS) & 1) ^ 1)   # the writer is done with its last use
+        dq_bufs.index(jb).store(dq)
+        fence_async_shared()
+        dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+    else:
+        dq, dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_op, ds_op))
+        mbarrier.wait(dq_empty.index(jb), ((i // DQ_BUFS) & 1) ^ 1)
+        dq_bufs.index(jb).store(dq)
+        fence_async_shared()
+    if HANDOFF_AT_END:   # this step's ring stage and dQ buffer go on now
+        compat.thread_barrier()
+        mbarrier.arrive(step_done.index(i % 2), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL: gl.constexpr):
+def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL: gl.constexpr, DV_EARLY: gl.constexpr,
+               DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr):
     """The two consumer warpgroups: every step of the program, then dK (unscaled) and dV, float32."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
@@ -276,10 +300,12 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL: gl.constexpr
             first, end = _stage_range(stage, lo, mid, n_m)
             for m in range(first, end):
                 dk, dv = _step(i, m * BLOCK_M, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
-                               ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, CAUSAL, stage == 0)
+                               ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, CAUSAL, stage == 0,
+                               DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END)
                 i += 1
-    compat.thread_barrier()   # the last step's dQ is in its buffer
-    mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
+    if not HANDOFF_AT_END:
+        compat.thread_barrier()   # the last step's dQ is in its buffer
+        mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
     return dk, dv
 
 
@@ -338,13 +364,15 @@ def _dq_writer(k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL: gl.constexpr,
                 seen = gl.atomic_add(counter, 0, sem="acquire")
             compat.fence_proxy_async_global(seen)
             compat.tma_reduce_add(dq_desc, [row, 0], dq_bufs.index(jb))
-            compat.bulk_wait_written(seen)   # in global memory before the next key tile's turn
+            tma.store_wait(0)                  # the buffer has been read: the consumers may refill it
+            mbarrier.arrive(dq_empty.index(jb), count=1)
+            compat.bulk_wait_written(seen)     # the sum is in global memory before the next key tile's turn
             compat.thread_barrier()
             gl.atomic_add(counter, 1, sem="release")
         else:
             compat.tma_reduce_add(dq_desc, [row, 0], dq_bufs.index(jb))
-            tma.store_wait(0)                # the buffer has been read
-        mbarrier.arrive(dq_empty.index(jb), count=1)
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(jb), count=1)
 
 
 @gluon.jit
@@ -398,7 +426,8 @@ def _store_dk_dv(dk_desc, dv_desc, k_s4, v_s4, dk, dv, sm_scale, b, start_n, h_k
 def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
                      Sem, Ticket, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
                      STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr):
+                     DETERMINISTIC: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
+                     HANDOFF_AT_END: gl.constexpr):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,). Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv
     (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2 and Delta (B H, Nq_pad) in blocks [1, BLOCK_M];
     the dQ accumulator (B H Nq_pad, D) float32 in blocks [BLOCK_M, D]."""
@@ -416,7 +445,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, Sem)
     sizes = (n_heads, n_q, n_k, n_q_pad)
     dk, dv = gl.warp_specialize([
-        (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL)),
+        (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL, DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END)),
         (_producer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL)),
         (_dq_writer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL, DETERMINISTIC)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -471,7 +500,8 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                  "dq_desc": desc([cfg["BLOCK_M"], head_dim], dqlay, "fp32"), "Sem": "*i32", "Ticket": "*i32",
                  "n_heads": "i32", "n_kv_heads": "i32", "n_q": "i32", "n_k": "i32", "n_q_pad": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32"}
-    consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic)
+    consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
+                  **{flag: cfg[flag] for flag in SCHEDULE})
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("Sem", "Ticket")}
@@ -540,7 +570,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
             H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
     launch(gluon_bwd_kernel, (triton.cdiv(n_k, block_n) * B * h_kv,), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
-                **launch_options()), cache, ("gluon-bwd", *key))
+                **{flag: cfg[flag] for flag in SCHEDULE}, **launch_options()), cache, ("gluon-bwd", *key))
     launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, scale),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-dq", *key))
     return dq, dk, dv
