@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import triton
 
-from kernels import plan as kernel_plan
+from kernels import plan as plans
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, softmax_scale_for
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import flash_fwd_kernel
@@ -298,7 +298,7 @@ class _EagerFlashAttention(torch.autograd.Function):
 class _Call:
     """What a call signature decides once: its plan, the arguments the launches take, and the
     kernels its launches compiled (kernels/launch.py)."""
-    plan: kernel_plan.KernelPlan
+    plan: plans.KernelPlan
     causal: bool
     scale: float
     window: int
@@ -330,9 +330,9 @@ def _signature(q, k, v, causal, softmax_scale, mask, window, deterministic, kern
 def _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel) -> _Call:
     """Check the inputs and make the call's plan (the masks are checked by the caller)."""
     check_inputs(q, k, v)
-    setting = kernel_plan.call_setting(q, k, v, bool(causal), mask,
-                                       check_flag(deterministic, "deterministic"), kernel_plan.check_choice(kernel))
-    return _Call(kernel_plan.plan_kernels(setting), bool(causal), softmax_scale_for(softmax_scale, q.shape[-1]),
+    setting = plans.call_setting(q, k, v, bool(causal), mask,
+                                       check_flag(deterministic, "deterministic"), plans.check_choice(kernel))
+    return _Call(plans.plan_kernels(setting), bool(causal), softmax_scale_for(softmax_scale, q.shape[-1]),
                  _window(window, k.shape[1]))
 
 
@@ -388,6 +388,13 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
         out, lse = FAMILIES[plan.forward.family].forward_op(q, k, v, call.causal, call.scale, doc_bounds,
                                                            call.window, plan.deterministic, plan.backward.family)
     return (out, lse) if return_lse else out
+
+
+def kernel_plan(q, k, v, causal=False, *, document_ids=None, window=None, key_bounds=None, deterministic=True,
+                kernel="auto") -> plans.KernelPlan:
+    """The kernel plan flash_attention follows for these arguments (kernels/plan.py), without running it."""
+    return _plan_call(q, k, v, causal, None, _mask_kind(document_ids, window, key_bounds), window, deterministic,
+                      kernel).plan
 
 
 def _window(window, n_k: int) -> int:

@@ -153,8 +153,8 @@ class Backend:
 BACKENDS = {
     "ours": Backend("ours (Triton)", False, _ours(True)),
     "ours-atomic": Backend("ours (Triton), atomic-dQ backward (attention.deterministic=false)", False, _ours(False)),
-    "ours-auto": Backend("ours, as attention=flash runs by default (attention.kernel=auto: the Gluon forward "
-                         "where measured faster, the Triton backward)", False, _ours(True, "auto")),
+    "ours-auto": Backend("ours, as attention=flash runs by default (attention.kernel=auto: each direction's "
+                         "kernel as the kernel plan picks it)", False, _ours(True, "auto")),
     "ours-gluon": Backend("ours, the Gluon Hopper forward and backward (attention.kernel=gluon)", False,
                           _ours(True, "gluon")),
     "sdpa-default": Backend("SDPA, its own choice of backend", True, _sdpa(None)),
@@ -479,6 +479,15 @@ def sustained_ms(fn, seconds: float, device) -> tuple[float, dict]:
     return (time.perf_counter() - began) * 1e3 / calls, power.summary()
 
 
+def ours_plan(name: str, args) -> str:
+    """The kernel plan (kernels/plan.py) our backend `name` runs on these inputs: what a training run
+    of the same shape logs and records."""
+    from kernels.flash_op import kernel_plan
+
+    kernel = {"ours-auto": "auto", "ours-gluon": "gluon"}.get(name, "triton")
+    return str(kernel_plan(*args, causal=True, deterministic=name != "ours-atomic", kernel=kernel))
+
+
 def measure_training_shape(name: str, shape, device, bench, sustained: bool) -> dict:
     B, N, H, Hkv, D = shape
     row = {"backend": name, "B": B, "N": N, "H": H, "Hkv": Hkv, "D": D, "causal": True, "status": "ok"}
@@ -494,6 +503,8 @@ def measure_training_shape(name: str, shape, device, bench, sustained: bool) -> 
         times["fwd+bwd"] = bench(step)
         if name == "sdpa-default":
             row["picked"] = sdpa_choice(attention, args, leaf, dout)
+        if name.startswith("ours"):
+            row["plan"] = ours_plan(name, args)
         if sustained:
             row["sustained_fwd+bwd_ms"], row["sustained_power"] = sustained_ms(step, SUSTAINED_S, device)
     except Exception as exc:  # noqa: BLE001 (one shape failing must not end the sweep)
@@ -512,15 +523,17 @@ TRAINING_HEADERS = ["H/Hkv x D", "T", "B", "backend", "fwd ms", "bwd ms", "fwd+b
 
 
 def training_rows(report: dict) -> list[list]:
-    """One row per measurement; 'ours/this' is this backend's time over ours (deterministic),
-    'atomic/this' over ours-atomic (its forward is ours', so only bwd and fwd+bwd)."""
+    """One row per measurement; 'ours/this' is this backend's time over ours-auto's (ours' where
+    ours-auto was not run), 'atomic/this' over ours-atomic (its forward is ours', so only bwd and
+    fwd+bwd)."""
     def key(r):
         return r["H"], r["Hkv"], r["D"], r["N"]
 
     def by_key(name):
         return {key(r): r for r in report["training"] if r["backend"] == name and r["status"] == "ok"}
 
-    ours, atomic = by_key("ours"), by_key("ours-atomic")
+    names = {r["backend"] for r in report["training"]}
+    ours, atomic = by_key("ours-auto" if "ours-auto" in names else "ours"), by_key("ours-atomic")
     rows = []
     for r in report["training"]:
         heads = f"{r['H']}/{r['Hkv']} x {r['D']}"
@@ -555,13 +568,19 @@ def write_training_outputs(stem: Path, report: dict) -> None:
              "bf16, causal, 16K tokens per call (B = max(1, 16384 / T)); q, k, v are strided views of one "
              "fused QKV projection as the model passes them, gradients taken w.r.t. that projection. "
              "Times are milliseconds (triton.testing.do_bench median, burst clocks); 'ours/this' is the "
-             "other backend's time over ours: > 1 means ours is faster. sdpa-default is SDPA left to "
+             "other backend's time over ours-auto's (ours' where ours-auto was not run): > 1 means ours is faster. sdpa-default is SDPA left to "
              f"choose (the backend it ran is in brackets); ours-gluon is ours with attention.kernel=gluon (the Gluon "
-             "Hopper forward and backward), ours-auto attention.kernel=auto (what attention=flash runs: the "
-             "Gluon forward where it was measured faster, the Triton backward); ours-atomic is ours with attention.deterministic=false "
+             "Hopper forward and backward), ours-auto attention.kernel=auto (what attention=flash runs: each "
+             "direction's kernel as the kernel plan picks it, in the 'plan' column); ours-atomic is ours with attention.deterministic=false "
              "(the same forward; the backward adds dQ with float32 atomics), 'atomic/this' its ratios."
              f"{tuning_note(meta)}", "",
              markdown_table(TRAINING_HEADERS, training_rows(report))]
+    plans = sorted({(r["H"], r["Hkv"], r["D"], r["N"], r["backend"], r["plan"]) for r in report["training"]
+                    if r.get("plan")})
+    if plans:
+        lines += ["", "## Kernel plans (kernels/plan.py) of our backends", "",
+                  markdown_table(["H/Hkv x D", "T", "backend", "plan"],
+                                 [[f"{h}/{hkv} x {d}", n, b, p] for h, hkv, d, n, b, p in plans])]
     sustained = sustained_rows(report)
     if sustained:
         lines += [f"## Sustained: {SUSTAINED_S:.0f} s of back-to-back forward+backward calls", "",

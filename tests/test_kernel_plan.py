@@ -163,8 +163,8 @@ LAUNCHED = {
     "forward": {"triton": ["flash_fwd_kernel"], "gluon": ["attention_fwd_ws"]},
     "backward": {"triton-deterministic": ["flash_bwd_q_kernel", "flash_bwd_kv_kernel"],
                  "triton-atomic": ["flash_bwd_delta_kernel", "flash_bwd_kv_dq_kernel"],
-                 "gluon-deterministic": ["gluon_bwd_prep_kernel", "gluon_bwd_kernel"],
-                 "gluon-atomic": ["gluon_bwd_prep_kernel", "gluon_bwd_kernel"]},
+                 "gluon-deterministic": ["gluon_bwd_prep_kernel", "gluon_bwd_kernel", "gluon_bwd_dq_kernel"],
+                 "gluon-atomic": ["gluon_bwd_prep_kernel", "gluon_bwd_kernel", "gluon_bwd_dq_kernel"]},
 }
 
 

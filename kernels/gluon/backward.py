@@ -69,13 +69,15 @@ from kernels.launch import launch
 from kernels.tiles import LOG2E
 
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring,
-# DQ_BUFS dQ hand-off buffers. Shared memory per program, of Hopper's 227 KB: head dim 64, K and V
-# 32 KB, the ring 2 x 32 KB, dS^T 2 x 32 KB, dQ 2 x 32 KB; head dim 128, K and V 64 KB, the ring
-# 2 x 32 KB, dS^T 2 x 16 KB, dQ 2 x 32 KB.
+# DQ_BUFS dQ hand-off buffers, and the consumers' schedule (`_step`), each the faster of the two
+# measured side by side (benchmarks/gluon/gluon_bwd_h200_rounds.md; DQ_OVERLAP crashes ptxas of
+# triton 3.6). Shared memory per program, of Hopper's 227 KB: head dim 64, K and V 32 KB, the ring
+# 2 x 32 KB, dS^T 2 x 32 KB, dQ 2 x 32 KB; head dim 128, K and V 64 KB, the ring 2 x 32 KB, dS^T
+# 2 x 16 KB, dQ 2 x 32 KB.
 TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
                  HANDOFF_AT_END=False),
          128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
-                  HANDOFF_AT_END=False)}
+                  HANDOFF_AT_END=True)}
 SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
 CONSUMER_WARPS = 8                               # two warpgroups
 WORKER_REGS: gl.constexpr = gl.constexpr(24)     # producer and dQ writer; setmaxnreg gives the rest to the consumers
