@@ -19,10 +19,13 @@ HYDRA_ERRORS = [
     (["bogus=1"], "error: unknown config key 'bogus' (`python train.py --cfg job` prints every valid key)"),
     (["model=gpt2small"], "error: In 'train': Could not find 'model/gpt2small'; Available options in 'model': "
                           "gpt-1b, gpt2-medium, gpt2-small, tiny"),
+    (["experiment=cpu-smal"], "error: In 'train': Could not find 'experiment/cpu-smal'; Available options in "
+                              "'experiment': cpu-small, gpt2-small-4k, long-context-flash, passkey, shakespeare-char"),
 ]
 
 
-@pytest.mark.parametrize("overrides,line", HYDRA_ERRORS, ids=["unknown-key", "unknown-top-key", "group-typo"])
+@pytest.mark.parametrize("overrides,line", HYDRA_ERRORS, ids=["unknown-key", "unknown-top-key", "group-typo",
+                                                                     "preset-typo"])
 def test_hydra_composition_errors_are_one_line_and_exit_2(tmp_path, overrides, line):
     result = run_subprocess([f"run.dir={tmp_path}", *overrides])
     assert result.returncode == 2, result.stderr
