@@ -21,11 +21,13 @@ HYDRA_ERRORS = [
                           "gpt-1b, gpt2-medium, gpt2-small, tiny"),
     (["experiment=cpu-smal"], "error: In 'train': Could not find 'experiment/cpu-smal'; Available options in "
                               "'experiment': cpu-small, gpt2-small-4k, long-context-flash, passkey, shakespeare-char"),
+    (["data=files", "data.paths=[~/corpus]"], "error: LexerNoViableAltException: data.paths=[~/corpus]; ^; a value "
+     "holding ~, spaces or other special characters goes in quotes, e.g. 'data.paths=[\"~/corpus\"]'"),
 ]
 
 
 @pytest.mark.parametrize("overrides,line", HYDRA_ERRORS, ids=["unknown-key", "unknown-top-key", "group-typo",
-                                                                     "preset-typo"])
+                                                                     "preset-typo", "unquoted-tilde"])
 def test_hydra_composition_errors_are_one_line_and_exit_2(tmp_path, overrides, line):
     result = run_subprocess([f"run.dir={tmp_path}", *overrides])
     assert result.returncode == 2, result.stderr
