@@ -182,6 +182,35 @@ def test_values_out_of_range_are_one_line(tmp_path, cache_dir, capsys, override,
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {message}")
 
 
+def run_files(run_dir: Path) -> list[str]:
+    """What a run wrote into its folder (the lock aside)."""
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != ".lock") if run_dir.exists() else []
+
+
+def test_a_garbage_pretrained_tokenizer_is_one_line_naming_the_file(tmp_path, cache_dir, capsys):
+    garbage = tmp_path / "tokenizer.json"
+    garbage.write_text('{"model": "not a tokenizer"')
+    overrides = tiny_overrides(tmp_path / "run", cache_dir, steps=1, tokenizer="pretrained",
+                               **{"tokenizer.path": garbage})
+    assert run_in_process(overrides) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: tokenizer file {garbage} is not a tokenizer.json the "
+                                               "tokenizers library reads ("), err
+    assert run_files(tmp_path / "run") == []
+
+
+@pytest.mark.parametrize("line,cause", [('{"text": "c", oops}', "line 3: not valid JSON (Expecting property name"),
+                                        ('["c"]', "line 3: a JSON list, not an object")], ids=["not-json", "a-list"])
+def test_a_malformed_jsonl_corpus_is_one_line_naming_the_file_and_line(tmp_path, cache_dir, capsys, line, cause):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a"}\n{"text": "b"}\n' + line + '\n{"text": "d"}\n')
+    overrides = [o for o in tiny_overrides(tmp_path / "run", tmp_path / "cache") if not o.startswith("data.max_bytes")]
+    assert run_in_process(overrides + ["data=files", f"data.paths=[{corpus}]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {corpus}, {cause}"), err
+    assert run_files(tmp_path / "run") == [] and not list((tmp_path / "cache").glob("tokens/*"))
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_a_fifo_or_a_device_as_data_path_is_one_line_instead_of_blocking(tmp_path, cache_dir, capsys, kind):
     path = tmp_path / "fifo" if kind == "fifo" else Path("/dev/zero")
