@@ -13,7 +13,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from training.runfiles import open_append, write_text
+from training.runfiles import INT, NUMBER, open_append, read_json_lines, write_text
+
+METRIC_FIELDS = {"step": INT, "loss": NUMBER, "tokens": INT}   # what every row has (and readers use)
 
 
 class MetricsFile:
@@ -31,14 +33,9 @@ class MetricsFile:
 
     @staticmethod
     def read(path: str | Path) -> list[dict]:
-        """Rows of a metrics file; a last line cut short by a kill is ignored."""
-        rows = []
-        for line in Path(path).read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows
+        """Rows of a metrics file; a last line cut short by a kill is ignored, a row that is not
+        one of ours is a ValueError naming the file and the line."""
+        return read_json_lines(path, METRIC_FIELDS)
 
     def log(self, row: dict) -> None:
         self._file.write(json.dumps(row) + "\n")

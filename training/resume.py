@@ -41,11 +41,13 @@ from training.checkpoint import (ANY_RUN, DATA_CHANGES, CheckpointError, check_m
                                  peek_lineage, step_of)
 from training.dcp import is_sharded_checkpoint
 from training.export import WEIGHTS_NAME
-from training.runfiles import append_line
+from training.loggers import MetricsFile
+from training.runfiles import TEXT, append_line, read_json_lines
 
 log = logging.getLogger(__name__)
 
 LINEAGE_FILE = "lineage.jsonl"
+LINEAGE_FIELDS = {"run_id": (*TEXT, type(None)), "event": TEXT}
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_DIR = "superseded"
 TRAINING_GROUPS = ("trainer", "optim", "data")
@@ -96,7 +98,7 @@ def recorded_run_id(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / LINEAGE_FILE
     if not path.is_file():
         return None
-    ids = [row.get("run_id") for row in _rows(path)]
+    ids = [row["run_id"] for row in read_json_lines(path, LINEAGE_FIELDS)]
     return ids[-1] if ids else None
 
 
@@ -112,19 +114,9 @@ def checkpoint_to_load(source: Path) -> tuple[Path, dict]:
     return found
 
 
-def _rows(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a last line cut short by a kill
-            continue
-    return rows
-
-
 def metric_steps(run_dir: str | Path) -> list[int]:
     path = Path(run_dir) / METRICS_FILE
-    return [int(r["step"]) for r in _rows(path) if "step" in r] if path.is_file() else []
+    return [r["step"] for r in MetricsFile.read(path)] if path.is_file() else []
 
 
 def run_evidence(run_dir: str | Path) -> str:
@@ -185,6 +177,7 @@ def plan_start(cfg: DictConfig, run_dir: str | Path) -> Start:
     run_dir, resume = Path(run_dir), cfg.get("resume")
     ckpt_dir, max_steps = checkpoint_dir(run_dir), int(cfg.trainer.max_steps)
     check_allow_changes(cfg)
+    metric_steps(run_dir), recorded_run_id(run_dir)   # a hand-edited row: one line now, before any work
     if resume is None:
         if list_checkpoints(ckpt_dir):
             raise ValueError(f"run.dir={run_dir} already holds checkpoints: pass resume=auto to continue "
