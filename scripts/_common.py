@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any, Callable, Iterator, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -89,13 +90,19 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
     FLASHTRAIN_TRACEBACK=1 shows the whole traceback instead."""
     try:
         main(sys.argv[1:])
-    except Exception as exc:  # noqa: BLE001 (only bad input is caught; anything else re-raised)
+    except Exception as exc:  # noqa: BLE001 (only bad input and the machine's faults are caught; a bug re-raised)
         from training.config_errors import config_error_line, is_config_error   # only then: tools run without Hydra
+        from training.faults import os_error_line
 
-        if not isinstance(exc, (ValueError, FileNotFoundError)) and not is_config_error(exc) \
+        if not isinstance(exc, (ValueError, OSError)) and not is_config_error(exc) \
                 or os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
             raise
-        line = config_error_line(exc) if is_config_error(exc) else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if is_config_error(exc):
+            line = config_error_line(exc)
+        elif isinstance(exc, OSError):   # a full disk, a read-only folder: what and where, and what to do
+            line = os_error_line(exc)
+        else:
+            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -233,13 +240,25 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    """Replace `path` atomically (training.runfiles: no partial file or stray .tmp, even on a full disk)."""
+    from training import runfiles
+
+    with new_folders(path.parent):
+        runfiles.write_text(path, text)
+
+
+@contextmanager
+def new_folders(folder: Path) -> Iterator[None]:
+    """Create `folder` (and its missing parents) for a write that follows; if that write fails, the
+    folders this made are removed again when they are still empty: a failed tool leaves nothing."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # never leave a stray .tmp beside the result
+        yield
+    except BaseException:
+        for path in made:   # deepest first
+            with suppress(OSError):
+                path.rmdir()
         raise
 
 
@@ -296,12 +315,17 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
 
 
 def save_figure(fig, path: Path) -> None:
-    """Write a matplotlib figure as PNG and free it (scripts draw many, headless)."""
+    """Write a matplotlib figure as PNG, atomically as write_text does, and free it (scripts draw
+    many, headless)."""
     import matplotlib.pyplot as plt
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    from training.runfiles import write_file
+
+    try:
+        with new_folders(path.parent):
+            write_file(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
 
 
 def draw_safely(out, draw, *args) -> None:
