@@ -17,6 +17,11 @@ resumed from.
   (nothing is deleted). A checkpoint of another run starts a branch: allowed only into a folder
   that holds no run yet; the branch gets its own id and records where it came from.
 
+Setting files aside is journaled: `superseded/<time>/rewind.json` is written first and removed
+last, and every step in between can be done again, so a start killed half-way (metrics cut,
+checkpoints not yet moved) is finished by the next start, under the lock, before it looks at the
+folder (`recover`).
+
 Continuing a run (auto, or a rewind) compares the training config (`trainer`, `optim`, `data`)
 with the checkpoint's: a difference that changes the numbers the run computes is refused in one
 line listing the keys unless named in `allow_changes=[key, group, ...]`; accepted changes go
@@ -42,7 +47,7 @@ from training.checkpoint import (ANY_RUN, DATA_CHANGES, CheckpointError, check_m
 from training.dcp import is_sharded_checkpoint
 from training.export import WEIGHTS_NAME
 from training.loggers import MetricsFile
-from training.runfiles import TEXT, append_line, read_json_lines
+from training.runfiles import TEXT, append_line, read_json_lines, remove_temp_files, write_text
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,7 @@ class Start:
     state: dict | None = None
     parent: dict | None = None                 # a branch's origin: {"id", "step", "checkpoint"}
     superseded: list[Path] = field(default_factory=list)   # a rewind's later checkpoints, moved aside
+    sets_aside: bool = False                                # later files (checkpoints, rows, weights) go aside
     changes: dict = field(default_factory=dict)             # accepted config differences: key -> [old, new]
     step: int = 0                                           # the checkpoint's step
 
@@ -244,7 +250,7 @@ def _plan_path(run_dir: Path, path: Path, usable: dict, own: str | None) -> Star
     if (source is not None and source == own) or (source is None and own is None and in_own_folder):
         later = [p for p, r in usable.items() if r == own and step_of(p) > int(state["step"])]
         return Start(own, "rewind" if later else "resume", path, state,
-                     (state.get("lineage") or {}).get("parent"), superseded=later)
+                     (state.get("lineage") or {}).get("parent"), superseded=later, sets_aside=bool(later))
     raise CheckpointError(f"resume={path}: that checkpoint belongs to run {source or 'unrecorded'}, but run.dir="
                           f"{run_dir} holds run {own or 'unrecorded'} ({evidence}): one folder holds one run; "
                           f"branch into an empty run.dir, or continue this one with resume=auto")
@@ -309,32 +315,86 @@ def _describe(diffs: dict) -> str:
 # ----------------------------------------------------------------------------- writing it down
 
 def superseded_dir(run_dir: str | Path, start: Start) -> Path | None:
-    """Where a rewind moves its run's later files (None when nothing is superseded)."""
-    if not start.superseded:
+    """Where a rewind (or a restart from step 0) moves its run's later files (None when nothing is set aside)."""
+    if not start.sets_aside:
         return None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return Path(run_dir) / SUPERSEDED_DIR / f"{stamp}-after-step_{start.step:08d}"
 
 
+REWIND_PLAN = "rewind.json"   # in a superseded/ folder while its files are being moved there
+
+
 def record(run_dir: str | Path, start: Start, aside: Path | None, data_change: dict | None = None) -> None:
-    """Move a rewind's later checkpoints and final weights to `aside`, then append the start to
-    lineage.jsonl (and a data change to data_changes.jsonl). Called once the run is accepted."""
+    """Append the start to lineage.jsonl (and a data change to data_changes.jsonl); with `aside`,
+    first move the run's files past the start's step there (set_aside). Called once the run is
+    accepted, on the process that writes."""
     run_dir = Path(run_dir)
-    if aside is not None:
-        (aside / "checkpoints").mkdir(parents=True, exist_ok=True)
-        for path in start.superseded:
-            path.replace(aside / "checkpoints" / path.name)
-        if (run_dir / WEIGHTS_NAME).exists():
-            (run_dir / WEIGHTS_NAME).replace(aside / WEIGHTS_NAME)
-        log.warning("rewound to step %d: the later checkpoints, metrics and weights are in %s", start.step, aside)
     row = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run_id": start.run_id,
            "event": start.event, "step": start.step, "checkpoint": str(start.checkpoint) if start.checkpoint else None}
     if start.parent and start.event == "branch":
         row["parent"] = start.parent
     if start.changes:
         row["changes"] = start.changes
-    if aside is not None:
-        row["superseded"] = str(aside.relative_to(run_dir))
-    append_line(run_dir / LINEAGE_FILE, json.dumps(row))
-    if data_change is not None:
-        append_line(run_dir / DATA_CHANGES, json.dumps(data_change))
+    if aside is None:
+        append_line(run_dir / LINEAGE_FILE, json.dumps(row))
+        if data_change is not None:
+            append_line(run_dir / DATA_CHANGES, json.dumps(data_change))
+        return
+    row["superseded"] = str(aside.relative_to(run_dir))
+    aside.mkdir(parents=True, exist_ok=True)
+    write_text(aside / REWIND_PLAN, json.dumps({"step": start.step, "run_id": start.run_id, "lineage": row,
+                                                "data_change": data_change}))
+    set_aside(run_dir, aside)
+    if start.event == "rewind":
+        log.warning("rewound to step %d: the later checkpoints, metrics and weights are in %s", start.step, aside)
+    else:
+        log.warning("started over from step 0: the %s rows logged before are in %s", METRICS_FILE, aside)
+
+
+def set_aside(run_dir: Path, aside: Path) -> None:
+    """Carry out the plan in `aside`/rewind.json: the run's metrics rows past its step, its later
+    checkpoints and the final weights into `aside`, then the lineage (and data change) rows, then
+    the plan removed. Each step can be done again after a kill (idempotent), in this order: the
+    rows are copied before they are cut, files are moved by one rename each, a row already appended
+    is not appended twice."""
+    plan = json.loads((aside / REWIND_PLAN).read_text())
+    step, run_id = int(plan["step"]), plan["run_id"]
+    metrics = run_dir / METRICS_FILE
+    rows = MetricsFile.read(metrics) if metrics.is_file() else []
+    if any(r["step"] > step for r in rows):
+        MetricsFile.write(aside / METRICS_FILE, [r for r in rows if r["step"] > step])
+        MetricsFile.write(metrics, [r for r in rows if r["step"] <= step])
+    later = [p for p in list_checkpoints(checkpoint_dir(run_dir)) if step_of(p) > step and _is_of(p, run_id)]
+    if later:
+        (aside / "checkpoints").mkdir(exist_ok=True)
+    for path in later:
+        path.replace(aside / "checkpoints" / path.name)
+    if (run_dir / WEIGHTS_NAME).exists():
+        (run_dir / WEIGHTS_NAME).replace(aside / WEIGHTS_NAME)
+    lineage = run_dir / LINEAGE_FILE
+    recorded = read_json_lines(lineage, LINEAGE_FIELDS) if lineage.is_file() else []
+    if not any(r.get("superseded") == plan["lineage"]["superseded"] for r in recorded):
+        append_line(lineage, json.dumps(plan["lineage"]))
+    change, changes = plan.get("data_change"), run_dir / DATA_CHANGES
+    if change is not None and change not in (read_json_lines(changes, {}) if changes.is_file() else []):
+        append_line(changes, json.dumps(change))
+    (aside / REWIND_PLAN).unlink()
+
+
+def _is_of(path: Path, run_id: str | None) -> bool:
+    try:
+        return peek_lineage(path) == run_id
+    except CheckpointError:   # unreadable: whoever wrote it, it stays where it is
+        return False
+
+
+def recover(run_dir: str | Path) -> None:
+    """What a start or a save killed half-way left in `run_dir`, put right before a new start looks
+    at the folder (under its lock, on the process that writes): a rewind or restart whose files were
+    being set aside is finished, and the temporary files of the run's own names are removed."""
+    run_dir = Path(run_dir)
+    for plan in sorted((run_dir / SUPERSEDED_DIR).glob(f"*/{REWIND_PLAN}")):
+        log.warning("finishing the setting aside of %s that an interrupted start left half done", plan.parent)
+        set_aside(run_dir, plan.parent)
+    remove_temp_files(run_dir)

@@ -42,6 +42,15 @@ def temp_path(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
+def remove_temp_files(run_dir: str | Path) -> None:
+    """The temporary files of the run's own names (`model.safetensors.tmp` as big as the weights,
+    `metrics.jsonl.tmp`, ...) that a process killed mid-write left: removed (links too, never followed)."""
+    for name in RUN_NAMES:
+        tmp = temp_path(Path(run_dir) / name)
+        if tmp.is_symlink() or tmp.is_file():
+            tmp.unlink()
+
+
 @contextmanager
 def new_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     """`path`'s temporary file, created exclusively, fsynced and renamed over `path` on success;

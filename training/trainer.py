@@ -39,7 +39,7 @@ from training.hf import load_hf_weights
 from training.loggers import Loggers
 from training.metrics import Throughput, mfu, peak_flops
 from training.optim import build_optimizer, lr_at
-from training.resume import plan_start, record, superseded_dir
+from training.resume import plan_start, record, recover, superseded_dir
 from training.rng import rng_state, seed_everything
 from training.runfiles import write_text
 from training.runlock import RunDirLock
@@ -228,6 +228,9 @@ class Trainer:
 
     def _build(self, cfg: DictConfig, device: torch.device, micro_steps: int) -> None:
         t = cfg.trainer
+        if self.env.is_main:   # what a start or save killed half-way left, put right (the writer, holding the lock)
+            recover(self.run_dir)
+        barrier(self.env)
         self.start = plan_start(cfg, self.run_dir)  # which checkpoint, which run: refusals before any work
         seed_everything(cfg.seed)
         self.data = self._on_local_rank0_first(lambda: build_data(  # a CP group's ranks read the same windows
@@ -337,9 +340,9 @@ class Trainer:
     def _open_run_files(self, cfg: DictConfig, config: dict) -> Loggers:
         """Rank 0, once the run is accepted: the loggers (wandb first: it is the one that can fail),
         a rewind's later files set aside, the start in lineage.jsonl, config.yaml, the tokenizer."""
-        aside = superseded_dir(self.run_dir, self.start)
-        loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id, aside)
-        record(self.run_dir, self.start, aside, self.data_change)
+        loggers = Loggers(cfg, self.run_dir, config, self.wandb_id)
+        record(self.run_dir, self.start, superseded_dir(self.run_dir, self.start), self.data_change)
+        loggers.open_metrics(self.step if self.resumed_from else None)
         write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
         save_tokenizer(self.data.tokenizer, self.run_dir)  # evals and generation need no corpus
         return loggers
