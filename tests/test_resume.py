@@ -144,6 +144,37 @@ def test_a_rewind_killed_half_way_is_finished_by_the_next_start(tmp_path, cache_
     assert (aside / "model.safetensors").read_bytes() == ending and not (aside / "rewind.json").exists()
 
 
+def test_a_run_stopped_before_its_first_checkpoint_restarts_with_the_same_command(tmp_path, cache_dir, capsys,
+                                                                                  caplog, monkeypatch):
+    """A file-size limit stopped the first save and said `rerun with resume=auto`; that rerun refused
+    (metrics.jsonl but no checkpoint). Now it starts over from step 0, saying so, and keeps the rows
+    it had logged aside."""
+    import errno
+
+    import torch
+
+    assert run_in_process(tiny_overrides(tmp_path / "reference", cache_dir, steps=4)) == 0
+    overrides = tiny_overrides(tmp_path / "run", cache_dir, steps=4, resume="auto")
+
+    def too_large(*args, **kwargs):
+        raise OSError(errno.EFBIG, "File too large")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", too_large)
+        assert run_in_process(overrides) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "raise the file-size limit (ulimit -f) and rerun with resume=auto; no checkpoint was saved yet")
+    assert run_in_process(overrides) == 0
+    assert "(the run stopped before its first was saved): starting over from step 0" in caplog.text
+    run = tmp_path / "run"
+    assert losses(run) == losses(tmp_path / "reference")
+    rows = [json.loads(line) for line in (run / "lineage.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in rows] == [("start", 0), ("restart", 0)]
+    assert rows[0]["run_id"] == rows[1]["run_id"]
+    kept = (run / rows[1]["superseded"] / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in kept] == [1, 2, 3, 4]
+
+
 KILL_IN_THE_FINAL_EXPORT = """
 import safetensors.torch
 def half_written_then_die(tensors, filename, *args, **kwargs):

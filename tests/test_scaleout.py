@@ -159,6 +159,27 @@ def test_max_restarts_after_a_killed_rank_continues_bit_identically(fsdp_run, tm
     assert 4 <= rows[1]["step"] <= 12
 
 
+@pytest.mark.slow
+def test_max_restarts_after_a_rank_killed_before_the_first_checkpoint_finishes_the_run(single_run, tmp_path,
+                                                                                        cache_dir):
+    """Every restart used to refuse (metrics.jsonl but no checkpoint) until torchrun gave up: now the
+    restarted workers start over from step 0 and keep the first attempt's rows aside."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+               "--max-restarts=2", str(REPO / "train.py"),
+               *dist_overrides(run_dir, cache_dir, resume="auto", **{"trainer.ckpt_every": 0})]   # saves at the end only
+    log = tmp_path / "torchrun.log"
+    launcher = start(command, log)
+    wait_for_rows(run_dir, 3, log, launcher)
+    os.kill(worker_pids(launcher)[1], signal.SIGKILL)
+    assert launcher.wait(timeout=180) == 0, tail(log)
+    assert_losses_close(losses(run_dir), losses(single_run))   # every step once, from step 1
+    rows = [json.loads(line) for line in (run_dir / "lineage.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in rows] == [("start", 0), ("restart", 0)], rows
+    kept = [json.loads(line)["step"] for line in (run_dir / rows[1]["superseded"] / "metrics.jsonl").read_text().splitlines()]
+    assert kept[:3] == [1, 2, 3] and kept == list(range(1, len(kept) + 1)) and len(kept) < STEPS
+
+
 # ----------------------------------------------------------------------------- two torchrun agents: two "nodes"
 
 NODES = 2

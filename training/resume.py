@@ -9,9 +9,10 @@ resumed from.
 
 - `resume=null` (fresh): refused where the folder already holds a run (checkpoints,
   `metrics.jsonl` rows, `model.safetensors`).
-- `resume=auto`: the newest usable checkpoint of the folder's run. No usable one: start at
-  step 0 if the folder holds nothing else of a run, otherwise refuse (starting over would
-  shrink its metrics and replace its weights).
+- `resume=auto`: the newest usable checkpoint of the folder's run. None at all (the run stopped
+  before its first save): start over from step 0, its `metrics.jsonl` rows moved to
+  `superseded/<time>/`. Unusable ones only, or final weights without checkpoints: refuse
+  (starting over would replace what they are evidence of).
 - `resume=<file>`: a checkpoint of the folder's own run rewinds it: its checkpoints past that
   step, their metrics rows and the final `model.safetensors` are moved to `superseded/<time>/`
   (nothing is deleted). A checkpoint of another run starts a branch: allowed only into a folder
@@ -231,12 +232,17 @@ def _plan_auto(run_dir: Path, usable: dict, unusable: list, own: str | None) -> 
         raise CheckpointError(f"resume=auto: every checkpoint in {ckpt_dir} belongs to another run than "
                               f"run.dir={run_dir}'s own ({own or 'unrecorded'}): move them out, or branch from one "
                               f"with resume=<its path> into an empty run.dir")
-    evidence = run_evidence(run_dir)
-    if evidence:
-        raise CheckpointError(f"resume=auto: run.dir={run_dir} holds {evidence} but no checkpoint: starting over "
-                              f"would replace them; move them aside (or choose another run.dir) to start from step 0")
-    log.info("resume=auto: no checkpoint in %s, starting from step 0", ckpt_dir)
-    return Start(own or new_run_id(), "restart" if own else "start")
+    if (run_dir / WEIGHTS_NAME).exists():   # a finished run whose checkpoints were removed
+        raise CheckpointError(f"resume=auto: run.dir={run_dir} holds {run_evidence(run_dir)} but no checkpoint: "
+                              f"starting over would replace them; move them aside (or choose another run.dir) to "
+                              f"start from step 0")
+    steps = metric_steps(run_dir)
+    if steps:   # stopped before its first checkpoint: nothing to continue from, nothing lost by starting over
+        log.warning("resume=auto: no checkpoint in %s (the run stopped before its first was saved): starting over "
+                    "from step 0", ckpt_dir)
+    else:
+        log.info("resume=auto: no checkpoint in %s, starting from step 0", ckpt_dir)
+    return Start(own or new_run_id(), "restart" if own or steps else "start", sets_aside=bool(steps))
 
 
 def _plan_path(run_dir: Path, path: Path, usable: dict, own: str | None) -> Start:
