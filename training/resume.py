@@ -306,12 +306,33 @@ def accepted_changes(start: Start, cfg: DictConfig, run_dir: Path) -> dict[str, 
         allow.append("data")  # continuing on other data: the data keys say which
     refused = {k: v for k, v in diffs.items() if not _allowed(k, allow)}
     if refused:
+        allow_them = (f"pass allow_changes=[{','.join(refused)}] to continue with the new values (recorded in "
+                      f"{run_dir / LINEAGE_FILE})")
+        preset = left_out_preset(start.state["config"], cfg, refused)
+        advice = (f"the run was made with experiment={preset}, which this command leaves out: add "
+                  f"experiment={preset} (as the run's `resume with:` line does), or {allow_them}" if preset
+                  else f"{allow_them}, or the checkpoint's values")
         raise CheckpointError(f"checkpoint {start.checkpoint} was trained with other training settings: "
-                              f"{_describe(refused)}; pass allow_changes=[{','.join(refused)}] to continue with the "
-                              f"new values (recorded in {run_dir / LINEAGE_FILE}), or the checkpoint's values")
+                              f"{_describe(refused)}; {advice}")
     if diffs:
         log.warning("continuing with changed training settings (allow_changes): %s", _describe(diffs))
     return diffs
+
+
+def left_out_preset(saved_cfg: dict, cfg: DictConfig, refused: dict[str, list]) -> str | None:
+    """The preset (configs/experiment/) the checkpoint's run was made with, when this command left
+    it out: the one its run.name names (each preset names its runs after itself), when this run's
+    name differs and the preset sets the refused keys it sets to the checkpoint's values."""
+    from training.config import CONFIG_DIR
+    from training.runs import flatten
+
+    name = (saved_cfg.get("run") or {}).get("name")
+    path = CONFIG_DIR / "experiment" / f"{name}.yaml"
+    if not name or name == cfg.run.get("name") or not path.is_file():
+        return None
+    preset = flatten(OmegaConf.to_container(OmegaConf.load(path)))
+    set_there = [key for key in refused if key in preset]
+    return name if set_there and all(preset[key] == refused[key][0] for key in set_there) else None
 
 
 def _describe(diffs: dict) -> str:
