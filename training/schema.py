@@ -159,6 +159,7 @@ class TrainerConfig:
     dist_timeout_s: float = ranged(600.0, gt=0)
     context_parallel: int = ranged(1, ge=1)
     deterministic: bool = False        # true: every CUDA kernel of the step deterministic (bit-identical resume)
+    cpu_threads: Optional[int] = ranged(None, ge=1)   # null: chosen at start (training.device.cpu_threads)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -29,7 +30,7 @@ from training.checkpoint import (CheckpointError, CheckpointWriteError, checkpoi
                                  save_sharded_checkpoint)
 from training.dcp import consolidate, is_sharded_checkpoint, load_sharded, optimizer_by_index
 from training.context_parallel import check_context_parallel, context_parallel_loss, context_parallel_size
-from training.device import autocast, resolve_precision
+from training.device import autocast, cpu_threads, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, check_launcher, env_world, init_distributed,
                                   is_sharded, local_grad_accum, set_gradient_sync, wrap_model)
 from training.evaluate import evaluate_loss
@@ -232,6 +233,8 @@ class Trainer:
             recover(self.run_dir)
         barrier(self.env)
         self.start = plan_start(cfg, self.run_dir)  # which checkpoint, which run: refusals before any work
+        if device.type == "cpu":
+            self._set_cpu_threads(cfg)
         seed_everything(cfg.seed)
         self.data = self._on_local_rank0_first(lambda: build_data(  # a CP group's ranks read the same windows
             cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.dp_rank, world_size=self.env.dp_size,
@@ -265,6 +268,16 @@ class Trainer:
             self.train_step.load_optimizer(optimizer_state.state)
         self.document_mask = bool(cfg.data.get("document_mask", False))
         self.val_batches = self.data.val_batches(t.batch_size, t.eval_batches, self.document_mask)
+
+    def _set_cpu_threads(self, cfg: DictConfig) -> None:
+        """torch's threads, chosen (training.device.cpu_threads) and recorded in the config, so the
+        run's checkpoints carry the count a resume takes again."""
+        saved = (self.start.state or {}).get("config", {}).get("trainer", {}).get("cpu_threads")
+        threads, self.cpu_threads_reason = cpu_threads(cfg.trainer.cpu_threads,
+                                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")), saved)
+        torch.set_num_threads(threads)
+        with open_dict(cfg):
+            cfg.trainer.cpu_threads = threads
 
     @property
     def optimizer(self):
@@ -401,6 +414,8 @@ class Trainer:
                  f", {env.world_size} processes ({t.parallel}"
                  f"{f', context_parallel={env.cp_size}' if env.cp_size > 1 else ''})" if env.enabled else "",
                  f", resumed from {self.resumed_from} (step {self.step})" if self.resumed_from else "")
+        if self.device.type == "cpu":
+            log.info("CPU threads: %d (%s)", t.cpu_threads, self.cpu_threads_reason)
         return report
 
     def _progress_bar(self) -> tqdm:
