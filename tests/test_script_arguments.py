@@ -38,8 +38,8 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("start=0", "start=0: must be a positive integer"),
-    ("granularity=1000", "start=1024 is not a multiple of granularity=1000"),
+    ("start=0", "start=0: must be null or a positive integer"),
+    ("granularity=1000", "start=64 is not a multiple of granularity=1000"),   # the CPU's default start
     ("memory_budget_mb=-5", "memory_budget_mb=-5.0: must be null or a number > 0"),
 ])
 def test_max_context_refuses_bad_search_settings(tmp_path, monkeypatch, capsys, override, message):
