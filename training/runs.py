@@ -15,7 +15,12 @@ from omegaconf import OmegaConf
 
 from training.loggers import MetricsFile
 
-IGNORED_KEYS = ("run.dir", "run.latest")   # differ between any two runs, or say nothing about them
+# Keys a comparison leaves out: they differ between any two runs (run.dir), or change nothing the
+# table or the curves show, neither the numbers a run computes nor its speed (how it was started,
+# where its cache is, how often it checkpoints, whether it draws a progress bar).
+IGNORED_KEYS = ("run.dir", "run.latest", "resume", "allow_changes", "trainer.progress", "trainer.ckpt_every",
+                "trainer.keep_ckpts", "trainer.dist_timeout_s", "data.cache_dir", "data.verify_cache",
+                "data.allow_changed", "logger.init_timeout_s")
 
 
 @dataclass
