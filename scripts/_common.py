@@ -311,7 +311,12 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
         table.add_column(header, justify="left" if header == headers[0] else "right")
     for row in rows:
         table.add_row(*(str(cell) for cell in row))
-    console().print(table)
+    out = console()
+    if not out.is_terminal:   # a log: as wide as the table, never cut or wrapped at the console's width
+        from rich.console import Console
+
+        out = Console(width=max(out.width, Console(width=1 << 16).measure(table).maximum))
+    out.print(table)
 
 
 def save_figure(fig, path: Path) -> None:

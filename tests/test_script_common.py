@@ -61,3 +61,14 @@ def test_outputs_are_git_ignored():
     ignored = (Path(__file__).resolve().parent.parent / ".gitignore").read_text().split()
     assert "/outputs/" in ignored and "/benchmarks/" not in ignored
     assert _common.OUTPUTS == _common.REPO_ROOT / "outputs"
+
+
+def test_a_wide_table_in_a_log_is_printed_whole(capsys):
+    """Off a terminal the console was 200 columns wide: compare_runs' table of many differing keys
+    came out with its cells cut to '…'."""
+    headers = ["run", *(f"model.key_{i:02d}" for i in range(14))]
+    rows = [[f"runs/sweep-{j}", *(f"value-{i:02d}-{j}-abcdefgh" for i in range(14))] for j in range(2)]
+    _common.print_table("wide", headers, rows)
+    out = capsys.readouterr().out
+    assert "…" not in out and max(map(len, out.splitlines())) > 200
+    assert all(cell in out for row in rows for cell in row) and all(h in out for h in headers)
