@@ -119,6 +119,22 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise ValueError(f"{message} (--help lists the options)")
 
+    def parse_args(self, *args, **kwargs):
+        return self._checked(super().parse_args(*args, **kwargs))
+
+    def parse_intermixed_args(self, *args, **kwargs):
+        return self._checked(super().parse_intermixed_args(*args, **kwargs))
+
+    def _checked(self, namespace):
+        """train.py's key=value overrides, where a tool takes them: a key given twice is refused
+        (Hydra would take the last one silently), as train.py refuses it."""
+        from training.config import repeated_override
+
+        repeated = repeated_override(list(getattr(namespace, "overrides", None) or []))
+        if repeated:
+            raise ValueError(repeated)
+        return namespace
+
 
 def argument_parser(doc: str | None, **kwargs) -> ArgumentParser:
     """Every tool's parser: its whole docstring (the examples) as --help's description."""

@@ -66,3 +66,18 @@ def hydra_callbacks(overrides: list[str]) -> list[str]:
     finally:
         GlobalHydra.instance().clear()
     return names
+
+
+def repeated_override(overrides: list[str]) -> str | None:
+    """The error line for a key given twice on a command line (Hydra would take the last one and say
+    nothing), or None. `key=`, `+key=` and `++key=` name the same key; flags are not overrides."""
+    seen: dict[str, str] = {}
+    for override in overrides:
+        if override.startswith("-") or "=" not in override:
+            continue
+        key, value = override.split("=", 1)
+        key = key.lstrip("+~")
+        if key in seen:
+            return f"{key} is given twice ({seen[key]}, then {value}): pass it once"
+        seen[key] = value
+    return None
