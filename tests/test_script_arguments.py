@@ -45,7 +45,8 @@ def trained(tmp_path_factory):
 def test_max_context_refuses_bad_search_settings(tmp_path, monkeypatch, capsys, override, message):
     for suffix in (".json", ".md"):
         (tmp_path / f"mc{suffix}").write_text(SENTINEL)
-    line = run_script(max_context, ["model.vocab_size=256", "--attention", "naive", "memory_budget_mb=8", "device=cpu",
+    budget = [] if override.startswith("memory_budget_mb=") else ["memory_budget_mb=8"]
+    line = run_script(max_context, ["model.vocab_size=256", "--attention", "naive", *budget, "device=cpu",
                                     "--out", str(tmp_path), "--name", "mc", override], monkeypatch, capsys)
     assert message in line, line
     assert all((tmp_path / f"mc{s}").read_text() == SENTINEL for s in (".json", ".md"))

@@ -391,11 +391,12 @@ class Trainer:
         except (FloatingPointError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 (_failed re-raises the rest)
             return self._failed(e)
         exit_code = stop.exit_code or agreed.exit_code
+        last_loss = self.mean_over_ranks(self._loss) if self._loss is not None else None   # the last step's, logged or not
         self._close(exit_code)
         if exit_code and self.env.is_main:
             log.warning("%s: checkpoint saved at step %d", stop_reason(exit_code - 128), self.step)
         if self.env.is_main:
-            report.finish(self.step, t.max_steps, self.tokens, exit_code)
+            report.finish(self.step, t.max_steps, self.tokens, exit_code, last_loss)
         return exit_code
 
     def _start_run(self) -> RunReport | None:
