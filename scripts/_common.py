@@ -109,7 +109,8 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
 
 # One CLI for every tool: argparse options, the same names for the same idea, and train.py's own
 # `key=value` overrides as positional arguments wherever a tool builds from the training config.
-OUTPUTS = REPO_ROOT / "outputs"   # git-ignored; benchmarks/ holds committed results only
+OUTPUTS_ENV = "FLASHTRAIN_OUTPUTS"   # another folder for the tools' default results (the tests use a temporary one)
+OUTPUTS = Path(os.environ.get(OUTPUTS_ENV) or REPO_ROOT / "outputs")   # git-ignored; benchmarks/ holds committed results
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -166,8 +167,9 @@ def existing_path(text: str) -> Path:
 
 
 def add_out_argument(parser, script: str, dest: str = "out") -> None:
-    """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored), so an ad-hoc
-    run never rewrites the committed results; `--out benchmarks/<topic>` writes those, on purpose.
+    """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored; under
+    $FLASHTRAIN_OUTPUTS when set), so an ad-hoc run never rewrites the committed results;
+    `--out benchmarks/<topic>` writes those, on purpose.
     A folder that is a file, lies under one or cannot be written is refused as the arguments are parsed."""
     parser.add_argument("--out", dest=dest, type=output_folder, default=OUTPUTS / script,
                         help=f"folder for the results (default outputs/{script}/; committed results: --out benchmarks/<topic>)")

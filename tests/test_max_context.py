@@ -114,7 +114,7 @@ def config_from_args(argv: list[str]):
 def test_the_default_output_is_outside_the_committed_results():
     """An ad-hoc search writes under outputs/ (git-ignored); benchmarks/ only with --out benchmarks."""
     cfg = config_from_args(["model.vocab_size=256"])
-    assert Path(cfg.out_dir) == _common.REPO_ROOT / "outputs" / "max_context"
+    assert Path(cfg.out_dir) == _common.OUTPUTS / "max_context"   # the checkout's outputs/ outside the tests
     assert config_from_args(["--out", "benchmarks"]).out_dir == "benchmarks"
 
 
