@@ -143,6 +143,8 @@ def main(argv: list[str]) -> None:
                          f"{args.ckpt_every}) before --steps {args.steps}")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    if not torch.cuda.is_available() and "device=cpu" not in args.overrides:   # gpt2-small for hours, otherwise
+        raise ValueError("no CUDA device: this check measures GPU runs; device=cpu runs its plumbing on the CPU")
     device = torch.device("cuda" if torch.cuda.is_available() and "device=cpu" not in args.overrides else "cpu")
     name = args.name or f"resume_{device_slug(device)}"
     args.out.mkdir(parents=True, exist_ok=True)  # before any work: an unwritable --out fails now
