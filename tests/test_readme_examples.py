@@ -219,7 +219,8 @@ def test_every_documented_tool_command_works_on_the_first_try(command, workdir, 
 
 
 def check_the_cpu_comparison(out: str) -> None:
-    """The README's CPU command: naive, sdpa and flash (interpreted) all measured, and they differ."""
+    """`python scripts/max_context.py` on a CPU: naive, sdpa and flash (interpreted) all measured, and
+    they differ."""
     import json
 
     stem = re.search(r"wrote (\S+)\.json", out).group(1)

@@ -103,10 +103,11 @@ def wait_for(path: Path, text: str, proc, timeout: float = 120) -> None:
 def test_a_default_run_logged_to_files_points_latest_and_stops_in_one_line(tmp_path, cache_dir):
     """`python train.py` with its output redirected: the log opens with the run folder,
     outputs/latest points at it, stderr has no progress frame, and Ctrl-C twice ends in one line."""
-    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=100_000) if not o.startswith("run.dir=")]
+    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=100_000, **{"trainer.progress": "true"})
+                 if not o.startswith("run.dir=")]
     out, err = tmp_path / "out.log", tmp_path / "err.log"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides, "trainer.progress=true"],
+        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides],
                                 cwd=tmp_path, env=subprocess_env(), stdout=stdout, stderr=stderr)
         try:
             wait_for(out, "step 3/", proc)

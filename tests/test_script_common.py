@@ -27,7 +27,7 @@ def test_commit_from_git_otherwise(monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--attention", "bogus"], "error: --attention: 'bogus' is not registered"),
     (["impls=[naive]"], "error: unknown config key 'impls'"),   # the old name: one name, --attention, now
-    (["start=abc"], "error: start='abc': must be a positive integer"),
+    (["start=abc"], "error: start='abc': must be null or a positive integer"),
     (["model=nosuch"], "error: In 'train': Could not find 'model/nosuch'"),
 ])
 def test_bad_input_is_one_line_on_stderr(args, message):

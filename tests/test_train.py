@@ -164,7 +164,8 @@ def test_no_progress_bar_frames_when_stderr_is_not_a_terminal(tmp_path, cache_di
 
 def test_multirun_reports_a_failed_job_and_runs_the_rest(tmp_path, cache_dir):
     """A failing job of `-m` must not end the sweep; the exit status still says one failed."""
-    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=2) if not o.startswith("run.dir=")]
+    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=2) if not o.startswith(("run.dir=",
+                                                                                              "trainer.batch_size="))]
     proc = run_subprocess(["-m", *overrides, "trainer.batch_size=0,4", f"hydra.sweep.dir={tmp_path}/sweep"])
     assert proc.returncode == 2
     assert "job 0 failed (exit status 2)" in proc.stdout + proc.stderr
