@@ -238,7 +238,8 @@ def test_two_nodes_train_as_one_stop_together_and_restart_after_a_kill(tmp_path,
     reference = tmp_path / "one"
     assert run_in_process(dist_overrides(reference, cache_dir, **{"trainer.grad_accum": ranks})) == 0
     run_dir = tmp_path / "run"
-    overrides = dist_overrides(run_dir, None, resume="auto", **{"trainer.grad_accum": ranks})   # caches: per node
+    overrides = [o for o in dist_overrides(run_dir, None, resume="auto", **{"trainer.grad_accum": ranks})
+                 if not o.startswith("data.cache_dir=")]   # caches: per node, given by start_two_nodes
 
     agents, logs = start_two_nodes(tmp_path, overrides, "stop")
     wait_for_rows(run_dir, 6, logs[0], *agents)
