@@ -48,10 +48,12 @@ COMPARED = ("loss", "grad_norm", "lr", "val_loss")   # every logged value but th
 
 
 def train_command(run_dir: Path, cache: Path, args, deterministic: bool, resume: bool) -> list[str]:
-    return [sys.executable, str(REPO_ROOT / "train.py"), *GPT2, f"run.dir={run_dir}", f"data.cache_dir={cache}",
-            f"trainer.max_steps={args.steps}", f"trainer.ckpt_every={args.ckpt_every}",
-            f"trainer.deterministic={str(deterministic).lower()}", *(["resume=auto"] if resume else []),
-            *args.overrides]
+    from training.config import merge_overrides
+
+    return [sys.executable, str(REPO_ROOT / "train.py"), *merge_overrides(
+        GPT2, [f"run.dir={run_dir}", f"data.cache_dir={cache}", f"trainer.max_steps={args.steps}",
+               f"trainer.ckpt_every={args.ckpt_every}", f"trainer.deterministic={str(deterministic).lower()}",
+               *(["resume=auto"] if resume else [])], args.overrides)]
 
 
 def child_env() -> dict:
