@@ -184,7 +184,8 @@ def plan_start(cfg: DictConfig, run_dir: str | Path) -> Start:
     run_dir, resume = Path(run_dir), cfg.get("resume")
     ckpt_dir, max_steps = checkpoint_dir(run_dir), int(cfg.trainer.max_steps)
     check_allow_changes(cfg)
-    metric_steps(run_dir), recorded_run_id(run_dir)   # a hand-edited row: one line now, before any work
+    for read in (metric_steps, recorded_run_id):   # a hand-edited row of either file: one line now, before any work
+        read(run_dir)
     if resume is None:
         if list_checkpoints(ckpt_dir):
             raise ValueError(f"run.dir={run_dir} already holds checkpoints: pass resume=auto to continue "
