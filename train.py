@@ -128,7 +128,12 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"   # Hydra's 
 
 def check_before_hydra(argv: list[str]) -> None:
     """What must be refused before Hydra starts (it creates run.dir and instantiates callbacks
-    first): a run.dir that cannot be a folder, and hydra.callbacks from a config (code)."""
+    first): a key given twice, a run.dir that cannot be a folder, and hydra.callbacks from a config (code)."""
+    from training.config import repeated_override
+
+    repeated = repeated_override(argv)
+    if repeated:
+        sys.exit(report(repeated))
     for value in (a.split("=", 1)[1] for a in argv if a.startswith("run.dir=")):
         folder = Path(value).expanduser()
         if not value.strip():

@@ -173,13 +173,23 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
 
 
 def load(path: Path, verify: bool = True) -> TokenCache:
-    """Open a cache folder; raises InvalidCache when it is incomplete or altered."""
+    """Open a cache folder; raises InvalidCache when it is incomplete, altered, or its manifest is
+    not the object `build` writes (a hand-edited or foreign manifest.json is rebuilt, not trusted)."""
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError) as e:
         raise InvalidCache(f"unreadable manifest.json: {e}") from None
-    if manifest.get("version") != CACHE_VERSION:
-        raise InvalidCache(f"version {manifest.get('version')} != {CACHE_VERSION}")
+    if not isinstance(manifest, dict) or manifest.get("version") != CACHE_VERSION:
+        raise InvalidCache(f"manifest.json is not a version {CACHE_VERSION} manifest")
+    try:
+        return _open(path, manifest, verify)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, OSError, EOFError) as e:
+        raise InvalidCache(f"manifest.json or the files it lists are malformed ({type(e).__name__}: {e})") from None
+
+
+def _open(path: Path, manifest: dict, verify: bool) -> TokenCache:
+    if set(manifest["files"]) != set(FILES):
+        raise InvalidCache(f"manifest.json lists {sorted(manifest['files'])}, not {list(FILES)}")
     for f, expect in manifest["files"].items():
         p = path / f
         if not p.is_file() or p.stat().st_size != expect["size"]:

@@ -66,7 +66,12 @@ class JsonTokenizer:
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise ValueError(f"tokenizer file not found: {self.path}")
-        self._tok = Tokenizer.from_file(str(self.path))
+        try:
+            self._tok = Tokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001 (the library raises a bare Exception for any bad file)
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"tokenizer file {self.path} is not a tokenizer.json the tokenizers library reads "
+                             f"({reason})") from None
         eot = self._tok.token_to_id(eot_token)
         if eot is None:
             raise ValueError(

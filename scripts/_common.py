@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any, Callable, Iterator, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -89,20 +90,27 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
     FLASHTRAIN_TRACEBACK=1 shows the whole traceback instead."""
     try:
         main(sys.argv[1:])
-    except Exception as exc:  # noqa: BLE001 (only bad input is caught; anything else re-raised)
+    except Exception as exc:  # noqa: BLE001 (only bad input and the machine's faults are caught; a bug re-raised)
         from training.config_errors import config_error_line, is_config_error   # only then: tools run without Hydra
+        from training.faults import os_error_line
 
-        if not isinstance(exc, (ValueError, FileNotFoundError)) and not is_config_error(exc) \
+        if not isinstance(exc, (ValueError, OSError)) and not is_config_error(exc) \
                 or os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
             raise
-        line = config_error_line(exc) if is_config_error(exc) else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if is_config_error(exc):
+            line = config_error_line(exc)
+        elif isinstance(exc, OSError):   # a full disk, a read-only folder: what and where, and what to do
+            line = os_error_line(exc)
+        else:
+            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 # One CLI for every tool: argparse options, the same names for the same idea, and train.py's own
 # `key=value` overrides as positional arguments wherever a tool builds from the training config.
-OUTPUTS = REPO_ROOT / "outputs"   # git-ignored; benchmarks/ holds committed results only
+OUTPUTS_ENV = "FLASHTRAIN_OUTPUTS"   # another folder for the tools' default results (the tests use a temporary one)
+OUTPUTS = Path(os.environ.get(OUTPUTS_ENV) or REPO_ROOT / "outputs")   # git-ignored; benchmarks/ holds committed results
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -111,6 +119,22 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise ValueError(f"{message} (--help lists the options)")
+
+    def parse_args(self, *args, **kwargs):
+        return self._checked(super().parse_args(*args, **kwargs))
+
+    def parse_intermixed_args(self, *args, **kwargs):
+        return self._checked(super().parse_intermixed_args(*args, **kwargs))
+
+    def _checked(self, namespace):
+        """train.py's key=value overrides, where a tool takes them: a key given twice is refused
+        (Hydra would take the last one silently), as train.py refuses it."""
+        from training.config import repeated_override
+
+        repeated = repeated_override(list(getattr(namespace, "overrides", None) or []))
+        if repeated:
+            raise ValueError(repeated)
+        return namespace
 
 
 def argument_parser(doc: str | None, **kwargs) -> ArgumentParser:
@@ -143,8 +167,9 @@ def existing_path(text: str) -> Path:
 
 
 def add_out_argument(parser, script: str, dest: str = "out") -> None:
-    """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored), so an ad-hoc
-    run never rewrites the committed results; `--out benchmarks/<topic>` writes those, on purpose.
+    """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored; under
+    $FLASHTRAIN_OUTPUTS when set), so an ad-hoc run never rewrites the committed results;
+    `--out benchmarks/<topic>` writes those, on purpose.
     A folder that is a file, lies under one or cannot be written is refused as the arguments are parsed."""
     parser.add_argument("--out", dest=dest, type=output_folder, default=OUTPUTS / script,
                         help=f"folder for the results (default outputs/{script}/; committed results: --out benchmarks/<topic>)")
@@ -233,13 +258,25 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    """Replace `path` atomically (training.runfiles: no partial file or stray .tmp, even on a full disk)."""
+    from training import runfiles
+
+    with new_folders(path.parent):
+        runfiles.write_text(path, text)
+
+
+@contextmanager
+def new_folders(folder: Path) -> Iterator[None]:
+    """Create `folder` (and its missing parents) for a write that follows; if that write fails, the
+    folders this made are removed again when they are still empty: a failed tool leaves nothing."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # never leave a stray .tmp beside the result
+        yield
+    except BaseException:
+        for path in made:   # deepest first
+            with suppress(OSError):
+                path.rmdir()
         raise
 
 
@@ -292,16 +329,26 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
         table.add_column(header, justify="left" if header == headers[0] else "right")
     for row in rows:
         table.add_row(*(str(cell) for cell in row))
-    console().print(table)
+    out = console()
+    if not out.is_terminal:   # a log: as wide as the table, never cut or wrapped at the console's width
+        from rich.console import Console
+
+        out = Console(width=max(out.width, Console(width=1 << 16).measure(table).maximum))
+    out.print(table)
 
 
 def save_figure(fig, path: Path) -> None:
-    """Write a matplotlib figure as PNG and free it (scripts draw many, headless)."""
+    """Write a matplotlib figure as PNG, atomically as write_text does, and free it (scripts draw
+    many, headless)."""
     import matplotlib.pyplot as plt
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    from training.runfiles import write_file
+
+    try:
+        with new_folders(path.parent):
+            write_file(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
 
 
 def draw_safely(out, draw, *args) -> None:

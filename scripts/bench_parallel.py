@@ -94,15 +94,16 @@ def summarize(rows: list[dict], warm: int) -> dict:
 
 
 def throughput(args, report: dict, save) -> None:
+    from training.config import merge_overrides
     from training.loggers import MetricsFile
 
-    overrides = THROUGHPUT + [f"trainer.max_steps={args.steps}", f"seed={args.seed}"] + args.overrides
+    overrides = merge_overrides(THROUGHPUT, [f"trainer.max_steps={args.steps}", f"seed={args.seed}"], args.overrides)
     report["settings"]["throughput_overrides"] = overrides
     for name, nproc, parallel in setups(args.gpus)[: 1 if args.gpus == 1 else 3]:
         run_dir = args.work / f"tp-{nproc}-{parallel}"
         began = time.perf_counter()
-        status = run(launcher(nproc) + [str(REPO_ROOT / "train.py"), *overrides, f"trainer.parallel={parallel}",
-                                        f"run.dir={run_dir}"], args.deadline - time.monotonic(), args.log)
+        status = run(launcher(nproc) + [str(REPO_ROOT / "train.py"), *merge_overrides(
+            overrides, [f"trainer.parallel={parallel}", f"run.dir={run_dir}"])], args.deadline - time.monotonic(), args.log)
         metrics = run_dir / "metrics.jsonl"
         rows = MetricsFile.read(metrics) if metrics.exists() else []
         report["throughput"].append({"setup": name, "gpus": nproc, "parallel": parallel, "exit_status": status,

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
+from training.config import merge_overrides
 
 from _common import (REPO_ROOT, add_out_argument, console, device_slug, environment, markdown_table, print_table, run_cli,
                      write_json, write_text)
@@ -120,9 +121,9 @@ def loop_step(level: int, cfg, model, step_model, optimizer, device, data=None, 
 def real_run(overrides: list[str], steps: int, log_every: int, device, env: dict | None = None) -> dict:
     """train.py in a subprocess; steady-state tokens/s from its metrics.jsonl (intervals after the first)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(REPO_ROOT / "train.py"), *overrides, f"run.dir={tmp}/run",
-               f"trainer.max_steps={steps}", f"trainer.log_every={log_every}", "trainer.eval_every=0",
-               "trainer.ckpt_every=0", f"device={device.type}"]
+        cmd = [sys.executable, str(REPO_ROOT / "train.py"), *merge_overrides(overrides, [
+               f"run.dir={tmp}/run", f"trainer.max_steps={steps}", f"trainer.log_every={log_every}",
+               "trainer.eval_every=0", "trainer.ckpt_every=0", f"device={device.type}"])]
         began = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, **(env or {})})
         wall = time.perf_counter() - began

@@ -48,10 +48,12 @@ COMPARED = ("loss", "grad_norm", "lr", "val_loss")   # every logged value but th
 
 
 def train_command(run_dir: Path, cache: Path, args, deterministic: bool, resume: bool) -> list[str]:
-    return [sys.executable, str(REPO_ROOT / "train.py"), *GPT2, f"run.dir={run_dir}", f"data.cache_dir={cache}",
-            f"trainer.max_steps={args.steps}", f"trainer.ckpt_every={args.ckpt_every}",
-            f"trainer.deterministic={str(deterministic).lower()}", *(["resume=auto"] if resume else []),
-            *args.overrides]
+    from training.config import merge_overrides
+
+    return [sys.executable, str(REPO_ROOT / "train.py"), *merge_overrides(
+        GPT2, [f"run.dir={run_dir}", f"data.cache_dir={cache}", f"trainer.max_steps={args.steps}",
+               f"trainer.ckpt_every={args.ckpt_every}", f"trainer.deterministic={str(deterministic).lower()}",
+               *(["resume=auto"] if resume else [])], args.overrides)]
 
 
 def child_env() -> dict:
@@ -143,6 +145,8 @@ def main(argv: list[str]) -> None:
                          f"{args.ckpt_every}) before --steps {args.steps}")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    if not torch.cuda.is_available() and "device=cpu" not in args.overrides:   # gpt2-small for hours, otherwise
+        raise ValueError("no CUDA device: this check measures GPU runs; device=cpu runs its plumbing on the CPU")
     device = torch.device("cuda" if torch.cuda.is_available() and "device=cpu" not in args.overrides else "cpu")
     name = args.name or f"resume_{device_slug(device)}"
     args.out.mkdir(parents=True, exist_ok=True)  # before any work: an unwritable --out fails now

@@ -38,17 +38,15 @@ RESERVED_KEYS = ("attention", "run.dir")  # the script sets these per run
 EARLY_STEPS = 10  # the window where chaotic growth of rounding differences has not yet started
 
 
-def override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def run_overrides(overrides: list[str]) -> list[str]:
     """The overrides both runs share: the command line's, plus the defaults it does not set."""
+    from training.config import merge_overrides, override_key
+
     keys = {override_key(o) for o in overrides}
     for key in RESERVED_KEYS:
         if key in keys:
             raise ValueError(f"override {key}=... is set by the script per run; remove it")
-    return [o for o in DEFAULT_OVERRIDES if override_key(o) not in keys] + overrides
+    return merge_overrides(list(DEFAULT_OVERRIDES), overrides)
 
 
 def train(attention: str, overrides: list[str], run_dir: Path) -> float:

@@ -49,11 +49,16 @@ def plot(runs, keys: list[str], path: Path, title: str) -> None:
         ax.set(xlabel="tokens seen", ylabel=what, title=what)
         ax.xaxis.set_major_formatter(FuncFormatter(decimal_tokens))
         ax.grid(True, alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-        else:
+        if not ax.lines:
             ax.text(0.5, 0.5, "no validation rows yet" if "val" in what else "no rows",
                     ha="center", va="center", transform=ax.transAxes)
+    # One legend for both panels, below them (inside either it covered the curves of a sweep).
+    handles: dict = {}
+    for line in (line for ax in axes[0] for line in ax.lines):   # a run's train curve, else its validation one
+        handles.setdefault(line.get_label(), line)
+    if handles:
+        fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8,
+                   ncol=min(3, len(handles)), frameon=False)
     fig.suptitle(title)
     save_figure(fig, path)
 

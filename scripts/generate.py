@@ -25,7 +25,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import argument_parser, existing_file, existing_path, require_output_file, run_cli
+from _common import argument_parser, existing_file, existing_path, require_output_file, run_cli, write_text
 
 DECODE_MODES = ("auto", "eager", "static", "graph")   # auto: graph on CUDA, eager elsewhere
 
@@ -142,11 +142,9 @@ def main(argv: list[str]) -> list[dict]:
         for r, result in zip(members, done):
             i = rows[r][0]
             results[r] = {"prompt_index": i, "prompt": prompts[i], "prompt_tokens": len(encoded[i]), **result}
-    if args.jsonl:
-        args.jsonl.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.jsonl, "w") as f:
-            for result in results:
-                f.write(json.dumps({**result, "checkpoint": str(path), "seed": args.seed}) + "\n")
+    if args.jsonl:   # atomically: a full disk leaves no partial file
+        write_text(args.jsonl, "".join(json.dumps({**result, "checkpoint": str(path), "seed": args.seed}) + "\n"
+                                       for result in results))
         print(f"wrote {len(results)} completions to {args.jsonl}")
     else:
         for r, result in enumerate(results):

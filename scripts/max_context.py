@@ -22,14 +22,19 @@ if the GPU itself is broken (a kernel fault), the run stops and keeps what it me
 On the CPU there is no device limit to hit: every tensor created during the step is counted
 (live bytes, plus the model and optimizer state) against a budget, and a step whose count passes
 it fails like an out-of-memory: `memory_budget_mb=N` in all, or by default the model and optimizer
-state plus CPU_STEP_BUDGET_MB for the step. That exercises the same search and outputs with a tiny
-model, but only CUDA runs give real figures, which the output says. An implementation that cannot
-run on the device (flash without CUDA) is left out with a note. model.vocab_size=null (model=tiny)
-takes the tokenizer's size, as training does (tokens here are random).
+state plus CPU_STEP_BUDGET_MB for the step. flash runs there in Triton's interpreter (set before
+the kernels are imported), seconds per step, so the CPU's search defaults (CPU_SEARCH) are short
+lengths: `python scripts/max_context.py` compares naive, sdpa and flash on the tiny model in about
+a minute, naive running out first on its N x N scores. Only CUDA runs give real figures, which the
+output says. A search in which not even `granularity` tokens fit says why and which setting to
+change. model.vocab_size=null (model=tiny) takes the tokenizer's size, as training does (tokens
+here are random).
 
 Writes <out>/<name>.json (after every probe), .md (the table) and two PNGs: peak memory
 against length, and the maximum per implementation; --out defaults to outputs/max_context/
-(git-ignored), `--out benchmarks/max_context` writes the committed results.
+(git-ignored), `--out benchmarks/max_context` writes the committed results. Without --name an
+earlier search's files are never replaced: the default stem takes the next free number
+(max_context_cpu_2, ...); `--name STEM` replaces STEM's files, `extend=true` adds to them.
 
 Several GPUs, one sequence split over them (docs/parallel.md, "Context parallelism"):
 
@@ -47,6 +52,7 @@ after an interrupted backward); the ranks are symmetric, so they run out at the 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,7 +61,7 @@ from typing import Callable
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 
 from _common import (OUTPUTS, add_out_argument, attention_list, console, device_slug, draw_safely, environment,
@@ -65,7 +71,12 @@ from _common import (OUTPUTS, add_out_argument, attention_list, console, device_
 from _memory import allocated_bytes, is_oom, peak_meter, release_memory
 
 RETIME_BELOW_S = 2.0  # a step shorter than this is timed again: the first call at a length compiles
-CPU_STEP_BUDGET_MB = 256   # the CPU's default budget for one step, beyond the model and optimizer state
+CPU_STEP_BUDGET_MB = 16    # the CPU's default budget for one step, beyond the model and optimizer state
+# The search's lengths where start/granularity/cap are left null. On the CPU, with the budget above,
+# the tiny model's naive step runs out near 200 tokens and sdpa's and flash's near 300, and flash's
+# interpreted steps keep the whole comparison to about a minute on 2 cores.
+CUDA_SEARCH = {"start": 1024, "granularity": 1024, "cap": 1_048_576}
+CPU_SEARCH = {"start": 64, "granularity": 64, "cap": 1024}
 
 
 # ----------------------------------------------------------------------------- search (pure)
@@ -300,6 +311,9 @@ def fill_from_device_and_tokenizer(cfg: DictConfig, device: torch.device) -> Non
 
     notes: list[str] = []
     impls = runnable_attentions(list(cfg.impls), device, notes)
+    if device.type == "cpu" and "flash" in impls:
+        notes.append("flash runs in Triton's interpreter on a CPU: seconds per step where naive and sdpa take "
+                     "milliseconds; its memory is counted as theirs is.")
     with open_dict(cfg):
         cfg.impls, cfg.notes = impls, notes
         if cfg.model.vocab_size is None:
@@ -310,9 +324,15 @@ def fill_from_device_and_tokenizer(cfg: DictConfig, device: torch.device) -> Non
 
 
 def validate(cfg: DictConfig, device: torch.device, world_size: int = 1) -> None:
-    """Raise ValueError naming the first bad tool key before any model is built."""
+    """Raise ValueError naming the first bad tool key before any model is built (start,
+    granularity and cap left null get the device's defaults first)."""
     from model.attention import ATTENTION
     from training.context_parallel import check_attention, check_processes
+
+    with open_dict(cfg):
+        for key, value in (CUDA_SEARCH if device.type == "cuda" else CPU_SEARCH).items():
+            if cfg[key] is None:
+                cfg[key] = value
 
     for impl in cfg.impls:
         if impl not in ATTENTION:
@@ -402,9 +422,14 @@ HEADERS = ["features", "attention", "max tokens", "vs naive", "granularity", "pe
 
 
 def memory_limit(report: dict) -> int | None:
-    """What a step must fit in: the device's memory on CUDA, the live-tensor budget on the CPU."""
-    budget = report["settings"]["memory_budget_mb"]
-    return report["metadata"].get("device_memory_bytes") or (budget and int(budget * 2**20))
+    """What a step must fit in: the device's memory on CUDA, the live-tensor budget on the CPU (by
+    default the state each probe began with plus the step's share)."""
+    settings = report["settings"]
+    budget, step_share = settings["memory_budget_mb"], settings.get("cpu_step_budget_mb")
+    if report["metadata"].get("device_memory_bytes") or budget:
+        return report["metadata"].get("device_memory_bytes") or int(budget * 2**20)
+    starts = [p["start_bytes"] for r in report["results"] for p in r["probes"] if p.get("start_bytes")]
+    return min(starts) + step_share * 2**20 if starts and step_share else None
 
 
 def write_outputs(stem: Path, report: dict) -> None:
@@ -440,7 +465,7 @@ def write_outputs(stem: Path, report: dict) -> None:
                   f"the model and optimizer state + {settings['cpu_step_budget_mb']} MiB")
         lines.append(f"CPU run against {budget} live-tensor budget: it exercises the tool; only CUDA runs give "
                      "real figures.")
-    lines += settings.get("notes", [])
+    lines += settings.get("notes", []) + nothing_fits(report)
     write_text(stem.with_suffix(".md"), "\n".join(lines) + "\n\n"
                + markdown_table(HEADERS, summary_rows(report["results"], memory_limit(report), settings["batch_size"])))
 
@@ -573,6 +598,11 @@ def run_searches(cfg: DictConfig, device: torch.device, env) -> dict:
     size = cfg.trainer.context_parallel
     default_stem = f"max_context_{device_slug(device)}" + (f"_x{env.world_size}_cp{size}" if env.enabled else "")
     stem = Path(cfg.out_dir) / (cfg.out_name or default_stem)
+    if not cfg.out_name and not cfg.extend:   # an earlier search's files are kept: the next free stem
+        stem = free_stem(stem)
+        if stem.name != default_stem:
+            out.print(f"{default_stem}.json in {cfg.out_dir} holds an earlier search, kept: this one is {stem.name} "
+                      f"(--name sets the file stem, extend=true adds to a search)")
     settings = {key: OmegaConf.to_container(cfg[key]) if OmegaConf.is_config(cfg[key]) else cfg[key]
                 for key in ("impls", "features", "skip", "batch_size", "start", "granularity", "cap",
                             "memory_budget_mb", "feature_sets", "partial_step")}
@@ -624,10 +654,44 @@ def run_searches(cfg: DictConfig, device: torch.device, env) -> dict:
         return report
     print_table(f"Longest training step: {cfg.model.name}, batch {cfg.batch_size}, {report['metadata']['device']}",
                 HEADERS, summary_rows(report["results"], memory_limit(report), cfg.batch_size))
+    for line in nothing_fits(report):
+        out.print(f"[yellow]{line}[/]")
     if device.type == "cpu":
         out.print("[yellow]CPU run against a live-tensor budget: only CUDA runs give real figures.[/]")
     out.print(f"wrote {stem}.json, .md, _memory.png, _max.png")
     return report
+
+
+def nothing_fits(report: dict) -> list[str]:
+    """For the searches in which not even `granularity` tokens fit: why, and which setting to change."""
+    settings, meta = report["settings"], report["metadata"]
+    failed = [f"{r['impl']} · {r['features']}" for r in report["results"] if r["max_length"] == 0]
+    if not failed:
+        return []
+    tokens = f"{settings['batch_size']} x {settings['granularity']:,} tokens"
+    if meta["device_type"] == "cuda":
+        return [f"Nothing fitted in {', '.join(failed)}: one step of {tokens} needs more than the GPU's memory; "
+                f"use memory features (features=[ckpt+chunked]), a smaller batch_size or model, or a smaller "
+                f"granularity."]
+    limit = memory_limit(report)
+    state = min((p["start_bytes"] for r in report["results"] for p in r["probes"] if p.get("start_bytes")),
+                default=None)
+    budget = (f"memory_budget_mb={settings['memory_budget_mb']:g}" if settings["memory_budget_mb"] else
+              f"the model and optimizer state + {settings['cpu_step_budget_mb']} MiB")
+    return [f"Nothing fitted in {', '.join(failed)}: one step of {tokens} needs more live tensor bytes than the "
+            f"CPU's budget ({budget}: {human_bytes(limit)}, of which {human_bytes(state)} is the model and "
+            f"optimizer state). Raise memory_budget_mb (the whole budget, in MiB: more than the state's "
+            f"{(state or 0) / 2**20:,.0f}), lower granularity and start, or take a smaller model (the default, "
+            f"model=tiny, compares the three in about a minute on a CPU)."]
+
+
+def free_stem(stem: Path) -> Path:
+    """`stem`, or `stem`_2, _3, ... : the first whose .json does not exist yet."""
+    number, found = 1, stem
+    while found.with_suffix(".json").exists():
+        number += 1
+        found = stem.with_name(f"{stem.name}_{number}")
+    return found
 
 
 def parse_args(argv: list[str], script: str = "max_context", attention: str = ",".join(DEFAULT_ATTENTION),
@@ -646,6 +710,8 @@ def parse_args(argv: list[str], script: str = "max_context", attention: str = ",
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
+    if not torch.cuda.is_available():   # flash on the CPU: the interpreter, chosen before the kernels are imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     run(compose_config(args.overrides, args.attention, args.out, args.name))
 
 

@@ -91,8 +91,9 @@ def test_sdpa_attention_dropout_drops_probabilities_unbiasedly():
 
 def test_flash_on_cpu_without_interpreter_is_refused_up_front(monkeypatch):
     monkeypatch.setattr(attention_module, "INTERPRET", False)
-    with pytest.raises(ValueError, match="attention=flash needs a CUDA device"):
+    with pytest.raises(ValueError, match="attention=flash needs a CUDA device") as refused:
         resolve_attention("flash", "cpu")
+    assert "TRITON_INTERPRET=1" in str(refused.value) and "about a minute per step" in str(refused.value)
 
 
 def test_flash_in_the_model_matches_naive():

@@ -70,3 +70,36 @@ def test_a_sweep_prints_its_table_when_it_ends(tmp_path, cache_dir):  # noqa: F8
                                "(step)", "tokens/s"]
     assert [line.split()[:2] for line in tail[3:5]] == [["0", "0.001"], ["1", "0.002"]]
     assert tail[5].startswith("curves: python ") and tail[5].endswith("compare_runs.py sweep")
+
+
+def test_keys_that_change_nothing_are_not_listed_as_differences(tmp_path):
+    from training.runs import RunRecord, differing_keys
+
+    common = {"model.n_layer": 2, "run.name": None}
+    a = RunRecord(tmp_path / "a", {**common, "optim.lr": 1e-3, "resume": None, "allow_changes": None,
+                                   "trainer.progress": True, "trainer.ckpt_every": 100, "trainer.keep_ckpts": 2,
+                                   "data.cache_dir": "/home/a/.cache/flashtrain", "run.dir": "a"}, [])
+    b = RunRecord(tmp_path / "b", {**common, "optim.lr": 3e-3, "resume": "auto", "allow_changes": ["trainer"],
+                                   "trainer.progress": False, "trainer.ckpt_every": 10, "trainer.keep_ckpts": 5,
+                                   "data.cache_dir": "/tmp/cache", "run.dir": "b"}, [])
+    assert differing_keys([a, b]) == ["optim.lr"]
+
+
+def test_the_legend_covers_neither_panel(tmp_path, monkeypatch):
+    from training.runs import RunRecord
+
+    runs = [RunRecord(tmp_path / f"job{i}", {"optim.lr": i * 1e-4, "model.name": "a-long-model-name"},
+                      [{"step": s, "tokens": 256 * s, "loss": 5.0 - 0.1 * s - 0.01 * i,
+                        **({"val_loss": 5.1 - 0.1 * s} if s % 2 == 0 else {})} for s in range(1, 9)])
+            for i in range(12)]
+    figures = []
+    monkeypatch.setattr(compare_runs, "save_figure", lambda fig, path: figures.append(fig))
+    compare_runs.plot(runs, ["optim.lr"], tmp_path / "c.png", "12 runs")
+    fig = figures[0]
+    fig.canvas.draw()
+    panels = fig.axes
+    assert len(panels) == 2 and all(ax.get_legend() is None for ax in panels)
+    (legend,) = fig.legends
+    assert len(legend.get_texts()) == 12
+    box = legend.get_window_extent()
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in panels)

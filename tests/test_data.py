@@ -1,4 +1,6 @@
 """build_data: the default corpus, the token cache, the sampler's determinism, resume and sharding."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -188,7 +190,8 @@ def test_doc_ids_mark_document_boundaries(tmp_path):
     assert doc[row, t] == doc[row, 0] == 0 and (t + 1 == x.shape[1] or doc[row, t + 1] == 1)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "manifest_list", "manifest_without_files",
+                                    "manifest_files_a_list"])
 def test_damaged_cache_is_detected_and_rebuilt(tmp_path, damage):
     source, tok = StdlibSource(max_bytes=100_000, include_tests=False), ByteTokenizer()
     cache = load_or_build(tmp_path, source, tok, progress=False)
@@ -204,8 +207,13 @@ def test_damaged_cache_is_detected_and_rebuilt(tmp_path, damage):
             byte = f.read(1)
             f.seek(10)
             f.write(bytes([byte[0] ^ 1]))
-    else:
+    elif damage == "no_manifest":
         (shard.parent / "manifest.json").unlink()
+    else:   # valid JSON of the wrong shape: it used to crash every later run the same way
+        manifest = json.loads((shard.parent / "manifest.json").read_text())
+        wrong = {"manifest_list": [manifest], "manifest_without_files": {"version": manifest["version"]},
+                 "manifest_files_a_list": {**manifest, "files": list(manifest["files"])}}[damage]
+        (shard.parent / "manifest.json").write_text(json.dumps(wrong))
     with pytest.warns(UserWarning, match="invalid"):
         rebuilt = load_or_build(tmp_path, source, tok, progress=False)
     np.testing.assert_array_equal(np.array(rebuilt.tokens), good)

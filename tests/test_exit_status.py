@@ -19,10 +19,15 @@ HYDRA_ERRORS = [
     (["bogus=1"], "error: unknown config key 'bogus' (`python train.py --cfg job` prints every valid key)"),
     (["model=gpt2small"], "error: In 'train': Could not find 'model/gpt2small'; Available options in 'model': "
                           "gpt-1b, gpt2-medium, gpt2-small, tiny"),
+    (["experiment=cpu-smal"], "error: In 'train': Could not find 'experiment/cpu-smal'; Available options in "
+                              "'experiment': cpu-small, gpt2-small-4k, long-context-flash, passkey, shakespeare-char"),
+    (["data=files", "data.paths=[~/corpus]"], "error: LexerNoViableAltException: data.paths=[~/corpus]; ^; a value "
+     "holding ~, spaces or other special characters goes in quotes, e.g. 'data.paths=[\"~/corpus\"]'"),
 ]
 
 
-@pytest.mark.parametrize("overrides,line", HYDRA_ERRORS, ids=["unknown-key", "unknown-top-key", "group-typo"])
+@pytest.mark.parametrize("overrides,line", HYDRA_ERRORS, ids=["unknown-key", "unknown-top-key", "group-typo",
+                                                                     "preset-typo", "unquoted-tilde"])
 def test_hydra_composition_errors_are_one_line_and_exit_2(tmp_path, overrides, line):
     result = run_subprocess([f"run.dir={tmp_path}", *overrides])
     assert result.returncode == 2, result.stderr
@@ -162,3 +167,22 @@ def test_jsonl_records_without_the_text_field_are_counted(tmp_path, capsys):
     assert run_in_process(overrides + ["data=files", f"data.paths=[{records}]", "data.val_fraction=0.2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: 2 of 8 documents are json records without a 'text' field (record 6, record 7)"), err
+
+
+def test_a_key_given_twice_is_refused_by_train_py_and_the_tools(tmp_path, capsys):
+    """Hydra takes the last of `trainer.max_steps=5 trainer.max_steps=7` and says nothing."""
+    import sys
+
+    import train
+    from tests.trainrun import REPO
+
+    with pytest.raises(SystemExit) as refused:
+        train.check_before_hydra([f"run.dir={tmp_path}", "trainer.max_steps=5", "+trainer.max_steps=7"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: trainer.max_steps is given twice (5, then 7): pass it once"
+    sys.path.insert(0, str(REPO / "scripts"))
+    import max_context
+
+    with pytest.raises(ValueError, match=r"^model is given twice \(tiny, then gpt2-small\): pass it once$"):
+        max_context.parse_args(["model=tiny", "--attention", "naive", "model=gpt2-small"])
+    assert train.check_before_hydra([f"run.dir={tmp_path}", "trainer.max_steps=5", "-m", "seed=1,2"]) is None

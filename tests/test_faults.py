@@ -182,6 +182,35 @@ def test_values_out_of_range_are_one_line(tmp_path, cache_dir, capsys, override,
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {message}")
 
 
+def run_files(run_dir: Path) -> list[str]:
+    """What a run wrote into its folder (the lock aside)."""
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != ".lock") if run_dir.exists() else []
+
+
+def test_a_garbage_pretrained_tokenizer_is_one_line_naming_the_file(tmp_path, cache_dir, capsys):
+    garbage = tmp_path / "tokenizer.json"
+    garbage.write_text('{"model": "not a tokenizer"')
+    overrides = tiny_overrides(tmp_path / "run", cache_dir, steps=1, tokenizer="pretrained",
+                               **{"tokenizer.path": garbage})
+    assert run_in_process(overrides) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: tokenizer file {garbage} is not a tokenizer.json the "
+                                               "tokenizers library reads ("), err
+    assert run_files(tmp_path / "run") == []
+
+
+@pytest.mark.parametrize("line,cause", [('{"text": "c", oops}', "line 3: not valid JSON (Expecting property name"),
+                                        ('["c"]', "line 3: a JSON list, not an object")], ids=["not-json", "a-list"])
+def test_a_malformed_jsonl_corpus_is_one_line_naming_the_file_and_line(tmp_path, cache_dir, capsys, line, cause):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a"}\n{"text": "b"}\n' + line + '\n{"text": "d"}\n')
+    overrides = [o for o in tiny_overrides(tmp_path / "run", tmp_path / "cache") if not o.startswith("data.max_bytes")]
+    assert run_in_process(overrides + ["data=files", f"data.paths=[{corpus}]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {corpus}, {cause}"), err
+    assert run_files(tmp_path / "run") == [] and not list((tmp_path / "cache").glob("tokens/*"))
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_a_fifo_or_a_device_as_data_path_is_one_line_instead_of_blocking(tmp_path, cache_dir, capsys, kind):
     path = tmp_path / "fifo" if kind == "fifo" else Path("/dev/zero")
@@ -379,3 +408,106 @@ def test_no_config_of_ours_names_hydra_callbacks():
 
     presets = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
     assert presets and hydra_callbacks([f"experiment={','.join(presets)}"]) == []  # each preset, as a sweep
+
+
+# --------------------------------------------------------------------------- hand-edited run files, the tools' outputs
+
+@pytest.mark.parametrize("name,line,problem", [
+    ("metrics.jsonl", "[1, 2]", "a JSON list, not an object"),
+    ("metrics.jsonl", '{"step": "3", "loss": 1.0, "tokens": 768}', "'step' is \"3\", not an integer"),
+    ("lineage.jsonl", '{"note": "branched by hand"}', "no 'run_id'"),
+], ids=["metrics-list", "metrics-step-text", "lineage-no-id"])
+def test_a_hand_edited_run_file_line_is_one_line_naming_it_and_touches_nothing(tmp_path, cache_dir, finished_run,
+                                                                               capsys, name, line, problem):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir, ignore=shutil.ignore_patterns(".lock"))
+    rows = (run_dir / name).read_text().splitlines()
+    (run_dir / name).write_text("\n".join([rows[0], line, *rows[1:]]) + "\n")
+    before = snapshot(run_dir)
+    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=8, resume="auto",
+                                         allow_changes="[trainer.max_steps]")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {run_dir / name}, line 2: {problem} (a hand edit?); fix or remove that "
+                              "line"), err
+    assert snapshot(run_dir) == before
+
+
+def tool_error(module, argv: list[str], monkeypatch, capsys) -> str:
+    """A tool run as `python scripts/<tool>.py argv` runs it; its one error line (status 2)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from _common import run_cli
+
+    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(module.main)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_compare_runs_on_damaged_metrics_or_a_config_that_is_not_yaml_is_one_line(tmp_path, finished_run,
+                                                                                 monkeypatch, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import compare_runs
+
+    metrics, config = tmp_path / "metrics", tmp_path / "config"
+    for run, name, text in ((metrics, "metrics.jsonl", '{"step": 1, "loss": 2.0, "tokens": 256}\n"a string"\n'),
+                            (config, "config.yaml", "model: {n_layer: 2\ntrainer: [\n")):
+        shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(".lock"))
+        (run / name).write_text(text)
+    out = tmp_path / "out"
+    line = tool_error(compare_runs, [str(metrics), "--out", str(out)], monkeypatch, capsys)
+    assert line.startswith(f"error: {metrics / 'metrics.jsonl'}, line 2: a JSON str, not an object"), line
+    line = tool_error(compare_runs, [str(finished_run), str(config), "--out", str(out)], monkeypatch, capsys)
+    assert line.startswith(f"error: {config / 'config.yaml'} is not a run's config (YAML mapping): "), line
+    assert not out.exists()
+
+
+TOOLS_ON_A_FULL_DISK = """
+import contextlib, io, json, sys
+sys.path.insert(0, sys.argv[1] + "/scripts")
+from _common import run_cli
+import compare_runs, export_hf, export_weights, generate
+run, disk = sys.argv[2], sys.argv[3]
+outcome = {}
+for name, module, argv in [
+        ("export_weights", export_weights, [run, disk + "/w.safetensors"]),
+        ("export_weights_read_only", export_weights, [disk + "/ro/run"]),
+        ("export_hf", export_hf, [run, disk + "/hf"]),
+        ("generate", generate, [run, "--prompt", "def ", "--max-new-tokens", "4", "--jsonl", disk + "/g.jsonl"]),
+        ("compare_runs", compare_runs, [run, "--out", disk + "/cmp"])]:
+    sys.argv, err = [module.__file__, *argv], io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            run_cli(module.main)
+            status = 0
+        except SystemExit as e:
+            status = e.code
+    outcome[name] = [status, err.getvalue().strip().splitlines()]
+print(json.dumps(outcome))
+"""
+
+
+@pytest.mark.slow
+def test_the_tools_on_a_full_disk_or_a_read_only_folder_are_one_line_and_leave_nothing(tmp_path, finished_run):
+    """A full 1 MiB tmpfs, and on it a copy of the run on a second one made read-only: every tool that writes
+    fails for want of space (or of a writable folder) in one line, exit 2, and leaves nothing behind."""
+    disk = tmp_path / "disk"
+    script = tmp_path / "tools.py"
+    script.write_text(TOOLS_ON_A_FULL_DISK)
+    result = on_small_disk(disk, 1 << 20, f"""
+        mkdir $DISK/ro && mount -t tmpfs -o size=8m tmpfs $DISK/ro && cp -r {finished_run} $DISK/ro/run \\
+        && rm -f $DISK/ro/run/.lock && mount -o remount,ro $DISK/ro \\
+        && (dd if=/dev/zero of=$DISK/fill bs=1k 2>/dev/null; true) && "$PY" {script} {REPO} {finished_run} $DISK \\
+        && ls -A $DISK""")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    outcome, left = json.loads(lines[0]), sorted(lines[1:])
+    assert left == ["fill", "ro"], left   # no partial file, no temp file, no half an export folder
+    named = {"export_weights": "w.safetensors", "export_weights_read_only": "ro/run/model_step_00000004.safetensors",
+             "export_hf": "hf/model.safetensors", "generate": "g.jsonl", "compare_runs": "cmp/compare.json"}
+    assert set(outcome) == set(named)
+    for name, (status, err) in outcome.items():
+        assert status == 2 and len(err) == 1 and err[0].startswith("error: "), (name, err)
+        reason = "Read-only file system" if name.endswith("read_only") else "No space left on device"
+        assert reason in err[0] and f"{disk}/{named[name]}" in err[0], (name, err)

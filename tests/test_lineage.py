@@ -239,3 +239,19 @@ def test_settings_that_do_not_change_the_numbers_may_change_and_resume_bit_ident
 def test_allow_changes_names_only_training_settings(tmp_path, cache_dir, capsys):
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, allow_changes="[model.n_layer]")) == 2
     assert last_error(capsys).startswith("error: allow_changes: 'model.n_layer' is not a training setting")
+
+
+def test_a_resume_without_the_runs_preset_names_the_preset(tmp_path, cache_dir, capsys):
+    """The advice used to be allow_changes=[...] of the preset's own settings, which would change
+    the run's hyperparameters; the preset is what the command left out."""
+    with_preset = tiny_overrides(tmp_path, cache_dir, steps=4, experiment="cpu-small")
+    assert run_in_process(with_preset) == 0
+    before = snapshot(tmp_path)
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=4, resume="auto")) == 2
+    err = last_error(capsys)
+    assert err.startswith(f"error: checkpoint {checkpoint_path(tmp_path, 4)} was trained with other training "
+                          "settings: optim.lr=0.002 in checkpoint, 0.001 now; optim.min_lr=0.0002 in checkpoint, "
+                          "0.0001 now; the run was made with experiment=cpu-small, which this command leaves out: "
+                          "add experiment=cpu-small"), err
+    assert snapshot(tmp_path) == before
+    assert run_in_process(with_preset + ["resume=auto"]) == 0   # nothing to do: it is the same run

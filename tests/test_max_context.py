@@ -114,7 +114,7 @@ def config_from_args(argv: list[str]):
 def test_the_default_output_is_outside_the_committed_results():
     """An ad-hoc search writes under outputs/ (git-ignored); benchmarks/ only with --out benchmarks."""
     cfg = config_from_args(["model.vocab_size=256"])
-    assert Path(cfg.out_dir) == _common.REPO_ROOT / "outputs" / "max_context"
+    assert Path(cfg.out_dir) == _common.OUTPUTS / "max_context"   # the checkout's outputs/ outside the tests
     assert config_from_args(["--out", "benchmarks"]).out_dir == "benchmarks"
 
 
@@ -155,7 +155,8 @@ def test_cpu_run_end_to_end(tmp_path, single_thread):
     assert added["error"] is None and added["max_length"] >= found["sdpa", "plain"]["max_length"]
     assert (tmp_path / "mc.md").read_text().count("| ckpt+chunked |") == 2
     with pytest.raises(ValueError, match="different model"):
-        max_context.run(config_from_args(overrides + ["extend=true", "model.d_model=32"]))
+        max_context.run(config_from_args([o for o in overrides if not o.startswith("model.d_model=")]
+                                         + ["extend=true", "model.d_model=32"]))
 
 
 @pytest.mark.parametrize("override, message", [
@@ -172,19 +173,43 @@ def test_bad_settings_are_refused_before_any_model_is_built(override, message):
 
 
 def test_the_obvious_cpu_command_needs_no_budget_vocabulary_or_gpu(tmp_path, single_thread, monkeypatch):
-    """No memory_budget_mb, model.vocab_size from the tokenizer, flash (no CUDA, no interpreter) left
-    out with a note: the README's command style works on a CPU on the first try."""
+    """No memory_budget_mb, model.vocab_size from the tokenizer, flash left out with a note where
+    neither CUDA nor the interpreter is there: the README's command style works on a CPU on the
+    first try."""
     import model.attention
     monkeypatch.setattr(model.attention, "INTERPRET", False)
-    report = max_context.run(config_from_args(["--attention", "naive,sdpa,flash", "model.n_layer=1", "start=256",
-                                               "granularity=256", "cap=512", "device=cpu", "--out", str(tmp_path)]))
+    report = max_context.run(config_from_args(["--attention", "naive,sdpa,flash", "model.n_layer=1", "start=128",
+                                               "granularity=128", "cap=256", "device=cpu", "--out", str(tmp_path)]))
     assert [r["impl"] for r in report["results"]] == ["naive", "sdpa"]
-    assert all(r["error"] is None and r["max_length"] == 512 for r in report["results"])
+    assert all(r["error"] is None and r["max_length"] == 256 for r in report["results"])
     settings = report["settings"]
     assert settings["cpu_step_budget_mb"] == max_context.CPU_STEP_BUDGET_MB and report["model"]["vocab_size"] == 320
     assert any(n.startswith("flash left out: attention=flash needs a CUDA device") for n in settings["notes"])
     md = (tmp_path / "max_context_cpu.md").read_text()
-    assert "flash left out" in md and "state + 256 MiB live-tensor budget" in md and "| flash |" not in md
+    assert "flash left out" in md and "state + 16 MiB live-tensor budget" in md and "| flash |" not in md
+
+
+def test_a_search_where_nothing_fits_says_why_and_what_to_change(tmp_path, single_thread, capsys):
+    """It printed a table of zeros and exited 0 (gpt2-small at 1,024 tokens on the CPU's budget)."""
+    report = max_context.run(config_from_args(["--attention", "sdpa", "model.n_layer=1", "device=cpu",
+                                               "memory_budget_mb=2", "--out", str(tmp_path)]))
+    assert [(r["max_length"], len(r["probes"])) for r in report["results"]] == [(0, 1)]
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("Nothing fitted in sdpa · plain: one step of 1 x 64 tokens needs more live tensor bytes than the CPU's "
+            "budget (memory_budget_mb=2: 2.0 MiB, of which ") in out
+    assert "Raise memory_budget_mb (the whole budget, in MiB: more than the state's" in out
+    assert "Nothing fitted in sdpa · plain" in (tmp_path / "max_context_cpu.md").read_text()
+
+
+def test_without_a_name_an_earlier_result_is_kept(tmp_path, single_thread, capsys):
+    argv = ["--attention", "sdpa", "model.n_layer=1", "device=cpu", "start=64", "cap=64", "--out", str(tmp_path)]
+    max_context.run(config_from_args(argv))
+    first = (tmp_path / "max_context_cpu.json").read_text()
+    max_context.run(config_from_args(argv))
+    assert (tmp_path / "max_context_cpu.json").read_text() == first and (tmp_path / "max_context_cpu_2.json").exists()
+    assert "max_context_cpu.json in" in capsys.readouterr().out
+    max_context.run(config_from_args(argv + ["--name", "max_context_cpu"]))   # named: replaced, on purpose
+    assert (tmp_path / "max_context_cpu.json").read_text() != first and not (tmp_path / "max_context_cpu_3.json").exists()
 
 
 def test_extend_needs_an_earlier_report(tmp_path):

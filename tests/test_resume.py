@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,3 +101,101 @@ def test_resume_from_an_explicit_checkpoint_path(tmp_path, cache_dir):
     uninterrupted = losses(tmp_path)
     assert run_in_process(overrides + [f"resume={tmp_path / 'checkpoints' / 'step_00000004.pt'}"]) == 0
     assert losses(tmp_path) == uninterrupted
+
+
+# --------------------------------------------------------------------------- kill -9 at a chosen moment
+
+def run_killed_at(overrides: list[str], patch: str) -> subprocess.CompletedProcess:
+    """train.py with `patch` (Python run first, in the same process) SIGKILLing it at the moment it
+    names: the window is reached every time, not by timing."""
+    script = ("import os, runpy, signal, sys\n" + patch +
+              f"sys.argv = ['train.py', *{overrides!r}]\n"
+              "runpy.run_path('train.py', run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+KILL_AT_THE_FIRST_CHECKPOINT_SET_ASIDE = """
+replace = os.replace
+def replace_then_die(src, dst, *args, **kwargs):
+    if "superseded" in str(dst) and "checkpoints" in str(dst):   # metrics already cut, checkpoints not yet moved
+        os.kill(os.getpid(), signal.SIGKILL)
+    return replace(src, dst, *args, **kwargs)
+os.replace = replace_then_die
+"""
+
+
+def test_a_rewind_killed_half_way_is_finished_by_the_next_start(tmp_path, cache_dir):
+    """kill -9 after a rewind cut metrics.jsonl and before it moved the later checkpoints: resume=auto
+    used to say there was nothing to do, under the metrics of the rewound run."""
+    base = {"trainer.ckpt_every": 2, "trainer.keep_ckpts": 10}
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=8, **base)) == 0
+    uninterrupted, ending = losses(tmp_path), (tmp_path / "model.safetensors").read_bytes()
+    rewind = tiny_overrides(tmp_path, cache_dir, steps=8, resume=str(tmp_path / "checkpoints" / "step_00000004.pt"),
+                            **base)
+    assert run_killed_at(rewind, KILL_AT_THE_FIRST_CHECKPOINT_SET_ASIDE).returncode == -signal.SIGKILL
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=8, resume="auto", **base)) == 0
+    assert losses(tmp_path) == uninterrupted   # rewound to 4 and trained 5..8 again, each row once
+    rows = [json.loads(line) for line in (tmp_path / "lineage.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in rows] == [("start", 0), ("rewind", 4), ("resume", 4)]
+    aside = tmp_path / rows[1]["superseded"]
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_00000006.pt", "step_00000008.pt"]
+    assert [json.loads(line)["step"] for line in (aside / "metrics.jsonl").read_text().splitlines()] == [5, 6, 7, 8]
+    assert (aside / "model.safetensors").read_bytes() == ending and not (aside / "rewind.json").exists()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_restarts_with_the_same_command(tmp_path, cache_dir, capsys,
+                                                                                  caplog, monkeypatch):
+    """A file-size limit stopped the first save and said `rerun with resume=auto`; that rerun refused
+    (metrics.jsonl but no checkpoint). Now it starts over from step 0, saying so, and keeps the rows
+    it had logged aside."""
+    import errno
+
+    import torch
+
+    assert run_in_process(tiny_overrides(tmp_path / "reference", cache_dir, steps=4)) == 0
+    overrides = tiny_overrides(tmp_path / "run", cache_dir, steps=4, resume="auto")
+
+    def too_large(*args, **kwargs):
+        raise OSError(errno.EFBIG, "File too large")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", too_large)
+        assert run_in_process(overrides) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "raise the file-size limit (ulimit -f) and rerun with resume=auto; no checkpoint was saved yet")
+    assert run_in_process(overrides) == 0
+    assert "(the run stopped before its first was saved): starting over from step 0" in caplog.text
+    run = tmp_path / "run"
+    assert losses(run) == losses(tmp_path / "reference")
+    rows = [json.loads(line) for line in (run / "lineage.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in rows] == [("start", 0), ("restart", 0)]
+    assert rows[0]["run_id"] == rows[1]["run_id"]
+    kept = (run / rows[1]["superseded"] / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in kept] == [1, 2, 3, 4]
+
+
+KILL_IN_THE_FINAL_EXPORT = """
+import safetensors.torch
+def half_written_then_die(tensors, filename, *args, **kwargs):
+    with open(filename, "wb") as f:
+        f.write(b"\\0" * 100_000)
+    os.kill(os.getpid(), signal.SIGKILL)
+safetensors.torch.save_file = half_written_then_die
+"""
+
+
+def test_the_temp_file_of_a_killed_final_export_is_removed_by_the_next_start(tmp_path, cache_dir, monkeypatch):
+    overrides = tiny_overrides(tmp_path, cache_dir, steps=4)
+    assert run_killed_at(overrides, KILL_IN_THE_FINAL_EXPORT).returncode == -signal.SIGKILL
+    assert (tmp_path / "model.safetensors.tmp").stat().st_size == 100_000
+    from training.trainer import Trainer
+
+    seen = []
+    start_run = Trainer._start_run
+    monkeypatch.setattr(Trainer, "_start_run", lambda self: (seen.append(sorted(p.name for p in tmp_path.iterdir())),
+                                                             start_run(self))[1])
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=6, resume="auto",
+                                         allow_changes="[trainer.max_steps]")) == 0
+    assert "model.safetensors.tmp" not in seen[0], seen   # gone when the next run starts, not at its end
+    assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.tmp"))

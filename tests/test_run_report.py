@@ -39,6 +39,30 @@ def test_a_run_announces_itself_and_ends_with_a_summary(tmp_path, cache_dir, cap
     assert done.startswith("done: steps 4 -> 6 (2 this run), 1,536 tokens in "), done
 
 
+def test_a_run_stopped_between_logged_steps_ends_with_its_last_steps_loss(tmp_path, cache_dir, caplog, monkeypatch):
+    """The summary read the last row of metrics.jsonl: a stop at step 5 of a run logging every 4th
+    step ended with step 4's loss."""
+    import training.trainer
+    from tests.trainrun import losses
+
+    assert run_in_process(tiny_overrides(tmp_path / "every", cache_dir, steps=12)) == 0
+    step_5 = losses(tmp_path / "every")[4]
+    assert step_5[0] == 5
+
+    def stop_at_the_fifth_boundary(self):
+        self.polls = getattr(self, "polls", 0) + 1
+        self.signum = signal.SIGTERM if self.polls == 5 else None
+        return self.signum is not None
+
+    monkeypatch.setattr(training.trainer.AgreedStop, "poll", stop_at_the_fifth_boundary)
+    caplog.set_level(logging.INFO, logger="train")
+    run_dir = tmp_path / "run"
+    assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=12, **{"trainer.log_every": 4})) == 143
+    assert [r[0] for r in losses(run_dir)] == [4]   # step 5 was not logged
+    stopped = next(line for line in messages(caplog) if line.startswith("stopped at step 5 of 12"))
+    assert f" | train loss {step_5[1]:.4f}" in stopped and f"{losses(run_dir)[0][1]:.4f}" not in stopped, stopped
+
+
 def test_the_resume_command_repeats_the_overrides_and_quotes_them(monkeypatch):
     command = resume_command("runs/a", 1, ["model=gpt2-small", "run.dir=old", "resume=auto", "hydra.run.dir=x",
                                            "data.paths=[~/my corpus]"])
@@ -79,10 +103,11 @@ def wait_for(path: Path, text: str, proc, timeout: float = 120) -> None:
 def test_a_default_run_logged_to_files_points_latest_and_stops_in_one_line(tmp_path, cache_dir):
     """`python train.py` with its output redirected: the log opens with the run folder,
     outputs/latest points at it, stderr has no progress frame, and Ctrl-C twice ends in one line."""
-    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=100_000) if not o.startswith("run.dir=")]
+    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=100_000, **{"trainer.progress": "true"})
+                 if not o.startswith("run.dir=")]
     out, err = tmp_path / "out.log", tmp_path / "err.log"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides, "trainer.progress=true"],
+        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *overrides],
                                 cwd=tmp_path, env=subprocess_env(), stdout=stdout, stderr=stderr)
         try:
             wait_for(out, "step 3/", proc)

@@ -142,21 +142,43 @@ def wait_for_rows(run_dir: Path, n: int, log: Path, *procs: subprocess.Popen, ti
         time.sleep(0.01)
 
 
+def restarted_after_a_killed_rank(tmp_path: Path, overrides: list[str], restarts: int, after_rows: int) -> list[dict]:
+    """torchrun --max-restarts=`restarts` over train.py `overrides` (run.dir=tmp_path/run), rank 1
+    SIGKILLed once `after_rows` metric rows are logged: the run must finish (status 0). Returns
+    lineage.jsonl's rows."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+               f"--max-restarts={restarts}", str(REPO / "train.py"), *overrides]
+    log = tmp_path / "torchrun.log"
+    launcher = start(command, log)
+    wait_for_rows(run_dir, after_rows, log, launcher)
+    os.kill(worker_pids(launcher)[1], signal.SIGKILL)
+    assert launcher.wait(timeout=180) == 0, tail(log)
+    return [json.loads(line) for line in (run_dir / "lineage.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_max_restarts_after_a_killed_rank_continues_bit_identically(fsdp_run, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-               "--max-restarts=1", str(REPO / "train.py"),
-               *dist_overrides(run_dir, cache_dir, resume="auto", **{"trainer.parallel": "fsdp"})]
-    log = tmp_path / "torchrun.log"
-    launcher = start(command, log)
-    wait_for_rows(run_dir, 10, log, launcher)
-    os.kill(worker_pids(launcher)[1], signal.SIGKILL)
-    assert launcher.wait(timeout=180) == 0, tail(log)
+    rows = restarted_after_a_killed_rank(
+        tmp_path, dist_overrides(run_dir, cache_dir, resume="auto", **{"trainer.parallel": "fsdp"}), 1, 10)
     assert losses(run_dir) == losses(fsdp_run)   # every logged value, each step once
-    rows = [json.loads(line) for line in (run_dir / "lineage.jsonl").read_text().splitlines()]
     assert [r["event"] for r in rows] == ["start", "resume"] and rows[0]["run_id"] == rows[1]["run_id"]
     assert 4 <= rows[1]["step"] <= 12
+
+
+@pytest.mark.slow
+def test_max_restarts_after_a_rank_killed_before_the_first_checkpoint_finishes_the_run(single_run, tmp_path,
+                                                                                        cache_dir):
+    """Every restart used to refuse (metrics.jsonl but no checkpoint) until torchrun gave up: now the
+    restarted workers start over from step 0 and keep the first attempt's rows aside."""
+    run_dir = tmp_path / "run"
+    rows = restarted_after_a_killed_rank(   # checkpoints at the end only
+        tmp_path, dist_overrides(run_dir, cache_dir, resume="auto", **{"trainer.ckpt_every": 0}), 2, 3)
+    assert_losses_close(losses(run_dir), losses(single_run))   # every step once, from step 1
+    assert [(r["event"], r["step"]) for r in rows] == [("start", 0), ("restart", 0)], rows
+    kept = [json.loads(line)["step"] for line in (run_dir / rows[1]["superseded"] / "metrics.jsonl").read_text().splitlines()]
+    assert kept[:3] == [1, 2, 3] and kept == list(range(1, len(kept) + 1)) and len(kept) < STEPS
 
 
 # ----------------------------------------------------------------------------- two torchrun agents: two "nodes"
@@ -216,7 +238,8 @@ def test_two_nodes_train_as_one_stop_together_and_restart_after_a_kill(tmp_path,
     reference = tmp_path / "one"
     assert run_in_process(dist_overrides(reference, cache_dir, **{"trainer.grad_accum": ranks})) == 0
     run_dir = tmp_path / "run"
-    overrides = dist_overrides(run_dir, None, resume="auto", **{"trainer.grad_accum": ranks})   # caches: per node
+    overrides = [o for o in dist_overrides(run_dir, None, resume="auto", **{"trainer.grad_accum": ranks})
+                 if not o.startswith("data.cache_dir=")]   # caches: per node, given by start_two_nodes
 
     agents, logs = start_two_nodes(tmp_path, overrides, "stop")
     wait_for_rows(run_dir, 6, logs[0], *agents)

@@ -1,4 +1,5 @@
 """scripts/_common.py: result metadata names the code that produced it; bad input is one line."""
+import os
 import re
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import _common  # noqa: E402
+from tests.trainrun import subprocess_env  # noqa: E402
 
 
 def test_commit_given_in_the_environment_wins(monkeypatch):
@@ -25,7 +27,7 @@ def test_commit_from_git_otherwise(monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--attention", "bogus"], "error: --attention: 'bogus' is not registered"),
     (["impls=[naive]"], "error: unknown config key 'impls'"),   # the old name: one name, --attention, now
-    (["start=abc"], "error: start='abc': must be a positive integer"),
+    (["start=abc"], "error: start='abc': must be null or a positive integer"),
     (["model=nosuch"], "error: In 'train': Could not find 'model/nosuch'"),
 ])
 def test_bad_input_is_one_line_on_stderr(args, message):
@@ -57,7 +59,27 @@ def test_one_name_per_idea_across_tools(script):
         assert old not in source, f"{script.name} still says {old}"
 
 
-def test_outputs_are_git_ignored():
+def test_outputs_are_git_ignored_and_the_tests_write_elsewhere(tmp_path):
+    """The suite used to leave its results in the checkout's outputs/ (the README's compare_runs
+    example, among others): the tests point $FLASHTRAIN_OUTPUTS at a temporary folder."""
     ignored = (Path(__file__).resolve().parent.parent / ".gitignore").read_text().split()
     assert "/outputs/" in ignored and "/benchmarks/" not in ignored
-    assert _common.OUTPUTS == _common.REPO_ROOT / "outputs"
+    env = {k: v for k, v in subprocess_env().items() if k != "FLASHTRAIN_OUTPUTS"}
+    default = subprocess.run([sys.executable, "-c", "import _common; print(_common.OUTPUTS)"], cwd=tmp_path,
+                             env={**env, "PYTHONPATH": str(_common.REPO_ROOT / "scripts")}, capture_output=True,
+                             text=True, timeout=60)
+    assert default.stdout.strip() == str(_common.REPO_ROOT / "outputs"), default.stderr
+    elsewhere = Path(os.environ["FLASHTRAIN_OUTPUTS"])   # set by conftest.py, passed on to every subprocess
+    assert _common.OUTPUTS == elsewhere and not elsewhere.is_relative_to(_common.REPO_ROOT)
+    assert subprocess_env()["FLASHTRAIN_OUTPUTS"] == str(elsewhere)
+
+
+def test_a_wide_table_in_a_log_is_printed_whole(capsys):
+    """Off a terminal the console was 200 columns wide: compare_runs' table of many differing keys
+    came out with its cells cut to '…'."""
+    headers = ["run", *(f"model.key_{i:02d}" for i in range(14))]
+    rows = [[f"runs/sweep-{j}", *(f"value-{i:02d}-{j}-abcdefgh" for i in range(14))] for j in range(2)]
+    _common.print_table("wide", headers, rows)
+    out = capsys.readouterr().out
+    assert "…" not in out and max(map(len, out.splitlines())) > 200
+    assert all(cell in out for row in rows for cell in row) and all(h in out for h in headers)

@@ -164,7 +164,8 @@ def test_no_progress_bar_frames_when_stderr_is_not_a_terminal(tmp_path, cache_di
 
 def test_multirun_reports_a_failed_job_and_runs_the_rest(tmp_path, cache_dir):
     """A failing job of `-m` must not end the sweep; the exit status still says one failed."""
-    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=2) if not o.startswith("run.dir=")]
+    overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=2) if not o.startswith(("run.dir=",
+                                                                                              "trainer.batch_size="))]
     proc = run_subprocess(["-m", *overrides, "trainer.batch_size=0,4", f"hydra.sweep.dir={tmp_path}/sweep"])
     assert proc.returncode == 2
     assert "job 0 failed (exit status 2)" in proc.stdout + proc.stderr
@@ -188,3 +189,33 @@ def test_help_says_what_the_tool_does_without_importing_torch():
     assert "attention: auto, flash, naive, sdpa" in proc.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "triton" not in imported
+
+
+def test_cpu_threads_are_chosen_for_the_machine_and_said_at_start(tmp_path, cache_dir, caplog, monkeypatch):
+    """torch's default, a thread per core, ran 20x slower on a busy 2-core machine than one thread."""
+    from training.device import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr("os.getloadavg", lambda: (2.6, 1.0, 1.0))
+    assert cpu_threads(None) == (1, "4 cores, 2.6 of them busy with other work (load average); "
+                                    "trainer.cpu_threads=N sets it")
+    assert cpu_threads(None, local_processes=2)[0] == 1 and cpu_threads(None, resumed=3)[0] == 3
+    monkeypatch.setattr("os.getloadavg", lambda: (0.2, 1.0, 1.0))
+    assert cpu_threads(None)[0] == 4 and cpu_threads(None, local_processes=2)[0] == 2
+    assert cpu_threads(3, resumed=2) == (3, "trainer.cpu_threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads(None, resumed=3) == (2, "OMP_NUM_THREADS=2")
+
+    threads = torch.get_num_threads()
+    try:
+        caplog.set_level("INFO")
+        assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=1)) == 0
+        assert "CPU threads: 2 (OMP_NUM_THREADS=2)" in caplog.text and torch.get_num_threads() == 2
+        assert OmegaConf.load(tmp_path / "config.yaml").trainer.cpu_threads == 2   # the checkpoints record it too
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=2, resume="auto",
+                                             allow_changes="[trainer.max_steps]")) == 0
+        assert "CPU threads: 2 (as the run it continues; trainer.cpu_threads=N sets another)" in caplog.text
+    finally:
+        torch.set_num_threads(threads)

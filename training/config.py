@@ -66,3 +66,40 @@ def hydra_callbacks(overrides: list[str]) -> list[str]:
     finally:
         GlobalHydra.instance().clear()
     return names
+
+
+def override_key(override: str) -> str | None:
+    """The key an override sets (`key=`, `+key=` and `++key=` name the same); None for a flag."""
+    if override.startswith("-") or "=" not in override:
+        return None
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def repeated_override(overrides: list[str]) -> str | None:
+    """The error line for a key given twice on a command line (Hydra would take the last one and say
+    nothing), or None."""
+    seen: dict[str, str] = {}
+    for override in overrides:
+        key = override_key(override)
+        if key is None:
+            continue
+        value = override.split("=", 1)[1]
+        if key in seen:
+            return f"{key} is given twice ({seen[key]}, then {value}): pass it once"
+        seen[key] = value
+    return None
+
+
+def merge_overrides(*layers: list[str]) -> list[str]:
+    """One command line from layers of overrides, a later layer's key replacing an earlier one's
+    (a tool's defaults, then the user's): each key once, as train.py requires."""
+    merged: dict[str | None, str] = {}
+    flags: list[str] = []
+    for override in (o for layer in layers for o in layer):
+        key = override_key(override)
+        if key is None:
+            flags.append(override)
+        else:
+            merged.pop(key, None)   # the later one, in its own place
+            merged[key] = override
+    return [*merged.values(), *flags]

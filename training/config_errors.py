@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from training.config_checks import bad_value
 
 VALID_KEYS_HINT = "(`python train.py --cfg job` prints every valid key)"
+# Hydra's override grammar takes ~, spaces and most punctuation only inside quotes.
+QUOTING_HINT = "a value holding ~, spaces or other special characters goes in quotes, e.g. 'data.paths=[\"~/corpus\"]'"
 
 
 def is_main_process() -> bool:
@@ -71,7 +73,11 @@ def config_error_line(exc: BaseException) -> str:
         return bad_value(cause.full_key, cause.value, cause.object_type, cause.full_key.rsplit(".", 1)[-1]) + where
     # The rest (a group typo with its options, override syntax, + and ~ misuse) carry nothing but
     # their message: it is joined into one line, Hydra's tab-indented option lists as a list.
+    from hydra.errors import OverrideParseException
+
     text = str(exc).split("Config search path:")[0]
+    if isinstance(exc, OverrideParseException):
+        text = text.split("See https://")[0].rstrip(" ;\n") + "\n" + QUOTING_HINT
     line = ""
     for raw in text.splitlines():
         item = raw.strip()

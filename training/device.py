@@ -68,3 +68,26 @@ def set_deterministic(enabled: bool, device: torch.device) -> None:
     inductor_config = sys.modules.get("torch._inductor.config")  # not imported: nothing to turn off
     if inductor_config is not None and hasattr(inductor_config, "deterministic"):
         inductor_config.deterministic = enabled
+
+
+def cpu_threads(setting: int | None, local_processes: int = 1, resumed: int | None = None) -> tuple[int, str]:
+    """(torch's intra-op threads for a CPU run, why): `trainer.cpu_threads` when set; else
+    OMP_NUM_THREADS when set; else the count the resumed run used (on the CPU a resume repeats an
+    uninterrupted run to the bit, and a thread count can change a reduction's order); else this
+    process's share of the cores that other work does not keep busy (the 1-minute load average).
+    torch's own default, one thread per core, makes OpenMP workers spin-wait on cores that other
+    processes hold: on a busy 2-core machine training ran 20x slower than on one thread."""
+    if setting:
+        return setting, "trainer.cpu_threads"
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env), f"OMP_NUM_THREADS={env}"
+    if resumed:
+        return resumed, "as the run it continues; trainer.cpu_threads=N sets another"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    free = max(1, cores - round(busy))
+    threads = max(1, min(cores, free) // max(1, local_processes))
+    shared = f" shared by {local_processes} processes" if local_processes > 1 else ""
+    return threads, (f"{cores} cores{shared}, {busy:.1f} of them busy with other work (load average); "
+                     f"trainer.cpu_threads=N sets it")

@@ -8,6 +8,7 @@ embedding's name only) and, as metadata, the run's resolved config as JSON, whic
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -18,13 +19,7 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def save_weights(state_dict: dict, path: str | Path, config: dict) -> Path:
-    """Write the weights atomically (temp file, rename); tensors sharing storage are kept once.
-    A failed write (a full disk) removes the temp file and raises OSError with the system's reason;
-    a link at the temp name is removed, never followed."""
-    from safetensors.torch import save_file
-
-    from training.runfiles import os_error_in, temp_path
-
+    """Write the weights atomically (see save_safetensors); tensors sharing storage are kept once."""
     seen, tensors = set(), {}
     for name, tensor in state_dict.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
@@ -32,18 +27,30 @@ def save_weights(state_dict: dict, path: str | Path, config: dict) -> Path:
             continue
         seen.add(key)
         tensors[name] = tensor.detach().to("cpu").contiguous()
+    return save_safetensors(tensors, path, {"format": "flashtrain", "config": json.dumps(config)})
+
+
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict) -> Path:
+    """A safetensors file written atomically (temp file, rename). A failed write (a full disk, a
+    read-only folder) removes the temp file and raises OSError with the system's reason; a link at
+    the temp name is removed, never followed."""
+    from safetensors.torch import save_file
+
+    from training.runfiles import os_error_in, temp_path
+
     path = Path(path)
     tmp = temp_path(path)
     try:
         tmp.unlink(missing_ok=True)
-        save_file(tensors, str(tmp), metadata={"format": "flashtrain", "config": json.dumps(config)})
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):   # (a read-only folder refuses even that)
+            tmp.unlink(missing_ok=True)
         error = os_error_in(e) if isinstance(e, Exception) else None
-        if error is None or isinstance(e, OSError):
+        if error is None:
             raise
-        raise OSError(error.errno, f"could not write {path} ({error.strerror})") from e
+        raise OSError(error.errno, f"could not write {path} ({error.strerror or error})") from e
     return path
 
 

@@ -160,8 +160,10 @@ def _byte_symbols() -> list[str]:
 
 def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> Path:
     """Write config.json, model.safetensors and the tokenizer files `from_pretrained` reads."""
-    from safetensors.torch import save_file
     from tokenizers import Tokenizer
+
+    from training.export import save_safetensors
+    from training.runfiles import write_text
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
@@ -169,16 +171,29 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
     if getattr(model, "window", None) is not None:
         _refuse("attention.window", model.window, "gpt2 and llama attend to every earlier token")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer_text = tokenizer_json_text(tokenizer)
     eot = Tokenizer.from_str(tokenizer_text).id_to_token(tokenizer.eot_id)
-    save_file(to_hf_state_dict(model, arch, DTYPES[dtype]), out / WEIGHTS_FILE, metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(model.config, arch, tokenizer.eot_id, DTYPES[dtype]),
-                                                indent=2) + "\n")
-    (out / TOKENIZER_FILE).write_text(tokenizer_text)
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot, "eos_token": eot,
-        "model_max_length": model.config.max_seq_len, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    texts = {TOKENIZER_FILE: tokenizer_text,
+             "tokenizer_config.json": json.dumps({
+                 "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot, "eos_token": eot,
+                 "model_max_length": model.config.max_seq_len, "clean_up_tokenization_spaces": False}, indent=2) + "\n",
+             "config.json": json.dumps(hf_config(model.config, arch, tokenizer.eot_id, DTYPES[dtype]), indent=2) + "\n"}
+    # Each file atomically, config.json (what marks a folder as an export) last; a failure (a full
+    # disk) removes what this export wrote, so no partial export is left behind.
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        written.append(save_safetensors(to_hf_state_dict(model, arch, DTYPES[dtype]), out / WEIGHTS_FILE,
+                                        {"format": "pt"}))
+        for name, text in texts.items():
+            written.append(write_text(out / name, text))
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
     return out
 
 

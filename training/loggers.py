@@ -13,32 +13,30 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from training.runfiles import open_append, write_text
+from training.runfiles import INT, NUMBER, open_append, read_json_lines, write_text
+
+METRIC_FIELDS = {"step": INT, "loss": NUMBER, "tokens": INT}   # what every row has (and readers use)
 
 
 class MetricsFile:
     """Append-only JSON lines, flushed per row so a killed run keeps what it logged."""
 
-    def __init__(self, path: str | Path, resume_step: int | None, set_aside: Path | None = None) -> None:
+    def __init__(self, path: str | Path, resume_step: int | None) -> None:
         self.path = Path(path)
         rows = self.read(self.path) if resume_step is not None and self.path.exists() else []
-        kept = [r for r in rows if r["step"] <= resume_step] if resume_step is not None else []
-        if set_aside is not None:  # a rewind: the rows of the abandoned steps are kept there
-            set_aside.mkdir(parents=True, exist_ok=True)
-            write_text(set_aside / self.path.name, _lines([r for r in rows if r["step"] > resume_step]))
-        write_text(self.path, _lines(kept))
+        self.write(self.path, [r for r in rows if r["step"] <= resume_step] if resume_step is not None else [])
         self._file = open_append(self.path)
 
     @staticmethod
     def read(path: str | Path) -> list[dict]:
-        """Rows of a metrics file; a last line cut short by a kill is ignored."""
-        rows = []
-        for line in Path(path).read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows
+        """Rows of a metrics file; a last line cut short by a kill is ignored, a row that is not
+        one of ours is a ValueError naming the file and the line."""
+        return read_json_lines(path, METRIC_FIELDS)
+
+    @staticmethod
+    def write(path: str | Path, rows: list[dict]) -> None:
+        """Replace a metrics file with `rows`, atomically."""
+        write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def log(self, row: dict) -> None:
         self._file.write(json.dumps(row) + "\n")
@@ -46,10 +44,6 @@ class MetricsFile:
 
     def close(self) -> None:
         self._file.close()
-
-
-def _lines(rows: list[dict]) -> str:
-    return "".join(json.dumps(r) + "\n" for r in rows)
 
 
 # What a null config value falls back to when wandb's own environment variable is unset too.
@@ -98,14 +92,18 @@ class WandbRun:
 
 
 class Loggers:
-    """The run's metric sinks behind one `log(row)`."""
+    """The run's metric sinks behind one `log(row)`: wandb from the start (it is the one that can
+    fail, no network, and then the run's files stay untouched), metrics.jsonl once `open_metrics`
+    has cut it to the step the run starts from."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict, resume_step: int | None,
-                 wandb_id: str | None, set_aside: Path | None = None) -> None:
-        # wandb first: it is the one that can fail (no network), and then the metrics stay untouched
+    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict, wandb_id: str | None) -> None:
+        self.run_dir = run_dir
         self.wandb = (WandbRun(cfg.logger, run_dir, config, wandb_id, cfg.run.get("name"))
                       if cfg.logger.name == "wandb" else None)
-        self.metrics = MetricsFile(run_dir / "metrics.jsonl", resume_step, set_aside)
+        self.metrics: MetricsFile | None = None
+
+    def open_metrics(self, resume_step: int | None) -> None:
+        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", resume_step)
 
     @property
     def wandb_id(self) -> str | None:
@@ -117,6 +115,7 @@ class Loggers:
             self.wandb.log(row)
 
     def close(self, exit_code: int = 0) -> None:
-        self.metrics.close()
+        if self.metrics:
+            self.metrics.close()
         if self.wandb:
             self.wandb.close(exit_code)

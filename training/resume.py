@@ -9,13 +9,19 @@ resumed from.
 
 - `resume=null` (fresh): refused where the folder already holds a run (checkpoints,
   `metrics.jsonl` rows, `model.safetensors`).
-- `resume=auto`: the newest usable checkpoint of the folder's run. No usable one: start at
-  step 0 if the folder holds nothing else of a run, otherwise refuse (starting over would
-  shrink its metrics and replace its weights).
+- `resume=auto`: the newest usable checkpoint of the folder's run. None at all (the run stopped
+  before its first save): start over from step 0, its `metrics.jsonl` rows moved to
+  `superseded/<time>/`. Unusable ones only, or final weights without checkpoints: refuse
+  (starting over would replace what they are evidence of).
 - `resume=<file>`: a checkpoint of the folder's own run rewinds it: its checkpoints past that
   step, their metrics rows and the final `model.safetensors` are moved to `superseded/<time>/`
   (nothing is deleted). A checkpoint of another run starts a branch: allowed only into a folder
   that holds no run yet; the branch gets its own id and records where it came from.
+
+Setting files aside is journaled: `superseded/<time>/rewind.json` is written first and removed
+last, and every step in between can be done again, so a start killed half-way (metrics cut,
+checkpoints not yet moved) is finished by the next start, under the lock, before it looks at the
+folder (`recover`).
 
 Continuing a run (auto, or a rewind) compares the training config (`trainer`, `optim`, `data`)
 with the checkpoint's: a difference that changes the numbers the run computes is refused in one
@@ -41,11 +47,13 @@ from training.checkpoint import (ANY_RUN, DATA_CHANGES, CheckpointError, check_m
                                  peek_lineage, step_of)
 from training.dcp import is_sharded_checkpoint
 from training.export import WEIGHTS_NAME
-from training.runfiles import append_line
+from training.loggers import MetricsFile
+from training.runfiles import TEXT, append_line, read_json_lines, remove_temp_files, write_text
 
 log = logging.getLogger(__name__)
 
 LINEAGE_FILE = "lineage.jsonl"
+LINEAGE_FIELDS = {"run_id": (*TEXT, type(None)), "event": TEXT}
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_DIR = "superseded"
 TRAINING_GROUPS = ("trainer", "optim", "data")
@@ -54,7 +62,7 @@ COMPUTE_KEYS = ("data.document_mask", "attention.window")
 # Keys that change how a run is observed, stored or executed, not the numbers it computes.
 FREE_ON_RESUME = {
     "trainer": ("progress", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_ckpts", "compile",
-                "peak_flops", "dist_timeout_s", "parallel", "context_parallel", "deterministic"),
+                "peak_flops", "dist_timeout_s", "parallel", "context_parallel", "deterministic", "cpu_threads"),
     "optim": ("fused",),
     "data": ("cache_dir", "verify_cache", "allow_changed"),
 }
@@ -74,6 +82,7 @@ class Start:
     state: dict | None = None
     parent: dict | None = None                 # a branch's origin: {"id", "step", "checkpoint"}
     superseded: list[Path] = field(default_factory=list)   # a rewind's later checkpoints, moved aside
+    sets_aside: bool = False                                # later files (checkpoints, rows, weights) go aside
     changes: dict = field(default_factory=dict)             # accepted config differences: key -> [old, new]
     step: int = 0                                           # the checkpoint's step
 
@@ -96,7 +105,7 @@ def recorded_run_id(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / LINEAGE_FILE
     if not path.is_file():
         return None
-    ids = [row.get("run_id") for row in _rows(path)]
+    ids = [row["run_id"] for row in read_json_lines(path, LINEAGE_FIELDS)]
     return ids[-1] if ids else None
 
 
@@ -112,19 +121,9 @@ def checkpoint_to_load(source: Path) -> tuple[Path, dict]:
     return found
 
 
-def _rows(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a last line cut short by a kill
-            continue
-    return rows
-
-
 def metric_steps(run_dir: str | Path) -> list[int]:
     path = Path(run_dir) / METRICS_FILE
-    return [int(r["step"]) for r in _rows(path) if "step" in r] if path.is_file() else []
+    return [r["step"] for r in MetricsFile.read(path)] if path.is_file() else []
 
 
 def run_evidence(run_dir: str | Path) -> str:
@@ -185,6 +184,8 @@ def plan_start(cfg: DictConfig, run_dir: str | Path) -> Start:
     run_dir, resume = Path(run_dir), cfg.get("resume")
     ckpt_dir, max_steps = checkpoint_dir(run_dir), int(cfg.trainer.max_steps)
     check_allow_changes(cfg)
+    for read in (metric_steps, recorded_run_id):   # a hand-edited row of either file: one line now, before any work
+        read(run_dir)
     if resume is None:
         if list_checkpoints(ckpt_dir):
             raise ValueError(f"run.dir={run_dir} already holds checkpoints: pass resume=auto to continue "
@@ -232,12 +233,17 @@ def _plan_auto(run_dir: Path, usable: dict, unusable: list, own: str | None) -> 
         raise CheckpointError(f"resume=auto: every checkpoint in {ckpt_dir} belongs to another run than "
                               f"run.dir={run_dir}'s own ({own or 'unrecorded'}): move them out, or branch from one "
                               f"with resume=<its path> into an empty run.dir")
-    evidence = run_evidence(run_dir)
-    if evidence:
-        raise CheckpointError(f"resume=auto: run.dir={run_dir} holds {evidence} but no checkpoint: starting over "
-                              f"would replace them; move them aside (or choose another run.dir) to start from step 0")
-    log.info("resume=auto: no checkpoint in %s, starting from step 0", ckpt_dir)
-    return Start(own or new_run_id(), "restart" if own else "start")
+    if (run_dir / WEIGHTS_NAME).exists():   # a finished run whose checkpoints were removed
+        raise CheckpointError(f"resume=auto: run.dir={run_dir} holds {run_evidence(run_dir)} but no checkpoint: "
+                              f"starting over would replace them; move them aside (or choose another run.dir) to "
+                              f"start from step 0")
+    steps = metric_steps(run_dir)
+    if steps:   # stopped before its first checkpoint: nothing to continue from, nothing lost by starting over
+        log.warning("resume=auto: no checkpoint in %s (the run stopped before its first was saved): starting over "
+                    "from step 0", ckpt_dir)
+    else:
+        log.info("resume=auto: no checkpoint in %s, starting from step 0", ckpt_dir)
+    return Start(own or new_run_id(), "restart" if own or steps else "start", sets_aside=bool(steps))
 
 
 def _plan_path(run_dir: Path, path: Path, usable: dict, own: str | None) -> Start:
@@ -251,7 +257,7 @@ def _plan_path(run_dir: Path, path: Path, usable: dict, own: str | None) -> Star
     if (source is not None and source == own) or (source is None and own is None and in_own_folder):
         later = [p for p, r in usable.items() if r == own and step_of(p) > int(state["step"])]
         return Start(own, "rewind" if later else "resume", path, state,
-                     (state.get("lineage") or {}).get("parent"), superseded=later)
+                     (state.get("lineage") or {}).get("parent"), superseded=later, sets_aside=bool(later))
     raise CheckpointError(f"resume={path}: that checkpoint belongs to run {source or 'unrecorded'}, but run.dir="
                           f"{run_dir} holds run {own or 'unrecorded'} ({evidence}): one folder holds one run; "
                           f"branch into an empty run.dir, or continue this one with resume=auto")
@@ -301,12 +307,33 @@ def accepted_changes(start: Start, cfg: DictConfig, run_dir: Path) -> dict[str, 
         allow.append("data")  # continuing on other data: the data keys say which
     refused = {k: v for k, v in diffs.items() if not _allowed(k, allow)}
     if refused:
+        allow_them = (f"pass allow_changes=[{','.join(refused)}] to continue with the new values (recorded in "
+                      f"{run_dir / LINEAGE_FILE})")
+        preset = left_out_preset(start.state["config"], cfg, refused)
+        advice = (f"the run was made with experiment={preset}, which this command leaves out: add "
+                  f"experiment={preset} (as the run's `resume with:` line does), or {allow_them}" if preset
+                  else f"{allow_them}, or the checkpoint's values")
         raise CheckpointError(f"checkpoint {start.checkpoint} was trained with other training settings: "
-                              f"{_describe(refused)}; pass allow_changes=[{','.join(refused)}] to continue with the "
-                              f"new values (recorded in {run_dir / LINEAGE_FILE}), or the checkpoint's values")
+                              f"{_describe(refused)}; {advice}")
     if diffs:
         log.warning("continuing with changed training settings (allow_changes): %s", _describe(diffs))
     return diffs
+
+
+def left_out_preset(saved_cfg: dict, cfg: DictConfig, refused: dict[str, list]) -> str | None:
+    """The preset (configs/experiment/) the checkpoint's run was made with, when this command left
+    it out: the one its run.name names (each preset names its runs after itself), when this run's
+    name differs and the preset sets the refused keys it sets to the checkpoint's values."""
+    from training.config import CONFIG_DIR
+    from training.runs import flatten
+
+    name = (saved_cfg.get("run") or {}).get("name")
+    path = CONFIG_DIR / "experiment" / f"{name}.yaml"
+    if not name or name == cfg.run.get("name") or not path.is_file():
+        return None
+    preset = flatten(OmegaConf.to_container(OmegaConf.load(path)))
+    set_there = [key for key in refused if key in preset]
+    return name if set_there and all(preset[key] == refused[key][0] for key in set_there) else None
 
 
 def _describe(diffs: dict) -> str:
@@ -316,32 +343,86 @@ def _describe(diffs: dict) -> str:
 # ----------------------------------------------------------------------------- writing it down
 
 def superseded_dir(run_dir: str | Path, start: Start) -> Path | None:
-    """Where a rewind moves its run's later files (None when nothing is superseded)."""
-    if not start.superseded:
+    """Where a rewind (or a restart from step 0) moves its run's later files (None when nothing is set aside)."""
+    if not start.sets_aside:
         return None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return Path(run_dir) / SUPERSEDED_DIR / f"{stamp}-after-step_{start.step:08d}"
 
 
+REWIND_PLAN = "rewind.json"   # in a superseded/ folder while its files are being moved there
+
+
 def record(run_dir: str | Path, start: Start, aside: Path | None, data_change: dict | None = None) -> None:
-    """Move a rewind's later checkpoints and final weights to `aside`, then append the start to
-    lineage.jsonl (and a data change to data_changes.jsonl). Called once the run is accepted."""
+    """Append the start to lineage.jsonl (and a data change to data_changes.jsonl); with `aside`,
+    first move the run's files past the start's step there (set_aside). Called once the run is
+    accepted, on the process that writes."""
     run_dir = Path(run_dir)
-    if aside is not None:
-        (aside / "checkpoints").mkdir(parents=True, exist_ok=True)
-        for path in start.superseded:
-            path.replace(aside / "checkpoints" / path.name)
-        if (run_dir / WEIGHTS_NAME).exists():
-            (run_dir / WEIGHTS_NAME).replace(aside / WEIGHTS_NAME)
-        log.warning("rewound to step %d: the later checkpoints, metrics and weights are in %s", start.step, aside)
     row = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run_id": start.run_id,
            "event": start.event, "step": start.step, "checkpoint": str(start.checkpoint) if start.checkpoint else None}
     if start.parent and start.event == "branch":
         row["parent"] = start.parent
     if start.changes:
         row["changes"] = start.changes
-    if aside is not None:
-        row["superseded"] = str(aside.relative_to(run_dir))
-    append_line(run_dir / LINEAGE_FILE, json.dumps(row))
-    if data_change is not None:
-        append_line(run_dir / DATA_CHANGES, json.dumps(data_change))
+    if aside is None:
+        append_line(run_dir / LINEAGE_FILE, json.dumps(row))
+        if data_change is not None:
+            append_line(run_dir / DATA_CHANGES, json.dumps(data_change))
+        return
+    row["superseded"] = str(aside.relative_to(run_dir))
+    aside.mkdir(parents=True, exist_ok=True)
+    write_text(aside / REWIND_PLAN, json.dumps({"step": start.step, "run_id": start.run_id, "lineage": row,
+                                                "data_change": data_change}))
+    set_aside(run_dir, aside)
+    if start.event == "rewind":
+        log.warning("rewound to step %d: the later checkpoints, metrics and weights are in %s", start.step, aside)
+    else:
+        log.warning("started over from step 0: the %s rows logged before are in %s", METRICS_FILE, aside)
+
+
+def set_aside(run_dir: Path, aside: Path) -> None:
+    """Carry out the plan in `aside`/rewind.json: the run's metrics rows past its step, its later
+    checkpoints and the final weights into `aside`, then the lineage (and data change) rows, then
+    the plan removed. Each step can be done again after a kill (idempotent), in this order: the
+    rows are copied before they are cut, files are moved by one rename each, a row already appended
+    is not appended twice."""
+    plan = json.loads((aside / REWIND_PLAN).read_text())
+    step, run_id = int(plan["step"]), plan["run_id"]
+    metrics = run_dir / METRICS_FILE
+    rows = MetricsFile.read(metrics) if metrics.is_file() else []
+    if any(r["step"] > step for r in rows):
+        MetricsFile.write(aside / METRICS_FILE, [r for r in rows if r["step"] > step])
+        MetricsFile.write(metrics, [r for r in rows if r["step"] <= step])
+    later = [p for p in list_checkpoints(checkpoint_dir(run_dir)) if step_of(p) > step and _is_of(p, run_id)]
+    if later:
+        (aside / "checkpoints").mkdir(exist_ok=True)
+    for path in later:
+        path.replace(aside / "checkpoints" / path.name)
+    if (run_dir / WEIGHTS_NAME).exists():
+        (run_dir / WEIGHTS_NAME).replace(aside / WEIGHTS_NAME)
+    lineage = run_dir / LINEAGE_FILE
+    recorded = read_json_lines(lineage, LINEAGE_FIELDS) if lineage.is_file() else []
+    if not any(r.get("superseded") == plan["lineage"]["superseded"] for r in recorded):
+        append_line(lineage, json.dumps(plan["lineage"]))
+    change, changes = plan.get("data_change"), run_dir / DATA_CHANGES
+    if change is not None and change not in (read_json_lines(changes, {}) if changes.is_file() else []):
+        append_line(changes, json.dumps(change))
+    (aside / REWIND_PLAN).unlink()
+
+
+def _is_of(path: Path, run_id: str | None) -> bool:
+    try:
+        return peek_lineage(path) == run_id
+    except CheckpointError:   # unreadable: whoever wrote it, it stays where it is
+        return False
+
+
+def recover(run_dir: str | Path) -> None:
+    """What a start or a save killed half-way left in `run_dir`, put right before a new start looks
+    at the folder (under its lock, on the process that writes): a rewind or restart whose files were
+    being set aside is finished, and the temporary files of the run's own names are removed."""
+    run_dir = Path(run_dir)
+    for plan in sorted((run_dir / SUPERSEDED_DIR).glob(f"*/{REWIND_PLAN}")):
+        log.warning("finishing the setting aside of %s that an interrupted start left half done", plan.parent)
+        set_aside(run_dir, plan.parent)
+    remove_temp_files(run_dir)

@@ -1,4 +1,5 @@
-"""Writing into a run folder without following links and without leaving partial files.
+"""Writing into a run folder without following links and without leaving partial files, and
+reading back the JSON-lines files a run appends to.
 
 A link planted in `run.dir` (`.lock`, `checkpoints/step_X.pt.tmp`, `metrics.jsonl.tmp` pointing
 at another file) must not make the trainer overwrite its target. So every file here is written
@@ -8,12 +9,17 @@ replaces a link itself, not what it points to); append-only files are opened wit
 and the run's own names that are folders or appended to are refused when they are links
 (`refuse_links`). A failed write (a full disk, a file-size limit) removes its temporary file
 and raises `OSError` with the system's reason.
+
+`read_json_lines` reads `metrics.jsonl` and `lineage.jsonl`: a line that is not JSON (the last
+one, cut short by a kill) is passed over; a JSON line that is not the object the run writes (a
+hand edit) is a ValueError naming the file and the line, so whatever reads it fails in one line.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
@@ -36,6 +42,15 @@ def temp_path(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
+def remove_temp_files(run_dir: str | Path) -> None:
+    """The temporary files of the run's own names (`model.safetensors.tmp` as big as the weights,
+    `metrics.jsonl.tmp`, ...) that a process killed mid-write left: removed (links too, never followed)."""
+    for name in RUN_NAMES:
+        tmp = temp_path(Path(run_dir) / name)
+        if tmp.is_symlink() or tmp.is_file():
+            tmp.unlink()
+
+
 @contextmanager
 def new_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     """`path`'s temporary file, created exclusively, fsynced and renamed over `path` on success;
@@ -50,8 +65,11 @@ def new_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        if isinstance(e, OSError) and e.filename is None:   # a failed write names no file: name the one meant
+            e.filename = str(path)
+        with suppress(OSError):   # (a read-only folder refuses even that)
+            tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
 
@@ -121,3 +139,37 @@ def os_error_in(exc: BaseException) -> OSError | None:
 
 
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+INT, NUMBER, TEXT = (int,), (int, float), (str,)
+
+
+def read_json_lines(path: str | Path, fields: dict[str, tuple[type, ...]]) -> list[dict]:
+    """The objects of a JSON-lines file, each holding `fields` (name -> accepted types; None is
+    accepted where NoneType is listed). ValueError naming the file and the line for one that does not."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:   # a line cut short by a kill
+            continue
+        problem = _row_problem(row, fields)
+        if problem:
+            raise ValueError(f"{path}, line {number}: {problem} (a hand edit?); fix or remove that line")
+        rows.append(row)
+    return rows
+
+
+def _row_problem(row, fields: dict[str, tuple[type, ...]]) -> str | None:
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    for name, types in fields.items():
+        if name not in row:
+            return f"no {name!r}"
+        value = row[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"{name!r} is {json.dumps(value)[:40]}, not {' or '.join(_TYPE_NAMES[t] for t in types)}"
+    return None
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", type(None): "null"}

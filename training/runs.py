@@ -15,7 +15,12 @@ from omegaconf import OmegaConf
 
 from training.loggers import MetricsFile
 
-IGNORED_KEYS = ("run.dir", "run.latest")   # differ between any two runs, or say nothing about them
+# Keys a comparison leaves out: they differ between any two runs (run.dir), or change nothing the
+# table or the curves show, neither the numbers a run computes nor its speed (how it was started,
+# where its cache is, how often it checkpoints, whether it draws a progress bar).
+IGNORED_KEYS = ("run.dir", "run.latest", "resume", "allow_changes", "trainer.progress", "trainer.ckpt_every",
+                "trainer.keep_ckpts", "trainer.dist_timeout_s", "data.cache_dir", "data.verify_cache",
+                "data.allow_changed", "logger.init_timeout_s")
 
 
 @dataclass
@@ -80,9 +85,21 @@ def read_run(path: str | Path) -> RunRecord:
     if not is_run(path):
         raise ValueError(f"{path} is not a run folder (no config.yaml or metrics.jsonl)")
     config_file, metrics_file = path / "config.yaml", path / "metrics.jsonl"
-    config = flatten(OmegaConf.to_container(OmegaConf.load(config_file))) if config_file.is_file() else {}
+    config = flatten(read_config(config_file)) if config_file.is_file() else {}
     rows = MetricsFile.read(metrics_file) if metrics_file.is_file() else []
     return RunRecord(path, config, rows)
+
+
+def read_config(path: Path) -> dict:
+    """A run's config.yaml as a dict; ValueError naming the file when it is not a YAML mapping."""
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as e:  # noqa: BLE001 (yaml's and OmegaConf's errors: one line naming the file)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{path} is not a run's config (YAML mapping): {reason}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a run's config (YAML mapping): it holds a {type(config).__name__}")
+    return config
 
 
 def _job_order(path: Path):

@@ -163,6 +163,7 @@ class TrainerConfig:
     dist_timeout_s: float = ranged(600.0, gt=0)
     context_parallel: int = ranged(1, ge=1)
     deterministic: bool = False        # true: every CUDA kernel of the step deterministic (bit-identical resume)
+    cpu_threads: Optional[int] = ranged(None, ge=1)   # null: chosen at start (training.device.cpu_threads)
 
 
 @dataclass
@@ -216,9 +217,9 @@ class MaxContextConfig(TrainConfig):
     features: List[str] = _list("plain")
     skip: List[str] = _list()
     batch_size: int = ranged(1, ge=1)
-    start: int = ranged(1024, ge=1)
-    granularity: int = ranged(1024, ge=1)
-    cap: int = ranged(1_048_576, ge=1)
+    start: Optional[int] = ranged(None, ge=1)         # null: the device's default (scripts/max_context.py)
+    granularity: Optional[int] = ranged(None, ge=1)
+    cap: Optional[int] = ranged(None, ge=1)
     memory_budget_mb: Optional[float] = ranged(None, gt=0)
     extend: bool = False
     partial_step: bool = False

@@ -120,8 +120,11 @@ class RunReport:
         log.info("run folder: %s%s", shown(run_dir), f" ({shown(latest)} points here)" if linked else "")
         log.info("resume with: %s", self.command)
 
-    def finish(self, step: int, max_steps: int, tokens: int, exit_code: int = 0) -> list[str]:
-        """Log the run's last lines (also returned): a stopped run says how to continue it."""
+    def finish(self, step: int, max_steps: int, tokens: int, exit_code: int = 0,
+               last_loss: float | None = None) -> list[str]:
+        """Log the run's last lines (also returned): a stopped run says how to continue it. The
+        train loss is `last_loss`, the last step's (a stop between two logged steps ends past
+        the last row of metrics.jsonl), else the last logged one."""
         from training.checkpoint import checkpoint_path
         from training.export import WEIGHTS_NAME
 
@@ -130,7 +133,8 @@ class RunReport:
         ran = step - self.start_step
         what = (f"{step:,} steps" if not self.start_step else f"steps {self.start_step:,} -> {step:,} ({ran:,} this run)")
         best = run.best_val
-        losses = "".join([f" | train loss {run.final_loss:.4f}" if run.final_loss is not None else "",
+        train_loss = last_loss if last_loss is not None else run.final_loss
+        losses = "".join([f" | train loss {train_loss:.4f}" if train_loss is not None else "",
                           f" | val loss {run.final_val:.4f}" if run.final_val is not None else "",
                           f" (best {best[0]:.4f} at step {best[1]:,})" if best else ""])
         checkpoint, weights = checkpoint_path(self.run_dir, step), self.run_dir / WEIGHTS_NAME

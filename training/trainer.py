@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -29,7 +30,7 @@ from training.checkpoint import (CheckpointError, CheckpointWriteError, checkpoi
                                  save_sharded_checkpoint)
 from training.dcp import consolidate, is_sharded_checkpoint, load_sharded, optimizer_by_index
 from training.context_parallel import check_context_parallel, context_parallel_loss, context_parallel_size
-from training.device import autocast, resolve_precision
+from training.device import autocast, cpu_threads, resolve_precision
 from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, check_launcher, env_world, init_distributed,
                                   is_sharded, local_grad_accum, set_gradient_sync, wrap_model)
 from training.evaluate import evaluate_loss
@@ -39,7 +40,7 @@ from training.hf import load_hf_weights
 from training.loggers import Loggers
 from training.metrics import Throughput, mfu, peak_flops
 from training.optim import build_optimizer, lr_at
-from training.resume import plan_start, record, superseded_dir
+from training.resume import plan_start, record, recover, superseded_dir
 from training.rng import rng_state, seed_everything
 from training.runfiles import write_text
 from training.runlock import RunDirLock
@@ -228,7 +229,12 @@ class Trainer:
 
     def _build(self, cfg: DictConfig, device: torch.device, micro_steps: int) -> None:
         t = cfg.trainer
+        if self.env.is_main:   # what a start or save killed half-way left, put right (the writer, holding the lock)
+            recover(self.run_dir)
+        barrier(self.env)
         self.start = plan_start(cfg, self.run_dir)  # which checkpoint, which run: refusals before any work
+        if device.type == "cpu":
+            self._set_cpu_threads(cfg)
         seed_everything(cfg.seed)
         self.data = self._on_local_rank0_first(lambda: build_data(  # a CP group's ranks read the same windows
             cfg, seq_len=t.seq_len, seed=cfg.seed, rank=self.env.dp_rank, world_size=self.env.dp_size,
@@ -262,6 +268,16 @@ class Trainer:
             self.train_step.load_optimizer(optimizer_state.state)
         self.document_mask = bool(cfg.data.get("document_mask", False))
         self.val_batches = self.data.val_batches(t.batch_size, t.eval_batches, self.document_mask)
+
+    def _set_cpu_threads(self, cfg: DictConfig) -> None:
+        """torch's threads, chosen (training.device.cpu_threads) and recorded in the config, so the
+        run's checkpoints carry the count a resume takes again."""
+        saved = (self.start.state or {}).get("config", {}).get("trainer", {}).get("cpu_threads")
+        threads, self.cpu_threads_reason = cpu_threads(cfg.trainer.cpu_threads,
+                                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")), saved)
+        torch.set_num_threads(threads)
+        with open_dict(cfg):
+            cfg.trainer.cpu_threads = threads
 
     @property
     def optimizer(self):
@@ -337,9 +353,9 @@ class Trainer:
     def _open_run_files(self, cfg: DictConfig, config: dict) -> Loggers:
         """Rank 0, once the run is accepted: the loggers (wandb first: it is the one that can fail),
         a rewind's later files set aside, the start in lineage.jsonl, config.yaml, the tokenizer."""
-        aside = superseded_dir(self.run_dir, self.start)
-        loggers = Loggers(cfg, self.run_dir, config, self.step if self.resumed_from else None, self.wandb_id, aside)
-        record(self.run_dir, self.start, aside, self.data_change)
+        loggers = Loggers(cfg, self.run_dir, config, self.wandb_id)
+        record(self.run_dir, self.start, superseded_dir(self.run_dir, self.start), self.data_change)
+        loggers.open_metrics(self.step if self.resumed_from else None)
         write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
         save_tokenizer(self.data.tokenizer, self.run_dir)  # evals and generation need no corpus
         return loggers
@@ -375,11 +391,12 @@ class Trainer:
         except (FloatingPointError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 (_failed re-raises the rest)
             return self._failed(e)
         exit_code = stop.exit_code or agreed.exit_code
+        last_loss = self.mean_over_ranks(self._loss) if self._loss is not None else None   # the last step's, logged or not
         self._close(exit_code)
         if exit_code and self.env.is_main:
             log.warning("%s: checkpoint saved at step %d", stop_reason(exit_code - 128), self.step)
         if self.env.is_main:
-            report.finish(self.step, t.max_steps, self.tokens, exit_code)
+            report.finish(self.step, t.max_steps, self.tokens, exit_code, last_loss)
         return exit_code
 
     def _start_run(self) -> RunReport | None:
@@ -398,6 +415,8 @@ class Trainer:
                  f", {env.world_size} processes ({t.parallel}"
                  f"{f', context_parallel={env.cp_size}' if env.cp_size > 1 else ''})" if env.enabled else "",
                  f", resumed from {self.resumed_from} (step {self.step})" if self.resumed_from else "")
+        if self.device.type == "cpu":
+            log.info("CPU threads: %d (%s)", t.cpu_threads, self.cpu_threads_reason)
         return report
 
     def _progress_bar(self) -> tqdm:

@@ -32,7 +32,37 @@ def load_records(path: str, *, config: str | None = None, split: str = "train", 
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, StopIteration):   # what the json/parquet builders raise on empty files
             detail = "no records (empty dataset?)"
+        bad = first_bad_json_record(local) if path == "json" else None
+        if bad is not None:   # the builder's own message names neither the file nor the line
+            raise ValueError(bad) from None
         raise ValueError(f"cannot load dataset {path!r} (config={config}, split={split}): {detail}") from None
+
+
+def first_bad_json_record(files) -> str | None:
+    """Where the first record of local JSON files that is not a JSON object is, as a sentence
+    naming the file and the line (a .json file may also be one JSON document: a list of objects,
+    or an object); None when every record is one."""
+    import json
+
+    for name in files:
+        path = Path(str(name)).expanduser()
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            whole = json.loads(text)
+        except ValueError:
+            whole = None
+        if isinstance(whole, dict) or (isinstance(whole, list) and all(isinstance(r, dict) for r in whole)):
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                return f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})"
+            if not isinstance(record, dict):
+                return f"{path}, line {number}: a JSON {type(record).__name__}, not an object (one record per line)"
+    return None
 
 
 def column_names(ds) -> list[str]:
