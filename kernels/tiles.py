@@ -7,7 +7,7 @@ Every Q/K/V/O/dO tile is BLOCK rows of one (sequence x head_dim) matrix, address
 The first term is a scalar formed in int64 (at a million tokens, start * row_stride
 passes 2^31 elements); `offs` is an int32 tile computed once per program. Keeping the
 per-iteration state down to one scalar matters on Hopper: a loop-carried tile of 64-bit
-addresses costs two registers per element and made the kernels spill (kernels/NOTES.md).
+addresses costs two registers per element and made the kernels spill (kernels/LOG.md).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def _entry(config):
 # Every table: (BLOCK_M query rows, BLOCK_N key rows, warps, stages) per max padded head dim, the
 # first entry the default. Which of the two a program owns and which it streams is the kernel's.
 # Candidates are the shapes that compile without register spills for triton 3.6 / sm_90a
-# (ptxas -v; kernels/NOTES.md), plus the best measured ones.
+# (ptxas -v; kernels/LOG.md), plus the best measured ones.
 _FWD = {  # BLOCK_M queries owned, BLOCK_N keys streamed
     64: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
@@ -45,7 +45,7 @@ _BWD_KV = {  # BLOCK_M queries streamed, BLOCK_N keys owned
 # Causal dK/dV: the pinned default where the tuner's pick differs from the non-causal one.
 # Masking makes half the tiles partial, and the tuner picked these at 4K and 16K on the
 # H200 (benchmarks/attention/attention_h200_training.md); pinned, the first entries ran the causal
-# backward past 128K at 0.8x the tuned rate (kernels/NOTES.md, "Long sequences").
+# backward past 128K at 0.8x the tuned rate (kernels/LOG.md, "Long sequences").
 _BWD_KV_CAUSAL = {64: (64, 64, 4, 2), 128: (64, 128, 8, 2)}
 # The atomic dK/dV/dQ kernel (deterministic=False) holds a BLOCK_M x D float32 dQ tile on top of
 # dK/dV's registers: ptxas -v (triton 3.9, sm_90a, causal) spills 136 B at D = 64 with 128 keys x

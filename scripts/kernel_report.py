@@ -11,7 +11,7 @@ kernel can be read before any device time is spent. A launch specialises its int
 stride equal to 1 becomes a constant and multiples of 16 are marked divisible, which is what lets
 the loads vectorise and pipeline through cp.async. Compiled without that (`--unspecialized`, as
 Inductor's signature test does), loads stay scalar and synchronous and the register counts mislead
-(kernels/NOTES.md, "Registers, read the way a launch compiles"). The argument values come from
+(kernels/LOG.md, "Registers, read the way a launch compiles"). The argument values come from
 `--shape` B/T/H/Hkv: q, k, v strided views of one fused QKV projection, as the model passes them.
 
 Per kernel, head dim and tile shape: registers per thread and spilled bytes (`ptxas -v`), the

@@ -6,7 +6,7 @@ The config is configs/profile_step.yaml: scripts/max_context.py's (so train.py's
 `length`; `--attention` (one implementation) and the first of `features` are profiled. One step runs untimed
 (compiling the kernels), then one under torch.profiler. The table of the kernels that took
 most GPU time is what to set beside a FLOP count and the rates of scripts/bench_attention.py
-(kernels/NOTES.md does this for a million-token step).
+(kernels/LOG.md does this for a million-token step).
 """
 from __future__ import annotations
 

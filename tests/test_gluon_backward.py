@@ -200,7 +200,7 @@ def test_backward_compiles_for_sm90():
     """Both head dims, causal or not, deterministic or not: each compiles for sm_90a under this
     Triton, issues wgmma and a TMA reduce-add of dQ, and fits in shared memory; so do the prologue
     and epilogue kernels. Spills are read and bounded, so that a change that adds many fails here
-    first (kernels/NOTES.md has the registers)."""
+    first (kernels/LOG.md has the registers)."""
     variants = [dict(head_dim=d, causal=c, deterministic=det) for d in (64, 128) for c in (True, False)
                 for det in (True, False)]
     rows = compile_variants(variants)

@@ -33,4 +33,4 @@ def test_kernels_compile_to_the_recorded_ptx():
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = {name: value for value, name in (line.split("  ", 1) for line in proc.stdout.splitlines() if "  " in line)}
-    assert len(printed) == 21 and all(recorded[release][name] == value for name, value in printed.items())
+    assert len(printed) == 22 and all(recorded[release][name] == value for name, value in printed.items())

@@ -39,7 +39,7 @@ two tiles' buffers at once, so it needs STAGES >= 3 to leave the producer one to
 
 VARIANTS are the settings a kernel plan can pick, DEFAULT_VARIANTS the one per head dim (the
 fastest measured). The steps that led here (one partition, a software-pipelined ring, warp
-specialisation without ping-pong) are kernels/lab/gluon_forward_ladder.py's, and kernels/NOTES.md
+specialisation without ping-pong) are kernels/lab/gluon_forward_ladder.py's, and kernels/LOG.md
 has what each measured. Query tiles run longest first (the last, longest causal tile of each head
 is dispatched first; see kernels/tiles.py's query_tile_longest_first).
 """

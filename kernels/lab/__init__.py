@@ -3,5 +3,5 @@
 Nothing in the product imports this package: a kernel plan (kernels/plan.py) picks only the
 variants of kernels/gluon/. The development scripts (scripts/gluon_check.py,
 scripts/kernel_report.py, ...) time and compile these beside the production kernels, and
-kernels/NOTES.md tells what each step measured.
+kernels/LOG.md tells what each step measured.
 """

@@ -42,7 +42,7 @@ once their wgmmas have read the stage. Two ways to run it:
   with DQ_WRITER also a dQ-writer partition (DQ_WARPS warps) that takes each step's dQ tile from
   shared memory (`dq_ready` / `dq_empty` mbarriers, DQ_BUFS deep) and adds it to global memory,
   so that the consumers never wait on another program. DEFAULT_VARIANT (2 writer warps, 2
-  buffers) was the fastest measured; kernels/NOTES.md has the numbers and what bounds them.
+  buffers) was the fastest measured; kernels/LOG.md has the numbers and what bounds them.
 
 Per step the consumers synchronise twice across both warpgroups (CTA barriers): once after
 storing dS^T (dQ = dS K reads both warpgroups' rows), once when the step is done (then one thread
@@ -655,7 +655,7 @@ def tiles(head_dim: int) -> str:
 
 # How the main kernel runs by default: warp-specialised, a TMA producer warp and a 2-warp dQ writer
 # with two hand-off buffers, the fastest variant on the H200 at every measured shape
-# (benchmarks/gluon/gluon_bwd_h200_rounds.md; kernels/NOTES.md has why it is still short of cuDNN).
+# (benchmarks/gluon/gluon_bwd_h200_rounds.md; kernels/LOG.md has why it was short of cuDNN).
 DEFAULT_VARIANT = dict(warp_specialize=True, dq_writer=True, dq_bufs=2, dq_warps=2)
 
 

@@ -2,7 +2,7 @@
 
 kernels/gluon/forward.py holds the kernel a plan runs (`attention_fwd_ws`, warp-specialised).
 The ladder that led to it, each rung timed side by side in benchmarks/gluon/gluon_fwd_h200_rounds.md
-(kernels/NOTES.md, "The Gluon forward"):
+(kernels/LOG.md, "The Gluon forward"):
 
 - "simple": `attention_fwd_pipelined` with STAGES=1, one partition; it issues the TMA loads of a
   tile, waits, computes. The simple, correct baseline.
