@@ -306,6 +306,7 @@ class _Call:
 
 
 _CALLS: dict = {}   # call signature -> _Call
+MAX_CALLS = 4096    # signatures kept (a run sees a handful; varying lengths, e.g. prompts, start it afresh)
 
 
 def _mask_kind(document_ids, window, key_bounds) -> str:
@@ -330,8 +331,8 @@ def _signature(q, k, v, causal, softmax_scale, mask, window, deterministic, kern
 def _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel) -> _Call:
     """Check the inputs and make the call's plan (the masks are checked by the caller)."""
     check_inputs(q, k, v)
-    setting = plans.call_setting(q, k, v, bool(causal), mask,
-                                       check_flag(deterministic, "deterministic"), plans.check_choice(kernel))
+    setting = plans.call_setting(q, k, v, bool(causal), mask, check_flag(deterministic, "deterministic"),
+                                 plans.check_choice(kernel))
     return _Call(plans.plan_kernels(setting), bool(causal), softmax_scale_for(softmax_scale, q.shape[-1]),
                  _window(window, k.shape[1]))
 
@@ -377,6 +378,8 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     if call is None:
         call = _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel)
         if key is not None:
+            if len(_CALLS) >= MAX_CALLS:
+                _CALLS.clear()
             _CALLS[key] = call
     if mask != "none":
         check_masks(q, k, causal, document_ids, window, key_bounds)

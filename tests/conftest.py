@@ -16,7 +16,9 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # The tools' default results folder (outputs/ in the checkout) moved to a temporary one, for this
 # process and every subprocess a test starts: a test never writes into the checkout.
-os.environ["FLASHTRAIN_OUTPUTS"] = tempfile.mkdtemp(prefix="flashtrain-test-outputs-")
+# Set once per process (this file may be imported under two names), and respecting a folder given.
+if "FLASHTRAIN_OUTPUTS" not in os.environ:
+    os.environ["FLASHTRAIN_OUTPUTS"] = tempfile.mkdtemp(prefix="flashtrain-test-outputs-")
 
 import pytest  # noqa: E402
 

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from tests.conftest import requires_cuda
+from conftest import requires_cuda
 from tests.test_resume import start_and_signal
 from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import losses, run_in_process, run_subprocess, tiny_overrides

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import HAS_CUDA
+from conftest import HAS_CUDA
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
 from training.checkpoint import list_checkpoints, load_checkpoint
 
