@@ -80,3 +80,50 @@ def test_atomic_backward_pins_128_keys_per_program(monkeypatch):
             assert tuning._BWD_KV_DQ[dim][0][1] == 128   # (BLOCK_M, BLOCK_N, warps, stages)
         tuned = _kept(tuning._BWD_KV_DQ, tuning.bwd_kv_dq_prune, dim, True, tokens=4096)
         assert tuned == tuning._BWD_KV_DQ[dim]
+
+
+class _FakeAutotuner:
+    """Records how flash_op launches an autotuned kernel: through the autotuner (`tune`) or straight
+    to the jitted function with a tile (`direct`)."""
+
+    def __init__(self, record):
+        import triton
+        self.record, self.configs_timings = record, None
+        self.best_config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+        self.fn = self
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if "num_warps" in kwargs:
+                self.record.append(("direct", kwargs["BLOCK_M"], kwargs["num_warps"]))
+            else:
+                self.record.append(("tune",))
+                self.configs_timings = {self.best_config: 1.0}   # as the autotuner leaves it after timing
+        return launch
+
+
+def test_the_autotuner_is_asked_once_per_band_and_never_for_pinned_tiles(monkeypatch, caplog):
+    """A band's first call tunes (and says so), later calls launch the pick directly; past the tuned
+    lengths the pinned tile is launched without the autotuner, which would time even one candidate."""
+    import logging
+
+    import torch
+
+    from kernels import flash_op
+
+    record = []
+    kernel = _FakeAutotuner(record)
+    consts = flash_op._constexprs(64, True, False, False, torch.float16)
+    monkeypatch.setattr(flash_op, "_TUNED", {})
+    monkeypatch.setattr(flash_op, "tunes", lambda length: length <= 4096)
+    launch = lambda length: flash_op._launch(kernel, "fwd", (1, 1), (), consts, length, torch.float16,  # noqa: E731
+                                             torch.device("cpu"), flash_op._no_wrap, None, ())
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        launch(4096)
+        launch(4000)
+    assert record == [("tune",), ("direct", 64, 4)]
+    assert any("tuned fwd for head dim 64, causal, lengths up to 4096" in r.getMessage() for r in caplog.records)
+    record.clear()
+    launch(1 << 20)
+    pinned = tuning.pinned("fwd", 64, True)
+    assert record == [("direct", pinned["BLOCK_M"], pinned["num_warps"])]
