@@ -333,7 +333,8 @@ def _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kern
     check_inputs(q, k, v)
     setting = plans.call_setting(q, k, v, bool(causal), mask, check_flag(deterministic, "deterministic"),
                                  plans.check_choice(kernel))
-    return _Call(plans.plan_kernels(setting), bool(causal), softmax_scale_for(softmax_scale, q.shape[-1]),
+    plan = (plans.make_plan if torch.compiler.is_compiling() else plans.plan_kernels)(setting)
+    return _Call(plan, bool(causal), softmax_scale_for(softmax_scale, q.shape[-1]),
                  _window(window, k.shape[1]))
 
 

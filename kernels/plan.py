@@ -102,10 +102,14 @@ def check_choice(kernel) -> tuple[str, str]:
     return words
 
 
-@functools.lru_cache(maxsize=None)
-def plan_kernels(setting: Setting) -> KernelPlan:
+def make_plan(setting: Setting) -> KernelPlan:
     """The plan for `setting`; raises ValueError where a direction asked for "gluon" cannot run it."""
     return KernelPlan(_direction(setting, "forward"), _direction(setting, "backward"))
+
+
+# Eager calls and configs ask this cached form; a traced call (torch.compile) the plain one, since
+# Dynamo traces through functools' cache rather than consulting it.
+plan_kernels = functools.lru_cache(maxsize=None)(make_plan)
 
 
 def _direction(s: Setting, direction: str) -> Direction:

@@ -453,8 +453,8 @@ def variant_launch(variant: str | None, causal: bool, head_dim: int) -> Launch:
 
 def tiles(variant: str, head_dim: int) -> str:
     """The variant's tiles, as a kernel plan names them."""
-    launch = variant_launch(variant, True, head_dim)
-    return f"{launch.block_m}x{BLOCK_N}, {launch.constexprs['STAGES']} stages"
+    stages = VARIANTS[variant][0]["STAGES"]
+    return f"{2 * WG_ROWS}x{BLOCK_N}, {stages[head_dim] if isinstance(stages, dict) else stages} stages"
 
 
 @functools.lru_cache(maxsize=None)
