@@ -23,9 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import hydra_callbacks, plain
-from training.config_errors import exit_on_config_error
-from training.config_errors import report_error as report
-from training.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits
+from training.config.errors import exit_on_config_error
+from training.config.errors import report_error as report
+from training.process.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
@@ -37,9 +37,9 @@ def train(cfg: DictConfig, outcome: dict | None = None, on_start: Callable[[], C
     """Set up (bad input -> one line on stderr, exit status 2), then train; `outcome` receives the
     final validation loss. `on_start` runs on rank 0 once the run is accepted (train.py keeps
     Hydra's files then); it may return a function to run when the run ends."""
-    from training.distributed import RankError, close_distributed  # torch: imported only once a run starts,
-    from training.faults import fault_line                         # so `--help` answers at once
-    from training.trainer import Trainer
+    from training.parallel.distributed import RankError, close_distributed  # torch: imported only once a run starts,
+    from training.process.faults import fault_line                         # so `--help` answers at once
+    from training.loop.trainer import Trainer
 
     trainer, finish = None, None
     try:
@@ -104,7 +104,7 @@ def keep_hydra_files(hydra_cfg: DictConfig, task_yaml: str) -> Callable[[], None
     happen before the run is checked, and a refused run must not touch an existing run's files),
     written once the run is accepted: .hydra/{config,hydra,overrides}.yaml and the log file.
     Returns what detaches the log file when the run ends."""
-    from training.runfiles import open_append, write_text
+    from training.run.files import open_append, write_text
 
     out = Path(hydra_cfg.runtime.output_dir)
     (out / ".hydra").mkdir(parents=True, exist_ok=True)
@@ -170,7 +170,7 @@ if __name__ == "__main__":
             check_before_hydra(sys.argv[1:])
             main()
         if SWEEP_DIR:
-            from training.summary import sweep_summary
+            from training.run.report import sweep_summary
             print(sweep_summary(SWEEP_DIR[0]), flush=True)
         if FAILED_JOBS:
             sys.exit(max(FAILED_JOBS))

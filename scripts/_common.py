@@ -91,8 +91,8 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
     try:
         main(sys.argv[1:])
     except Exception as exc:  # noqa: BLE001 (only bad input and the machine's faults are caught; a bug re-raised)
-        from training.config_errors import config_error_line, is_config_error   # only then: tools run without Hydra
-        from training.faults import os_error_line
+        from training.config.errors import config_error_line, is_config_error   # only then: tools run without Hydra
+        from training.process.faults import os_error_line
 
         if not isinstance(exc, (ValueError, OSError)) and not is_config_error(exc) \
                 or os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
@@ -258,8 +258,8 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Replace `path` atomically (training.runfiles: no partial file or stray .tmp, even on a full disk)."""
-    from training import runfiles
+    """Replace `path` atomically (training.run.files: no partial file or stray .tmp, even on a full disk)."""
+    from training.run import files as runfiles
 
     with new_folders(path.parent):
         runfiles.write_text(path, text)
@@ -342,7 +342,7 @@ def save_figure(fig, path: Path) -> None:
     many, headless)."""
     import matplotlib.pyplot as plt
 
-    from training.runfiles import write_file
+    from training.run.files import write_file
 
     try:
         with new_folders(path.parent):

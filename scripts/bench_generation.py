@@ -196,7 +196,7 @@ def main(argv: list[str]) -> dict:
     if unknown:
         raise ValueError(f"--modes: {unknown[0]!r} is not a decode mode; valid: {', '.join(MODES)}")
 
-    from training.device import resolve_device
+    from training.process.device import resolve_device
 
     device = resolve_device(args.device)
     if device.type != "cuda" and not args.smoke:

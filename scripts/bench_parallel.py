@@ -95,7 +95,7 @@ def summarize(rows: list[dict], warm: int) -> dict:
 
 def throughput(args, report: dict, save) -> None:
     from training.config import merge_overrides
-    from training.loggers import MetricsFile
+    from training.loop.loggers import MetricsFile
 
     overrides = merge_overrides(THROUGHPUT, [f"trainer.max_steps={args.steps}", f"seed={args.seed}"], args.overrides)
     report["settings"]["throughput_overrides"] = overrides
@@ -130,8 +130,8 @@ def memory_worker(out: Path, steps: int, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from training.config import compose
-    from training.distributed import close_distributed
-    from training.trainer import Trainer
+    from training.parallel.distributed import close_distributed
+    from training.loop.trainer import Trainer
 
     trainer = Trainer(compose(overrides))
     try:

@@ -39,7 +39,7 @@ from kernels import attention_reference, flash_attention
 from model.context_parallel import context_parallel_batch, document_layout
 from model.cp_layout import imbalance, visible_keys, zigzag_layout
 from model.ring_attention import STEP_COUNTS, ring_attention
-from training.distributed import close_distributed
+from training.parallel.distributed import close_distributed
 
 HEADS, HEAD_DIM = 12, 64
 LENGTHS = (131072, 262144, 524288, 1048576)

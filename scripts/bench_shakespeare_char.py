@@ -353,7 +353,7 @@ def train_loss(run_dir: Path, batches: int = 50) -> None:
     from training.builders import build_data
     from data.sampler import ValidationWindows
     from training.builders import load_model_for_eval
-    from training.evaluate import evaluate_loss
+    from training.loop.evaluate import evaluate_loss
 
     model, cfg, _ = load_model_for_eval(run_dir / "model.safetensors", attention="sdpa")
     device = next(model.parameters()).device

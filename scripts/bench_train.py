@@ -48,7 +48,7 @@ def compose_cfg(overrides: list[str]):
 
 def build(cfg, attention: str, device: torch.device):
     """Model (compiled when the config says so) and optimizer, from the Trainer's own builders."""
-    from training.optim import build_optimizer
+    from training.loop.optim import build_optimizer
     from training.builders import model_from_config
 
     model = model_from_config(cfg, cfg.model.vocab_size, attention).to(device)
@@ -85,8 +85,8 @@ def loop_step(level: int, cfg, model, step_model, optimizer, device, data=None, 
     """A closure running one training step with the loop's first `level` pieces (ABLATION's
     order). Level 0 is the bare, nanoGPT-style step: forward (loss inside), backward, optimizer
     step and zero_grad on a few batches made on the device beforehand, rotated through."""
-    from training.device import autocast, resolve_precision
-    from training.optim import lr_at
+    from training.process.device import autocast, resolve_precision
+    from training.loop.optim import lr_at
 
     t = cfg.trainer
     precision = resolve_precision(t.precision, device)
@@ -177,7 +177,7 @@ def measure(attention: str, seq_len: int, args, device, out) -> dict:
     if real["status"] == "ok":
         row.update(real_tokens_per_s=real["tokens_per_s"], real_intervals=real["intervals"],
                    loop_overhead=1 - real["tokens_per_s"] / row["bare_tokens_per_s"])
-    from training.metrics import mfu, peak_flops
+    from training.loop.throughput import mfu, peak_flops
 
     peak = peak_flops(device, None)
     if peak:

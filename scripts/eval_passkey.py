@@ -23,7 +23,7 @@ from _eval import add_checkpoint_args, load_for_eval, run_name
 @torch.no_grad()
 def passkey_correct(model, tokenizer, length: int, depth: float, key: str, device, precision: str) -> bool:
     from data.passkey import passkey_prompt
-    from training.device import autocast
+    from training.process.device import autocast
 
     prompt, answer = passkey_prompt(length, depth, key, lambda text: len(tokenizer.encode(text)))
     prompt_ids, answer_ids = tokenizer.encode(prompt), tokenizer.encode(answer)

@@ -38,10 +38,10 @@ def main(argv: list[str]) -> Path:
     if args.out is not None and args.out.exists() and not args.force:
         raise ValueError(f"{args.out} exists; pass --force to replace it")
 
-    from training.checkpoint import is_sharded, save_checkpoint
-    from training.dcp import consolidate
-    from training.export import save_weights
-    from training.resume import checkpoint_to_load
+    from training.run.store import is_sharded, save_checkpoint
+    from training.run.dcp import consolidate
+    from training.interop.weights import save_weights
+    from training.run.resume import checkpoint_to_load
 
     path, state = checkpoint_to_load(args.checkpoint)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent

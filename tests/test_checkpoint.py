@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.trainrun import cache_dir, finished_run, run_in_process, tiny_overrides  # noqa: F401 (fixtures)
-from training.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
+from training.run.store import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
                                  load_checkpoint, prune_checkpoints, restore_model, save_checkpoint)
 
 

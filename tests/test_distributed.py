@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401 (fixture)
-from training.checkpoint import list_checkpoints, load_checkpoint
+from training.run.store import list_checkpoints, load_checkpoint
 
 WORLD = 2
 
@@ -49,7 +49,7 @@ def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None, pre
 
     from training.config import compose
     from training.builders import model_from_config
-    from training.trainer import TrainStep
+    from training.loop.trainer import TrainStep
 
     cfg = compose(STEP_OVERRIDES + [f"trainer.precision={precision}", f"trainer.compile={compiled}"]
                   + ([f"trainer.parallel={parallel}"] if parallel else []))
@@ -74,7 +74,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from training.distributed import close_distributed, init_distributed
+    from training.parallel.distributed import close_distributed, init_distributed
 
     env = init_distributed("cpu", timeout_s=60)
     try:
@@ -345,7 +345,7 @@ def _sampler_worker(rank: int, port: int, cache: str, state_path: str, out: str,
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from training.distributed import close_distributed, init_distributed
+    from training.parallel.distributed import close_distributed, init_distributed
 
     env = init_distributed("cpu", timeout_s=60)
     try:
@@ -409,7 +409,7 @@ def test_two_processes_building_one_cache_both_get_a_valid_one(tmp_path):
 def test_weights_export_loads_for_eval_on_one_process(ddp_run, tmp_path):
     from training.builders import build_data
     from training.builders import load_model_for_eval
-    from training.evaluate import evaluate_loss
+    from training.loop.evaluate import evaluate_loss
 
     model, cfg, _ = load_model_for_eval(ddp_run / "model.safetensors", device="cpu")
     batches = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed).val_batches(cfg.trainer.batch_size,

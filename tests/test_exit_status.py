@@ -12,7 +12,7 @@ import pytest
 
 from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
 from tests.trainrun import run_in_process, run_subprocess, tiny_overrides
-from training.checkpoint import checkpoint_path
+from training.run.store import checkpoint_path
 
 HYDRA_ERRORS = [
     (["trainer.foo=1"], "error: unknown config key 'trainer.foo' (`python train.py --cfg job` prints every valid key)"),

@@ -21,7 +21,7 @@ import torch
 
 from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
 from tests.trainrun import REPO, run_in_process, run_subprocess, subprocess_env, tiny_overrides, train_command
-from training.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from training.run.store import checkpoint_path, list_checkpoints, load_checkpoint
 
 
 def one_error(stderr: str) -> str:
@@ -158,7 +158,7 @@ def test_host_out_of_memory_is_one_line_with_the_knob_to_turn(tmp_path, cache_di
 
 
 def test_cuda_out_of_memory_names_the_knobs():
-    from training.faults import fault_line
+    from training.process.faults import fault_line
 
     line = fault_line(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
                                              "capacity of 139.81 GiB of which 1.02 GiB is free."))
@@ -334,7 +334,7 @@ def test_a_refused_run_leaves_the_runs_hydra_files_and_log_alone(tmp_path, cache
 # --------------------------------------------------------------------------- stopping
 
 def test_a_second_ctrl_c_is_one_line_and_status_130(tmp_path, cache_dir, capsys, monkeypatch):
-    from training.trainer import TrainStep
+    from training.loop.trainer import TrainStep
 
     step, calls = TrainStep.__call__, []
 
@@ -355,7 +355,7 @@ def test_a_second_ctrl_c_is_one_line_and_status_130(tmp_path, cache_dir, capsys,
 
 
 def test_repeated_sigint_under_a_launcher_is_one_request_and_a_dead_launcher_a_stop(monkeypatch):
-    import training.signals as signals
+    import training.process.signals as signals
 
     alone = signals.StopRequest()
     alone._handle(signal.SIGINT, None)

@@ -11,9 +11,9 @@ import torch
 
 from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import losses, run_in_process, tiny_overrides
-from training.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint, prune_checkpoints,
+from training.run.store import (checkpoint_path, list_checkpoints, load_checkpoint, prune_checkpoints,
                                  save_checkpoint)
-from training.resume import LINEAGE_FILE
+from training.run.resume import LINEAGE_FILE
 
 
 def names(run_dir: Path) -> list[str]:

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from model import GPT, GPTConfig
 from training.builders import build_model   # the schema's checks, then model.build_model
-from training.metrics import mfu
+from training.loop.throughput import mfu
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = dict(name="t", n_layer=2, n_head=4, n_kv_head=2, d_model=32, vocab_size=None, max_seq_len=64)

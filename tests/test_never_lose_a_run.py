@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.checkpoint as checkpoint
+import training.run.store as checkpoint
 from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
 from tests.trainrun import REPO, losses, run_in_process, subprocess_env, tiny_overrides, train_command
-from training.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
+from training.run.store import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
                                  load_checkpoint, prune_checkpoints, save_checkpoint)
-from training.runlock import RunDirLock
+from training.run.lock import RunDirLock
 
 
 def state(step: int) -> dict:

@@ -130,7 +130,7 @@ def test_every_documented_train_command_composes_and_passes_the_checks(command):
     """A typo in a command, a preset that does not exist, an override Hydra cannot parse (the docs'
     data.paths=[~/corpus]) or a value the schema refuses fails here, as it would for a reader."""
     from training.config import compose, repeated_override
-    from training.config_checks import validate_config
+    from training.config.checks import validate_config
 
     overrides = train_overrides(command)
     assert repeated_override(overrides) is None

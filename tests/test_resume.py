@@ -14,7 +14,7 @@ import pytest
 
 from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import REPO, losses, run_in_process, run_subprocess, subprocess_env, tiny_overrides, train_command
-from training.checkpoint import list_checkpoints, load_checkpoint
+from training.run.store import list_checkpoints, load_checkpoint
 
 STEPS = 100  # long enough (about a second) that the interrupt reliably lands mid-run
 # A corpus of 77 steps an epoch (621 windows of 64 tokens, 8 a step): the resumed runs cross into
@@ -189,7 +189,7 @@ def test_the_temp_file_of_a_killed_final_export_is_removed_by_the_next_start(tmp
     overrides = tiny_overrides(tmp_path, cache_dir, steps=4)
     assert run_killed_at(overrides, KILL_IN_THE_FINAL_EXPORT).returncode == -signal.SIGKILL
     assert (tmp_path / "model.safetensors.tmp").stat().st_size == 100_000
-    from training.trainer import Trainer
+    from training.loop.trainer import Trainer
 
     seen = []
     start_run = Trainer._start_run

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from tests.test_distributed import (STEPS, WORLD, assert_losses_close, dist_overrides, free_port, single_run,  # noqa: F401
                                     torchrun, worker_pids)
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env  # noqa: F401 (fixtures)
-from training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints
+from training.run.store import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints
 
 
 # ----------------------------------------------------------------------------- DCP, a kill mid-save
@@ -26,7 +26,7 @@ from training.checkpoint import CheckpointError, latest_checkpoint, list_checkpo
 def _tiny_fsdp(env):
     from training.builders import model_from_config
     from training.config import compose
-    from training.trainer import TrainStep
+    from training.loop.trainer import TrainStep
 
     cfg = compose(["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", "model.vocab_size=64",
                    "trainer.batch_size=2", f"trainer.grad_accum={WORLD}", "trainer.precision=fp32",
@@ -50,9 +50,9 @@ def _save_then_die_mid_save(rank: int, port: int, ckpt_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import training.dcp
-    from training.checkpoint import checkpoint_path, save_sharded_checkpoint
-    from training.distributed import close_distributed, init_distributed
+    import training.run.dcp
+    from training.run.store import checkpoint_path, save_sharded_checkpoint
+    from training.parallel.distributed import close_distributed, init_distributed
 
     env = init_distributed("cpu", timeout_s=30)
     try:
@@ -62,7 +62,7 @@ def _save_then_die_mid_save(rank: int, port: int, ckpt_dir: str) -> None:
         full, _ = step.full_state()
         if rank == 0:
             torch.save(full, Path(ckpt_dir).parent / "full.pt")
-        training.dcp._publish = lambda tmp, path: os.kill(os.getpid(), signal.SIGKILL)
+        training.run.dcp._publish = lambda tmp, path: os.kill(os.getpid(), signal.SIGKILL)
         save_sharded_checkpoint(checkpoint_path(run_dir, 2, sharded=True), _meta(2), step.model, step.optimizer, env)
     finally:
         close_distributed()
@@ -70,7 +70,7 @@ def _save_then_die_mid_save(rank: int, port: int, ckpt_dir: str) -> None:
 
 @pytest.mark.slow
 def test_a_kill_mid_save_leaves_the_previous_sharded_checkpoint_in_use(tmp_path):
-    from training.dcp import consolidate
+    from training.run.dcp import consolidate
 
     ckpt_dir = tmp_path / "checkpoints"
     with pytest.raises(Exception):  # rank 0 killed, rank 1 fails its next collective

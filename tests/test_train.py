@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import HAS_CUDA
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
-from training.checkpoint import list_checkpoints, load_checkpoint
+from training.run.store import list_checkpoints, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_run_dir_holds_resolved_config_and_last_checkpoints(trained):
 def test_load_model_for_eval_reproduces_the_logged_val_loss(trained):
     from training.builders import build_data
     from training.builders import load_model_for_eval
-    from training.evaluate import evaluate_loss
+    from training.loop.evaluate import evaluate_loss
 
     model, cfg, tokenizer = load_model_for_eval(trained / "checkpoints" / "step_00000040.pt", device="cpu")
     assert not model.training and tokenizer.decode(tokenizer.encode("def f(): pass")) == "def f(): pass"
@@ -136,7 +136,7 @@ def test_wandb_settings_defer_to_wandbs_environment(monkeypatch):
     """Unset config values leave WANDB_PROJECT / WANDB_ENTITY / WANDB_MODE to wandb; set ones win."""
     from omegaconf import OmegaConf
 
-    from training.loggers import wandb_settings
+    from training.loop.loggers import wandb_settings
     for var in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_MODE"):
         monkeypatch.delenv(var, raising=False)
     unset = OmegaConf.create({"project": None, "entity": None, "mode": None})
@@ -193,7 +193,7 @@ def test_help_says_what_the_tool_does_without_importing_torch():
 
 def test_cpu_threads_are_chosen_for_the_machine_and_said_at_start(tmp_path, cache_dir, caplog, monkeypatch):
     """torch's default, a thread per core, ran 20x slower on a busy 2-core machine than one thread."""
-    from training.device import cpu_threads
+    from training.process.device import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})

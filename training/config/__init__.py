@@ -1,8 +1,8 @@
 """Config composition: the config `python train.py <overrides>` sees, for train.py, scripts and tests.
 
-Types, unknown keys and choices are checked by Hydra against the schema (training/schema.py) as
-the config is composed; training.config_errors turns its errors into one line naming the key, and
-training.config_checks holds what a type cannot say (ranges, checks across keys and groups).
+Types, unknown keys and choices are checked by Hydra against the schema (training/config/schema.py) as
+the config is composed; training.config.errors turns its errors into one line naming the key, and
+training.config.checks holds what a type cannot say (ranges, checks across keys and groups).
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from training import schema
+from training.config import schema
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:

@@ -11,7 +11,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from training.runfiles import refuse_links
+from training.run.files import refuse_links
 
 LOCK_NAME = ".lock"
 

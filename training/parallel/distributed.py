@@ -13,11 +13,11 @@ those variables (or with WORLD_SIZE=1) the run is a single process and nothing h
   parameters are bf16 and gradients are reduced in float32. Prefetching is FSDP2's implicit one,
   as torchtitan leaves it for dense models; the root unit (embedding, final norm, head) stays
   gathered after the forward, so the backward starts without a gather. Its checkpoints are
-  sharded DCP folders (training.dcp).
+  sharded DCP folders (training.run.dcp).
 
 With `trainer.context_parallel=C` the N processes form a 2-D DeviceMesh (dp = N / C, cp = C;
 ranks dp_rank * C .. dp_rank * C + C - 1 are one CP group, neighbours on a node): each CP group
-splits its sequences over its C ranks (training.context_parallel) and both wrappers still reduce
+splits its sequences over its C ranks (training.parallel.context) and both wrappers still reduce
 gradients over all N ranks (FSDP2 shards over all N: the flattened mesh).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.schema import Parallel
+from training.config.schema import Parallel
 
 PARALLEL = tuple(p.value for p in Parallel)   # the schema's choices, each implemented here
 
@@ -84,7 +84,7 @@ class RankError(ValueError):
 def check_launcher(world: int) -> None:
     """Several processes only under torchrun: RANK/WORLD_SIZE left in a shell's environment would
     make a lone process wait up to trainer.dist_timeout_s for peers that never come."""
-    from training.signals import launched_by_torchrun
+    from training.process.signals import launched_by_torchrun
 
     if world > 1 and not launched_by_torchrun():
         raise RankError(f"WORLD_SIZE={world} (RANK={os.environ.get('RANK')}) is set, but this process was not "
@@ -109,7 +109,7 @@ def local_grad_accum(grad_accum: int, world_size: int, context_parallel: int = 1
 def init_distributed(device_type: str, timeout_s: float, context_parallel: int = 1) -> DistEnv:
     """Join torchrun's process group (a no-op for a single process); CUDA ranks get their own GPU;
     with context_parallel = C > 1 also the (dp, cp) mesh and this rank's CP group."""
-    from training.context_parallel import check_processes
+    from training.parallel.context import check_processes
 
     rank, world, local = env_world()
     check_processes(context_parallel, world)

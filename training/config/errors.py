@@ -12,7 +12,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from training.config_checks import bad_value
+from training.config.checks import bad_value
 
 VALID_KEYS_HINT = "(`python train.py --cfg job` prints every valid key)"
 # Hydra's override grammar takes ~, spaces and most punctuation only inside quotes.

@@ -1,7 +1,7 @@
 """Run folders read back: what a run reached, and how several runs differ.
 
 Reads only a run folder's contract, `config.yaml` and `metrics.jsonl`, so it works on finished,
-interrupted and still running runs alike. Used by the end-of-run summary (training/summary.py),
+interrupted and still running runs alike. Used by the end-of-run summary (training/run/report.py),
 the table train.py prints when a sweep (`-m`) ends, and scripts/compare_runs.py.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from training.loggers import MetricsFile
+from training.loop.loggers import MetricsFile
 
 # Keys a comparison leaves out: they differ between any two runs (run.dir), or change nothing the
 # table or the curves show, neither the numbers a run computes nor its speed (how it was started,

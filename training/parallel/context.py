@@ -1,7 +1,7 @@
 """Context parallelism in training (`trainer.context_parallel=C`): what is allowed, and the loss.
 
 Under torchrun with N processes the ranks form a 2-D mesh (dp = N / C, cp = C; see
-training.distributed.init_distributed): the C ranks of a CP group receive the same windows from
+training.parallel.distributed.init_distributed): the C ranks of a CP group receive the same windows from
 the sampler (sharded by DP rank only), each keeps its chunks of every sequence at their true
 positions (model.context_parallel: chunks i and 2C-1-i, or with data.document_mask the chunks
 dealt out by the documents' attention work) and the attention layers run the ring
@@ -52,7 +52,7 @@ def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
     """Raise a one-line ValueError for a combination context parallelism does not support
     (before any process group, data or model is built). A no-op for C = 1. What the ring cannot
     combine with in the config alone (attention dropout, the atomic backward, the kernel choice)
-    is checked with the other cross-key checks in training.config_checks."""
+    is checked with the other cross-key checks in training.config.checks."""
     size, t = context_parallel_size(cfg), cfg.trainer
     if size == 1:
         return

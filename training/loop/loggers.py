@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from training.runfiles import INT, NUMBER, open_append, read_json_lines, write_text
+from training.run.files import INT, NUMBER, open_append, read_json_lines, write_text
 
 METRIC_FIELDS = {"step": INT, "loss": NUMBER, "tokens": INT}   # what every row has (and readers use)
 

@@ -42,13 +42,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from training.checkpoint import (ANY_RUN, DATA_CHANGES, CheckpointError, check_model_config, check_unchanged,
+from training.run.store import (ANY_RUN, DATA_CHANGES, CheckpointError, check_model_config, check_unchanged,
                                  checkpoint_dir, latest_checkpoint, lineage_id, list_checkpoints, load_checkpoint,
                                  peek_lineage, step_of)
-from training.dcp import is_sharded_checkpoint
-from training.export import WEIGHTS_NAME
-from training.loggers import MetricsFile
-from training.runfiles import TEXT, append_line, read_json_lines, remove_temp_files, write_text
+from training.run.dcp import is_sharded_checkpoint
+from training.interop.weights import WEIGHTS_NAME
+from training.loop.loggers import MetricsFile
+from training.run.files import TEXT, append_line, read_json_lines, remove_temp_files, write_text
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def left_out_preset(saved_cfg: dict, cfg: DictConfig, refused: dict[str, list]) 
     it out: the one its run.name names (each preset names its runs after itself), when this run's
     name differs and the preset sets the refused keys it sets to the checkpoint's values."""
     from training.config import CONFIG_DIR
-    from training.runs import flatten
+    from training.run.records import flatten
 
     name = (saved_cfg.get("run") or {}).get("name")
     path = CONFIG_DIR / "experiment" / f"{name}.yaml"

@@ -8,11 +8,11 @@ renamed, so a crash leaves either the old set of files or the new one; a failed 
 disk, a file-size limit) removes the temp file. A file that still fails to load (a disk error, a
 copy cut short) is skipped by `resume=auto` with a warning naming it. Loading uses
 `weights_only=True`: a checkpoint cannot run code. Pruning and `resume=auto` look only at the
-files of one run (training.resume decides which): another run's checkpoint in the same folder is
+files of one run (training.run.resume decides which): another run's checkpoint in the same folder is
 never deleted, never counted as kept.
 
 Under `trainer.parallel=fsdp` a checkpoint is a folder, `checkpoints/step_00000100.dcp/`, that
-every rank writes its shards into (training.dcp): the same state, the same rules (made visible by
+every rank writes its shards into (training.run.dcp): the same state, the same rules (made visible by
 one rename once complete, every file verified by sha256 against its manifest, lineage, pruning).
 Both kinds load wherever a checkpoint is read; `resume=auto` takes the newest of either.
 """
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from training import dcp
-from training.rng import set_rng_state
-from training.runfiles import RecordingWriter, new_file, os_error_in
+from training.run import dcp
+from training.process.rng import set_rng_state
+from training.run.files import RecordingWriter, new_file, os_error_in
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def _stamped(state: dict, required: tuple[str, ...]) -> dict:
 
 
 def save_sharded_checkpoint(path: str | Path, state: dict, model: nn.Module, optimizer, env) -> Path | None:
-    """Every rank: the sharded checkpoint folder `path` (training.dcp) of `model` and `optimizer`
+    """Every rank: the sharded checkpoint folder `path` (training.run.dcp) of `model` and `optimizer`
     with the rest of `state` (no model or optimizer in it); returns the folder on rank 0."""
     path = Path(path)
     meta = _stamped(state, tuple(k for k in REQUIRED_KEYS if k not in _TENSOR_KEYS)) if env.is_main else None
@@ -345,7 +345,7 @@ def check_unchanged(path: str | Path, saved_cfg: dict, cfg, keys: tuple[str, ...
     default where an older checkpoint or config lacks it."""
     from omegaconf import OmegaConf
 
-    from training.schema import default_of
+    from training.config.schema import default_of
 
     diffs = []
     for key in keys:
@@ -364,7 +364,7 @@ def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
     """Refuse weights trained with another model config, even one with the same tensor shapes
     (heads, norm, RoPE base, tied embeddings): they would load into a different function.
     A key added to the schema since the checkpoint was written counts at its default."""
-    from training.config_checks import check_group
+    from training.config.checks import check_group
 
     saved, current = check_group("model", saved), check_group("model", current)
     ignore = set(_MODEL_KEYS_FREE_TO_CHANGE)

@@ -29,7 +29,7 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
 
 
 def build_optimizer(model: nn.Module, optim: DictConfig, device: torch.device) -> torch.optim.AdamW:
-    from training.config_checks import check_group
+    from training.config.checks import check_group
     check_group("optim", optim)
     fused = device.type == "cuda" if optim.fused == "auto" else bool(optim.fused)
     return torch.optim.AdamW(param_groups(model, optim.weight_decay, optim.get("decay_embeddings", True)), lr=optim.lr,

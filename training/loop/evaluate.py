@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from training.device import autocast
+from training.process.device import autocast
 
 
 @torch.no_grad()
@@ -13,14 +13,14 @@ def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precisi
     """Mean loss over fixed validation batches (the same batches every call, so values compare);
     a batch (x, y, document_ids) is evaluated with the document mask.
 
-    Under several processes (`env`, a training.distributed.DistEnv) data-parallel rank r
+    Under several processes (`env`, a training.parallel.distributed.DistEnv) data-parallel rank r
     evaluates batches r, r + N, ... and the sums are added over ranks; under context parallelism
-    the C ranks of a group each add their share of every batch's mean (training.context_parallel).
+    the C ranks of a group each add their share of every batch's mean (training.parallel.context).
     An FSDP-sharded model gathers its weights in every forward, so there each rank runs the same
     number of forwards (a short rank repeats a batch and discards the result).
     """
-    from training.context_parallel import context_parallel_loss
-    from training.distributed import all_reduce, is_sharded
+    from training.parallel.context import context_parallel_loss
+    from training.parallel.distributed import all_reduce, is_sharded
 
     enabled = env is not None and env.enabled
     world, rank = (env.dp_size, env.dp_rank) if enabled else (1, 0)

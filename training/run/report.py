@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from training.runs import read_run
+from training.run.records import read_run
 
 log = logging.getLogger("train")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def shown(path: str | Path) -> str:
@@ -125,8 +125,8 @@ class RunReport:
         """Log the run's last lines (also returned): a stopped run says how to continue it. The
         train loss is `last_loss`, the last step's (a stop between two logged steps ends past
         the last row of metrics.jsonl), else the last logged one."""
-        from training.checkpoint import checkpoint_path
-        from training.export import WEIGHTS_NAME
+        from training.run.store import checkpoint_path
+        from training.interop.weights import WEIGHTS_NAME
 
         run = read_run(self.run_dir)
         took = duration(time.perf_counter() - self.started)
@@ -154,7 +154,7 @@ class RunReport:
 
 def sweep_summary(sweep_dir: str | Path) -> str:
     """The table train.py prints when a sweep (-m) ends: one row per job that logged anything."""
-    from training.runs import comparison, find_runs, text_table
+    from training.run.records import comparison, find_runs, text_table
 
     sweep_dir = Path(sweep_dir)
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 
-from training.runfiles import SPACE_ERRNOS, os_error_in
+from training.run.files import SPACE_ERRNOS, os_error_in
 
 MEMORY_KNOBS = ("lower trainer.batch_size (raise trainer.grad_accum to keep the global batch) or trainer.seq_len, "
                 "or set model.activation_checkpointing=full")

@@ -13,7 +13,7 @@ from enum import Enum
 
 from omegaconf import DictConfig, OmegaConf
 
-from training import schema
+from training.config import schema
 
 
 def _field(cls: type, name: str):

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from training.runfiles import fsync_dir, new_file
+from training.run.files import fsync_dir, new_file
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -76,7 +76,7 @@ def save_sharded(path: str | Path, meta: dict, model: nn.Module, optimizer, env)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from training.distributed import barrier
+    from training.parallel.distributed import barrier
 
     path = Path(path)
     tmp = temp_dir(path)

@@ -36,7 +36,7 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict) -> Path:
     the temp name is removed, never followed."""
     from safetensors.torch import save_file
 
-    from training.runfiles import os_error_in, temp_path
+    from training.run.files import os_error_in, temp_path
 
     path = Path(path)
     tmp = temp_path(path)

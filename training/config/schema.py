@@ -4,7 +4,7 @@ Hydra merges every YAML file of configs/ into these classes when it composes the
 unknown key, a value of the wrong type or a value outside a choice (`trainer.precision=fp8`)
 fails at composition, before anything runs. The YAML files stay the presets users pick
 (`model=gpt2-small`); the range of each number is declared here as field metadata and checked
-by `training.config_checks.check_group` (one place). The model group's class is the model's own
+by `training.config.checks.check_group` (one place). The model group's class is the model's own
 `GPTConfig` (model/config.py), with the field helpers every group uses. Imports nothing heavy:
 `train.py --help` loads it.
 
@@ -25,7 +25,7 @@ from model.config import choice as _choice
 
 Precision = _choice("Precision", "auto", "bf16", "fp32")
 Device = _choice("Device", "auto", "cpu", "cuda")
-Parallel = _choice("Parallel", "ddp", "fsdp")          # training.distributed implements them
+Parallel = _choice("Parallel", "ddp", "fsdp")          # training.parallel.distributed implements them
 Optimizer = _choice("Optimizer", "adamw")
 Schedule = _choice("Schedule", "cosine", "constant")
 WandbMode = _choice("WandbMode", "online", "offline", "disabled")
@@ -133,7 +133,7 @@ SEED_MAX = 2**63 - 1   # what torch.manual_seed and the samplers take
 class OptimConfig:
     name: Optimizer = Optimizer.adamw
     lr: float = ranged(1e-3, gt=0)
-    min_lr: float = ranged(1e-4, ge=0)                 # and <= lr (training.config_checks)
+    min_lr: float = ranged(1e-4, ge=0)                 # and <= lr (training.config.checks)
     betas: List[float] = _list(0.9, 0.95, expect=BETAS)
     eps: float = ranged(1e-8, gt=0)
     weight_decay: float = ranged(0.1, ge=0)
@@ -163,7 +163,7 @@ class TrainerConfig:
     dist_timeout_s: float = ranged(600.0, gt=0)
     context_parallel: int = ranged(1, ge=1)
     deterministic: bool = False        # true: every CUDA kernel of the step deterministic (bit-identical resume)
-    cpu_threads: Optional[int] = ranged(None, ge=1)   # null: chosen at start (training.device.cpu_threads)
+    cpu_threads: Optional[int] = ranged(None, ge=1)   # null: chosen at start (training.process.device.cpu_threads)
 
 
 @dataclass
@@ -207,7 +207,7 @@ class TrainConfig:
     seed: int = ranged(1337, ge=0, le=SEED_MAX)
     device: Device = Device.auto
     resume: Optional[str] = None       # null | auto | path/to/checkpoint
-    allow_changes: List[str] = _list()  # training keys a resume may change (training.resume)
+    allow_changes: List[str] = _list()  # training keys a resume may change (training.run.resume)
     run: RunConfig = MISSING
 
 

@@ -25,27 +25,27 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from data.tokenizer import save_tokenizer
 from model.context_parallel import use_context_parallel
 from training.builders import build_data, model_from_config, resolve_config
-from training.checkpoint import (CheckpointError, CheckpointWriteError, checkpoint_dir, checkpoint_path,
+from training.run.store import (CheckpointError, CheckpointWriteError, checkpoint_dir, checkpoint_path,
                                  last_checkpoint_note, prune_checkpoints, restore_training_state, save_checkpoint,
                                  save_sharded_checkpoint)
-from training.dcp import consolidate, is_sharded_checkpoint, load_sharded, optimizer_by_index
-from training.context_parallel import check_context_parallel, context_parallel_loss, context_parallel_size
-from training.device import autocast, cpu_threads, resolve_precision
-from training.distributed import (AgreedStop, DistEnv, all_reduce, barrier, check_launcher, env_world, init_distributed,
+from training.run.dcp import consolidate, is_sharded_checkpoint, load_sharded, optimizer_by_index
+from training.parallel.context import check_context_parallel, context_parallel_loss, context_parallel_size
+from training.process.device import autocast, cpu_threads, resolve_precision
+from training.parallel.distributed import (AgreedStop, DistEnv, all_reduce, barrier, check_launcher, env_world, init_distributed,
                                   is_sharded, local_grad_accum, set_gradient_sync, wrap_model)
-from training.evaluate import evaluate_loss
-from training.export import WEIGHTS_NAME, save_weights
-from training.faults import fault_line
-from training.hf import load_hf_weights
-from training.loggers import Loggers
-from training.metrics import Throughput, mfu, peak_flops
-from training.optim import build_optimizer, lr_at
-from training.resume import plan_start, record, recover, superseded_dir
-from training.rng import rng_state, seed_everything
-from training.runfiles import write_text
-from training.runlock import RunDirLock
-from training.signals import StopRequest, stop_reason
-from training.summary import RunReport
+from training.loop.evaluate import evaluate_loss
+from training.interop.weights import WEIGHTS_NAME, save_weights
+from training.process.faults import fault_line
+from training.interop.huggingface import load_hf_weights
+from training.loop.loggers import Loggers
+from training.loop.throughput import Throughput, mfu, peak_flops
+from training.loop.optim import build_optimizer, lr_at
+from training.run.resume import plan_start, record, recover, superseded_dir
+from training.process.rng import rng_state, seed_everything
+from training.run.files import write_text
+from training.run.lock import RunDirLock
+from training.process.signals import StopRequest, stop_reason
+from training.run.report import RunReport
 
 log = logging.getLogger("train")
 
@@ -67,7 +67,7 @@ class TrainStep:
     `trainer.compile`), backward, gradient reduction across ranks, clipping, optimizer. With
     context parallelism (`env.cp_size` > 1) the model's attention becomes the ring over the CP
     group and each micro-batch of whole windows is cut into this rank's chunks
-    (training.context_parallel).
+    (training.parallel.context).
 
     `model` is the plain module (its state_dict is what checkpoints hold); the step calls
     `wrapped` (DDP, FSDP2-sharded, or the model itself), compiled or not. No host sync: the loss
@@ -270,7 +270,7 @@ class Trainer:
         self.val_batches = self.data.val_batches(t.batch_size, t.eval_batches, self.document_mask)
 
     def _set_cpu_threads(self, cfg: DictConfig) -> None:
-        """torch's threads, chosen (training.device.cpu_threads) and recorded in the config, so the
+        """torch's threads, chosen (training.process.device.cpu_threads) and recorded in the config, so the
         run's checkpoints carry the count a resume takes again."""
         saved = (self.start.state or {}).get("config", {}).get("trainer", {}).get("cpu_threads")
         threads, self.cpu_threads_reason = cpu_threads(cfg.trainer.cpu_threads,

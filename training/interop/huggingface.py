@@ -162,8 +162,8 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
     """Write config.json, model.safetensors and the tokenizer files `from_pretrained` reads."""
     from tokenizers import Tokenizer
 
-    from training.export import save_safetensors
-    from training.runfiles import write_text
+    from training.interop.weights import save_safetensors
+    from training.run.files import write_text
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid: {', '.join(DTYPES)}")
