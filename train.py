@@ -58,12 +58,12 @@ def train(cfg: DictConfig, outcome: dict | None = None, on_start: Callable[[], C
                     trainer.export_missing_weights()
                 except OSError as e:
                     return report(fault_line(e) or str(e), every_rank=True)
-                if trainer.env.is_main:
+                if trainer.plan.is_main:
                     print(f"nothing to do: {trainer.resumed_from} is at step {trainer.step}, trainer.max_steps="
                           f"{cfg.trainer.max_steps} is reached; raise trainer.max_steps to train further",
                           file=sys.stderr)
                 return 0
-            if on_start is not None and trainer.env.is_main:
+            if on_start is not None and trainer.plan.is_main:
                 finish = on_start()
             status = trainer.fit()
             if outcome is not None:

@@ -95,7 +95,7 @@ def summarize(rows: list[dict], warm: int) -> dict:
 
 def throughput(args, report: dict, save) -> None:
     from training.config import merge_overrides
-    from training.loop.loggers import MetricsFile
+    from training.run.metrics import MetricsFile
 
     overrides = merge_overrides(THROUGHPUT, [f"trainer.max_steps={args.steps}", f"seed={args.seed}"], args.overrides)
     report["settings"]["throughput_overrides"] = overrides
@@ -139,15 +139,15 @@ def memory_worker(out: Path, steps: int, overrides: list[str]) -> None:
         for _ in range(steps):
             loss, _ = trainer.train_step(trainer.next_batch)
         torch.cuda.synchronize()
-        mine = {"rank": trainer.env.rank, "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        mine = {"rank": trainer.plan.env.rank, "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
                 "num_params": trainer.cfg.run.num_params}
-        ranks = [None] * trainer.env.world_size
-        if trainer.env.enabled:
+        ranks = [None] * trainer.plan.env.world_size
+        if trainer.plan.env.enabled:
             dist.all_gather_object(ranks, mine)
         else:
             ranks = [mine]
-        if trainer.env.is_main:
+        if trainer.plan.env.is_main:
             write_json(out, {"ranks": ranks})
     finally:
         close_distributed()

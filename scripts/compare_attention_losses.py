@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from _common import (REPO_ROOT, add_out_argument, attention_list, device_slug, environment, markdown_table, new_figure, run_cli, save_figure,
                      write_json, write_text)
-from training.loop.loggers import MetricsFile
+from training.run.metrics import MetricsFile
 
 DEFAULT_OVERRIDES = ("trainer.log_every=1", "trainer.progress=false")  # unless the command line sets them
 RESERVED_KEYS = ("attention", "run.dir")  # the script sets these per run

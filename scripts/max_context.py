@@ -160,19 +160,20 @@ def _stop_when_differentiated(block, args) -> None:
 
 class StepProbe:
     """A model and optimizer built once; calling it with a length runs one training step, the
-    step train.py runs (training.loop.trainer.TrainStep: autocast, compile, clipping, optimizer; under
+    step train.py runs (training.loop.step.TrainStep: autocast, compile, clipping, optimizer; under
     torchrun (`env`) DDP/FSDP2 and the context-parallel ring too)."""
 
     def __init__(self, cfg: DictConfig, impl: str, device: torch.device, budget_bytes: int | None, env=None):
-        from training.parallel.distributed import DistEnv
         from training.builders import model_from_config
-        from training.loop.trainer import TrainStep
+        from training.loop.step import TrainStep
+        from training.parallel.distributed import DistEnv
+        from training.parallel.plan import ParallelPlan
 
         self.device, self.batch_size, self.budget = device, cfg.batch_size, budget_bytes
         self.partial = cfg.partial_step
         self.vocab_size, self.env = cfg.model.vocab_size, env or DistEnv()
         self.model = model_from_config(cfg, self.vocab_size, attention=impl).to(device)
-        self.train_step = TrainStep(self.model, cfg, device, self.env, micro_steps=1)
+        self.train_step = TrainStep(self.model, cfg, device, ParallelPlan(self.env, cfg.trainer.parallel), micro_steps=1)
         self.optimizer = self.train_step.optimizer
         for p in self.model.parameters():  # allocate Adam's moments now: steady-state footprint
             p.grad = torch.zeros_like(p)

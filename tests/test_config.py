@@ -186,7 +186,8 @@ def test_multirun_sweep_runs_every_job(tmp_path, cache_dir):
 def test_a_checkpoint_from_before_a_new_model_key_still_resumes():
     """Checkpoints store the model config they were trained with; one written before a key joined
     the schema (model.reset_positions, ...) compares as if it had held the key's default."""
-    from training.run.store import CheckpointError, check_model_config
+    from training.run.resume import check_model_config
+    from training.run.store import CheckpointError
 
     current = OmegaConf.to_container(compose(["run.dir=x"]).model)
     saved = {k: v for k, v in current.items() if k not in ("offload_activations", "block_chunk_size", "reset_positions")}

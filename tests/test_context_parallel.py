@@ -65,7 +65,8 @@ def run_steps(extra: list[str], env=None) -> dict:
 
     from training.config import compose
     from training.builders import model_from_config
-    from training.loop.trainer import TrainStep
+    from training.loop.step import TrainStep
+    from training.parallel.plan import ParallelPlan
 
     cfg = compose(BASE + extra)
     torch.manual_seed(0)
@@ -73,7 +74,7 @@ def run_steps(extra: list[str], env=None) -> dict:
     compile_ = torch.compile  # aot_eager: the graphs and graph breaks of torch.compile, no C++ build
     torch.compile = functools.partial(compile_, backend="aot_eager")
     try:
-        step = TrainStep(model, cfg, torch.device("cpu"), env)
+        step = TrainStep(model, cfg, torch.device("cpu"), ParallelPlan(env, cfg.trainer.parallel))
     finally:
         torch.compile = compile_
     assert isinstance(step.forward, torch._dynamo.eval_frame.OptimizedModule) == cfg.trainer.compile
@@ -370,13 +371,14 @@ def gpu_step(device, precision: str, attention: str, env=None) -> dict:
 
     from training.config import compose
     from training.builders import model_from_config
-    from training.loop.trainer import TrainStep
+    from training.loop.step import TrainStep
+    from training.parallel.plan import ParallelPlan
 
     size = env.cp_size if env else 1
     cfg = compose(GPU_OVERRIDES + [f"trainer.precision={precision}", f"trainer.context_parallel={size}"])
     torch.manual_seed(0)
     model = model_from_config(cfg, VOCAB, attention=attention).to(device)
-    step = TrainStep(model, cfg, device, env, micro_steps=1)
+    step = TrainStep(model, cfg, device, ParallelPlan(env, cfg.trainer.parallel), micro_steps=1)
     grads = {}
     step.optimizer.register_step_pre_hook(lambda *_: grads.update(
         {n: p.grad.float().cpu() for n, p in model.named_parameters()}))

@@ -180,7 +180,8 @@ def test_hugging_face_export_refuses_a_sliding_window(tmp_path):
 
 
 def test_checkpoints_from_before_reset_positions_still_resume():
-    from training.run.store import CheckpointError, check_model_config
+    from training.run.resume import check_model_config
+    from training.run.store import CheckpointError
 
     older = {"name": "tiny", "d_model": 64}   # written before model.reset_positions existed
     check_model_config("old.pt", older, {**older, "reset_positions": False})

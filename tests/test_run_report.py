@@ -54,7 +54,7 @@ def test_a_run_stopped_between_logged_steps_ends_with_its_last_steps_loss(tmp_pa
         self.signum = signal.SIGTERM if self.polls == 5 else None
         return self.signum is not None
 
-    monkeypatch.setattr(training.loop.trainer.AgreedStop, "poll", stop_at_the_fifth_boundary)
+    monkeypatch.setattr(training.parallel.distributed.AgreedStop, "poll", stop_at_the_fifth_boundary)
     caplog.set_level(logging.INFO, logger="train")
     run_dir = tmp_path / "run"
     assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=12, **{"trainer.log_every": 4})) == 143

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import HAS_CUDA
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
-from training.run.store import list_checkpoints, load_checkpoint
+from training.run.store import CheckpointStore, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_run_dir_holds_resolved_config_and_last_checkpoints(trained):
     cfg = OmegaConf.load(trained / "config.yaml")
     assert cfg.attention.name == "sdpa" and cfg.device == "cpu" and cfg.trainer.precision == "fp32"
     assert cfg.run.data_fingerprint.startswith("stdlib") and cfg.run.num_params > 0
-    assert [p.name for p in list_checkpoints(trained / "checkpoints")] == ["step_00000030.pt", "step_00000040.pt"]
+    assert [p.name for p in CheckpointStore(trained).list()] == ["step_00000030.pt", "step_00000040.pt"]
     assert not list((trained / "checkpoints").glob("*.tmp"))
     state = load_checkpoint(trained / "checkpoints" / "step_00000040.pt")
     assert state["step"] == 40 and state["tokens"] == 40 * 4 * 64
@@ -72,7 +72,7 @@ def test_nan_loss_stops_without_overwriting_the_good_checkpoint(tmp_path, cache_
     assert status == 1
     assert "NaN/inf" in capsys.readouterr().err
     rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
-    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    ckpts = CheckpointStore(tmp_path).list()
     assert ckpts and len(rows) < 40
     for path in ckpts:
         state = load_checkpoint(path)

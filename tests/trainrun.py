@@ -77,7 +77,7 @@ def run_subprocess(overrides: list[str], timeout: float = 120) -> subprocess.Com
 
 def losses(run_dir) -> list[tuple]:
     """(step, loss, val_loss, lr, tokens, grad_norm) per logged row: everything but timings."""
-    from training.loop.loggers import MetricsFile
+    from training.run.metrics import MetricsFile
 
     return [(r["step"], r["loss"], r.get("val_loss"), r["lr"], r["tokens"], r["grad_norm"])
             for r in MetricsFile.read(Path(run_dir) / "metrics.jsonl")]

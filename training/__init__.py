@@ -1,6 +1,15 @@
-"""Training, in packages by job: config/ (schema, composition, checks), process/ (device, RNGs,
-signals, faults), parallel/ (processes, DDP/FSDP2, context parallelism), run/ (run files, lock,
-checkpoints, resume, reports), interop/ (safetensors, Hugging Face), loop/ (the Trainer), and
-builders.py (config -> objects) and launch.py (`python -m training.launch`). `train.py` wires them
-together.
+"""Training: from a composed config to a trained run, in packages by job.
+
+Each package may import those listed before it (tests/test_import_layers.py enforces it):
+
+- config/   the schema, composition and checks of the config (imports kernels, model)
+- process/  this process: device, precision, RNGs, signals, exit statuses, faults (imports nothing)
+- parallel/ the parallel plan over torchrun's processes: DDP/FSDP2, context parallelism, state
+- run/      the run folder: atomic files, lock, checkpoint store, resume planner, lineage, report
+- interop/  weights-only safetensors and Hugging Face folders
+- builders.py  config -> data, model and resolved settings; a trained run back as a model
+- loop/     the Trainer, its step, optimizer, evaluation, throughput and loggers
+- launch.py `python -m training.launch`: torchrun with train.py's exit statuses (imports none)
+
+`train.py` wires them together.
 """

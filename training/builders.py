@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from training.run.store import is_sharded, load_checkpoint, restore_model
 from training.config.checks import check_group, kernel_words, validate_config
-from training.parallel.context import context_parallel_size
-from training.run.dcp import consolidate
-from training.process.device import resolve_device, resolve_precision, set_deterministic
 from training.interop.huggingface import apply_init_from
+from training.parallel.context import context_parallel_size
+from training.process.device import resolve_device, resolve_precision, set_deterministic
 from training.run.lock import ensure_writable
+from training.run.store import load_checkpoint, read_tensors, restore_model
 
 log = logging.getLogger("train")
 
@@ -132,9 +131,7 @@ def load_model_for_eval(ckpt_path: str | Path, device: str = "auto", attention: 
     from training.interop.weights import load_weights, read_config
 
     weights_only = Path(ckpt_path).suffix == ".safetensors"
-    state = None if weights_only else load_checkpoint(ckpt_path)
-    if state is not None and is_sharded(state):  # a DCP folder (trainer.parallel=fsdp): its weights on this process
-        state["model"] = consolidate(ckpt_path, keys=("model",))["model"]
+    state = None if weights_only else read_tensors(ckpt_path, load_checkpoint(ckpt_path), optimizer=False)
     cfg = OmegaConf.create(read_config(ckpt_path) if weights_only else state["config"])
     dev = resolve_device(device)
     attn = resolve_attention(attention or "auto", dev)

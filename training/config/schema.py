@@ -25,7 +25,7 @@ from model.config import choice as _choice
 
 Precision = _choice("Precision", "auto", "bf16", "fp32")
 Device = _choice("Device", "auto", "cpu", "cuda")
-Parallel = _choice("Parallel", "ddp", "fsdp")          # training.parallel.distributed implements them
+Parallel = _choice("Parallel", "ddp", "fsdp")          # training/parallel/data_parallel.py implements them
 Optimizer = _choice("Optimizer", "adamw")
 Schedule = _choice("Schedule", "cosine", "constant")
 WandbMode = _choice("WandbMode", "online", "offline", "disabled")

@@ -8,14 +8,12 @@ embedding's name only) and, as metadata, the run's resolved config as JSON, whic
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
-WEIGHTS_NAME = "model.safetensors"
+from training.run.files import replacing
 
 
 def save_weights(state_dict: dict, path: str | Path, config: dict) -> Path:
@@ -31,23 +29,18 @@ def save_weights(state_dict: dict, path: str | Path, config: dict) -> Path:
 
 
 def save_safetensors(tensors: dict, path: str | Path, metadata: dict) -> Path:
-    """A safetensors file written atomically (temp file, rename). A failed write (a full disk, a
-    read-only folder) removes the temp file and raises OSError with the system's reason; a link at
-    the temp name is removed, never followed."""
+    """A safetensors file written atomically (training.run.files.replacing). A failed write (a full
+    disk, a read-only folder) leaves no temporary file and raises OSError with the system's reason."""
     from safetensors.torch import save_file
 
-    from training.run.files import os_error_in, temp_path
+    from training.process.faults import os_error_in
 
     path = Path(path)
-    tmp = temp_path(path)
     try:
-        tmp.unlink(missing_ok=True)
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):   # (a read-only folder refuses even that)
-            tmp.unlink(missing_ok=True)
-        error = os_error_in(e) if isinstance(e, Exception) else None
+        with replacing(path) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
+    except Exception as e:
+        error = os_error_in(e)
         if error is None:
             raise
         raise OSError(error.errno, f"could not write {path} ({error.strerror or error})") from e

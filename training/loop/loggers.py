@@ -1,50 +1,18 @@
-"""Where metrics go: `metrics.jsonl` always, Weights & Biases with `logger=wandb`.
+"""Where metrics go: `metrics.jsonl` always (training.run.metrics), Weights & Biases with
+`logger=wandb`.
 
 One row per logged step: step, loss, lr, tokens, tokens_per_s (mfu on CUDA, val_loss on eval
-steps). On resume the rows after the checkpoint's step are dropped first, so the file of a
-resumed run reads like that of a run never interrupted (a rewind keeps them in its
-`superseded/` folder).
+steps).
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from training.run.files import INT, NUMBER, open_append, read_json_lines, write_text
-
-METRIC_FIELDS = {"step": INT, "loss": NUMBER, "tokens": INT}   # what every row has (and readers use)
-
-
-class MetricsFile:
-    """Append-only JSON lines, flushed per row so a killed run keeps what it logged."""
-
-    def __init__(self, path: str | Path, resume_step: int | None) -> None:
-        self.path = Path(path)
-        rows = self.read(self.path) if resume_step is not None and self.path.exists() else []
-        self.write(self.path, [r for r in rows if r["step"] <= resume_step] if resume_step is not None else [])
-        self._file = open_append(self.path)
-
-    @staticmethod
-    def read(path: str | Path) -> list[dict]:
-        """Rows of a metrics file; a last line cut short by a kill is ignored, a row that is not
-        one of ours is a ValueError naming the file and the line."""
-        return read_json_lines(path, METRIC_FIELDS)
-
-    @staticmethod
-    def write(path: str | Path, rows: list[dict]) -> None:
-        """Replace a metrics file with `rows`, atomically."""
-        write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-    def log(self, row: dict) -> None:
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
+from training.run.files import METRICS
+from training.run.metrics import MetricsFile
 
 # What a null config value falls back to when wandb's own environment variable is unset too.
 WANDB_FALLBACKS = {"project": ("WANDB_PROJECT", "flashtrain"), "mode": ("WANDB_MODE", "offline"),
@@ -103,7 +71,7 @@ class Loggers:
         self.metrics: MetricsFile | None = None
 
     def open_metrics(self, resume_step: int | None) -> None:
-        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", resume_step)
+        self.metrics = MetricsFile(self.run_dir / METRICS, resume_step)
 
     @property
     def wandb_id(self) -> str | None:

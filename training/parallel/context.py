@@ -1,4 +1,5 @@
-"""Context parallelism in training (`trainer.context_parallel=C`): what is allowed, and the loss.
+"""Context parallelism in training (`trainer.context_parallel=C`): what is allowed, the loss, and
+the parallel plan's part for it (`ContextSplit`).
 
 Under torchrun with N processes the ranks form a 2-D mesh (dp = N / C, cp = C; see
 training.parallel.distributed.init_distributed): the C ranks of a CP group receive the same windows from
@@ -12,7 +13,8 @@ targets in the whole micro-batch (known on every rank: each holds the whole wind
 shares add up to the single-process mean exactly, however unevenly -100 targets fall on the
 ranks. Gradients are reduced over all N ranks (DDP or FSDP2 average over the world), so the
 training step scales each share by C: the average over N of C x share is the mean over the DP
-groups of the micro-batch means, the single-process loss and gradient.
+groups of the micro-batch means, the single-process loss and gradient. Evaluation adds the
+unscaled shares over all ranks.
 
 This is the process-group side of context parallelism; the attention side is in model/ (see
 model.context_parallel for the map of both).
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from model.context_parallel import context_parallel_batch
+from model.context_parallel import context_parallel_batch, use_context_parallel
 from model.gpt import IGNORE_INDEX
 from model.ring_attention import BLOCKS
 
@@ -73,3 +75,32 @@ def context_parallel_loss(forward, idx: torch.Tensor, targets: torch.Tensor, gro
     count = (targets != IGNORE_INDEX).sum()
     idx, targets, kwargs = context_parallel_batch(idx, targets, group, document_ids, window)
     return forward(idx, targets, reduction="sum", **kwargs) / count
+
+
+class ContextSplit:
+    """The parallel plan's context-parallel part: the C ranks of `group` split every sequence
+    (C = 1: nothing is split and the loss is the model's mean)."""
+
+    def __init__(self, size: int = 1, group=None):
+        self.size, self.group = size, group
+
+    def apply(self, model) -> None:
+        """Every attention layer of the plain model becomes the ring over the CP group."""
+        if self.size > 1:
+            use_context_parallel(model, self.group)
+
+    def share(self, forward, idx: torch.Tensor, targets: torch.Tensor, document_ids: torch.Tensor | None = None,
+              window: int | None = None) -> torch.Tensor:
+        """This rank's part of the micro-batch's mean loss: the mean itself, or its CP share. The
+        document ids stay where the sampler made them (the CPU): the ring is planned from them on
+        the host."""
+        if self.size == 1:
+            masks = {} if document_ids is None else {"document_ids": document_ids.to(idx.device, non_blocking=True)}
+            return forward(idx, targets, **masks)
+        return context_parallel_loss(forward, idx, targets, self.group, document_ids, window)
+
+    def train_loss(self, forward, idx: torch.Tensor, targets: torch.Tensor,
+                   document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """The loss to back-propagate: the share scaled by C (gradients are averaged over all ranks)."""
+        share = self.share(forward, idx, targets, document_ids, window)
+        return share if self.size == 1 else self.size * share

@@ -1,24 +1,13 @@
-"""Several processes through `torchrun`: the process group, DDP or FSDP2 wrapping, collectives.
+"""Several processes through `torchrun`: the process group, the mesh, collectives, agreed stops.
 
 `torchrun --nproc_per_node=N train.py ...` sets RANK, WORLD_SIZE and LOCAL_RANK; `init_distributed`
 reads them and joins the process group (NCCL on CUDA, gloo on the CPU) with a bounded timeout, so
 a rank that dies makes the others fail within `trainer.dist_timeout_s` instead of hanging. Without
 those variables (or with WORLD_SIZE=1) the run is a single process and nothing here does any work.
 
-`trainer.parallel` picks how the model is replicated:
-- `ddp`: every rank holds the whole model and optimizer; gradients are averaged by
-  DistributedDataParallel while the backward runs.
-- `fsdp`: FSDP2 `fully_shard` on every block and at the root: parameters, gradients and optimizer
-  moments are split across ranks and gathered block by block; with bf16 precision the gathered
-  parameters are bf16 and gradients are reduced in float32. Prefetching is FSDP2's implicit one,
-  as torchtitan leaves it for dense models; the root unit (embedding, final norm, head) stays
-  gathered after the forward, so the backward starts without a gather. Its checkpoints are
-  sharded DCP folders (training.run.dcp).
-
 With `trainer.context_parallel=C` the N processes form a 2-D DeviceMesh (dp = N / C, cp = C;
-ranks dp_rank * C .. dp_rank * C + C - 1 are one CP group, neighbours on a node): each CP group
-splits its sequences over its C ranks (training.parallel.context) and both wrappers still reduce
-gradients over all N ranks (FSDP2 shards over all N: the flattened mesh).
+ranks dp_rank * C .. dp_rank * C + C - 1 are one CP group, neighbours on a node). What the run
+does with them (DDP or FSDP2, the ring) is the parallel plan's (training.parallel.plan).
 """
 from __future__ import annotations
 
@@ -29,11 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
-from training.config.schema import Parallel
-
-PARALLEL = tuple(p.value for p in Parallel)   # the schema's choices, each implemented here
 
 
 @dataclass
@@ -179,40 +163,6 @@ def close_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
-
-
-def wrap_model(model: nn.Module, parallel: str, env: DistEnv, device: torch.device, precision: str) -> nn.Module:
-    """The module the training step calls: `model` itself, DDP around it, or `model` sharded in
-    place by FSDP2 (its parameters become DTensors; build the optimizer after this)."""
-    if not env.enabled:
-        return model
-    if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if parallel == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(device.type, (env.world_size,))
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if precision == "bf16" else MixedPrecisionPolicy())
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        return fully_shard(model, mesh=mesh, mp_policy=policy)
-    raise ValueError(f"trainer.parallel={parallel!r}: expected one of {', '.join(PARALLEL)}")
-
-
-def set_gradient_sync(wrapped: nn.Module, sync: bool) -> None:
-    """Skip the gradient reduction on all but the last micro-batch of an optimizer step."""
-    if hasattr(wrapped, "require_backward_grad_sync"):  # DDP
-        wrapped.require_backward_grad_sync = sync
-    elif hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
-        wrapped.set_requires_gradient_sync(sync)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
 
 
 def all_reduce(tensor: torch.Tensor, env: DistEnv, op=dist.ReduceOp.SUM) -> torch.Tensor:

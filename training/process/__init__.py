@@ -1,3 +1,8 @@
-"""This process: device, precision and determinism (device.py), RNG state (rng.py), stop signals
-(signals.py) and the one-line messages for the machine's failures (faults.py).
+"""This process: its device, precision and determinism, CPU threads, random number generators,
+stop signals, exit statuses and the one-line messages for the machine's failures.
+
+device.py (where the run happens and in which dtype), rng.py (seeding, and every RNG's state
+for checkpoints), signals.py (Ctrl-C and SIGTERM as requests to stop at a step boundary),
+faults.py (out of memory, a full disk, a lost process group: one line, status 2). Imports
+nothing of ours: train.py loads signals.py before torch.
 """

@@ -6,13 +6,31 @@ and the setting to turn; None for anything else, which stays a traceback (a bug 
 from __future__ import annotations
 
 import errno
-
-from training.run.files import SPACE_ERRNOS, os_error_in
+import os
+import re
 
 MEMORY_KNOBS = ("lower trainer.batch_size (raise trainer.grad_accum to keep the global batch) or trainer.seq_len, "
                 "or set model.activation_checkpointing=full")
 _CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
 _NOT_DETERMINISTIC = "does not have a deterministic implementation"
+
+
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)   # no room: a full disk, a quota, a file-size limit
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: itself, a cause, or an `os error N` named in a library's message
+    (safetensors reports `I/O error: File too large (os error 27)`)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    found = re.search(r"os error (\d+)", str(exc))
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,4 +1,5 @@
-"""Sharded checkpoints of `trainer.parallel=fsdp`: `torch.distributed.checkpoint` (DCP) folders.
+"""Sharded checkpoints of `trainer.parallel=fsdp`: `torch.distributed.checkpoint` (DCP) folders,
+the checkpoint store's second format (training.run.store is the one module that uses this).
 
     checkpoints/step_00000100.dcp/
         .metadata          DCP's index of every tensor's shards (written last by DCP, on rank 0)
@@ -18,7 +19,7 @@ pruning of this run's files only, no links followed) hold for the folder as a wh
 The model and optimizer tensors are addressed by parameter name and global shape, so a folder
 saved by N ranks loads into M ranks (FSDP2 or DDP) or one process: DCP reshards on load. The
 data position is the sampler's global one, as in the single-file format. `consolidate` turns a
-folder into the single-file state (for `scripts/export_weights.py`) on one process.
+folder into the single-file state on one process (evals, `scripts/export_weights.py`).
 """
 from __future__ import annotations
 
@@ -31,16 +32,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from training.parallel.data_parallel import optimizer_by_index
 from training.run.files import fsync_dir, new_file
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 SUFFIX = ".dcp"
 _TENSOR_KEYS = ("model", "optimizer")   # in the DCP shards; every other key is in state.pt
-
-
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    return Path(path).name.endswith(SUFFIX)
 
 
 def temp_dir(path: Path) -> Path:
@@ -183,11 +181,3 @@ def consolidate(path: str | Path, keys: tuple[str, ...] = _TENSOR_KEYS) -> dict:
     if "optimizer" in keys:
         state["optimizer"] = optimizer_by_index(tensors["optimizer"])
     return state
-
-
-def optimizer_by_index(by_name: dict) -> dict:
-    """DCP's optimizer state (keyed by parameter name) in torch.optim's own (by position)."""
-    names = [name for group in by_name["param_groups"] for name in group["params"]]
-    index = {name: i for i, name in enumerate(names)}
-    return {"state": {index[k]: v for k, v in by_name["state"].items()},
-            "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in by_name["param_groups"]]}

@@ -16,16 +16,27 @@ hand edit) is a ValueError naming the file and the line, so whatever reads it fa
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
+from data.tokenizer import TOKENIZER_FILE
+
+# The names a run gives its files in run.dir, each said here once (docs/training.md, "The run folder").
+LOCK = ".lock"                          # held by the live run (training.run.lock)
+CHECKPOINTS = "checkpoints"             # step_XXXXXXXX.pt files and .dcp folders (training.run.store)
+CONFIG = "config.yaml"                  # the resolved config
+METRICS = "metrics.jsonl"               # one row per logged step (training.run.metrics)
+WEIGHTS = "model.safetensors"           # the final weights (training.interop.weights)
+TOKENIZER = TOKENIZER_FILE              # the run's copy of its tokenizer (data.tokenizer)
+LINEAGE = "lineage.jsonl"               # the run's id and one row per start (training.run.lineage)
+DATA_CHANGES = "data_changes.jsonl"     # each change of corpus data.allow_changed accepted
+SUPERSEDED = "superseded"               # what a rewind or a restart set aside
 # What a run writes in run.dir (Hydra's folder and log included); none of them may be a link.
-RUN_NAMES = (".lock", "checkpoints", "config.yaml", "metrics.jsonl", "model.safetensors", "tokenizer.json",
-             "lineage.jsonl", "data_changes.jsonl", "superseded", ".hydra", "train.log", "wandb")
+RUN_NAMES = (LOCK, CHECKPOINTS, CONFIG, METRICS, WEIGHTS, TOKENIZER, LINEAGE, DATA_CHANGES, SUPERSEDED,
+             ".hydra", "train.log", "wandb")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -52,18 +63,18 @@ def remove_temp_files(run_dir: str | Path) -> None:
 
 
 @contextmanager
-def new_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
-    """`path`'s temporary file, created exclusively, fsynced and renamed over `path` on success;
-    removed on any failure (the exception goes on)."""
+def replacing(path: str | Path) -> Iterator[Path]:
+    """The temporary path to write `path`'s new contents at, for writers that take a file name
+    (safetensors, tarfile, a tokenizer's own save): fsynced and renamed over `path` when the block
+    ends, removed on any failure (the exception goes on; an OSError that names no file names
+    `path`). A leftover or a link at the temporary name is removed first, never followed."""
     path = Path(path)
     tmp = temp_path(path)
     if tmp.is_symlink() or tmp.is_file():
-        tmp.unlink()  # a leftover or a planted link: removed, never followed
+        tmp.unlink()
     try:
-        with os.fdopen(os.open(tmp, _CREATE, 0o644), mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        _fsync(tmp, os.O_RDONLY | os.O_NOFOLLOW)
         os.replace(tmp, path)
     except BaseException as e:
         if isinstance(e, OSError) and e.filename is None:   # a failed write names no file: name the one meant
@@ -72,6 +83,14 @@ def new_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
             tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextmanager
+def new_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
+    """`path`'s temporary file, created exclusively, then renamed over `path` on success (see
+    `replacing`); removed on any failure."""
+    with replacing(path) as tmp, os.fdopen(os.open(tmp, _CREATE, 0o644), mode) as f:
+        yield f
 
 
 def write_file(path: str | Path, write: Callable[[IO], None], mode: str = "wb") -> Path:
@@ -85,6 +104,11 @@ def write_text(path: str | Path, text: str) -> Path:
     return write_file(path, lambda f: f.write(text), "w")
 
 
+def copy_in(source: str | Path, path: str | Path) -> Path:
+    """`source`'s bytes as `path`, atomically (the run's own copy of its tokenizer.json)."""
+    return write_file(path, lambda f: f.write(Path(source).read_bytes()))
+
+
 def open_append(path: str | Path) -> IO:
     """`path` opened for appending text, created if absent; OSError (ELOOP) if it is a link."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "a")
@@ -96,7 +120,11 @@ def append_line(path: str | Path, line: str) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    _fsync(path, os.O_RDONLY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
@@ -119,26 +147,6 @@ class RecordingWriter:
 
     def flush(self) -> None:
         self.f.flush()
-
-
-def os_error_in(exc: BaseException) -> OSError | None:
-    """The OSError behind `exc`: itself, a cause, or an `os error N` named in a library's message
-    (safetensors reports `I/O error: File too large (os error 27)`)."""
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, OSError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    import re
-
-    found = re.search(r"os error (\d+)", str(exc))
-    if found:
-        code = int(found.group(1))
-        return OSError(code, os.strerror(code))
-    return None
-
-
-SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 INT, NUMBER, TEXT = (int,), (int, float), (str,)

@@ -11,10 +11,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from training.run.files import refuse_links
-
-LOCK_NAME = ".lock"
-
+from training.run.files import LOCK, refuse_links
 
 def ensure_writable(folder: str | Path, what: str) -> Path:
     """Create `folder` if needed and prove a file can be written in it; one-line ValueError if not."""
@@ -37,7 +34,7 @@ class RunDirLock:
     def __init__(self, run_dir: str | Path):
         self.run_dir = ensure_writable(run_dir, "run.dir")
         refuse_links(self.run_dir)  # the lock file included: never opened through a link
-        self.path = self.run_dir / LOCK_NAME
+        self.path = self.run_dir / LOCK
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

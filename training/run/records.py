@@ -13,7 +13,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from training.loop.loggers import MetricsFile
+from training.run.files import CONFIG, METRICS
+from training.run.metrics import MetricsFile
 
 # Keys a comparison leaves out: they differ between any two runs (run.dir), or change nothing the
 # table or the curves show, neither the numbers a run computes nor its speed (how it was started,
@@ -76,7 +77,7 @@ def flatten(node: dict, prefix: str = "") -> dict:
 
 
 def is_run(path: Path) -> bool:
-    return (path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file()
+    return (path / METRICS).is_file() or (path / CONFIG).is_file()
 
 
 def read_run(path: str | Path) -> RunRecord:
@@ -84,7 +85,7 @@ def read_run(path: str | Path) -> RunRecord:
     path = Path(path)
     if not is_run(path):
         raise ValueError(f"{path} is not a run folder (no config.yaml or metrics.jsonl)")
-    config_file, metrics_file = path / "config.yaml", path / "metrics.jsonl"
+    config_file, metrics_file = path / CONFIG, path / METRICS
     config = flatten(read_config(config_file)) if config_file.is_file() else {}
     rows = MetricsFile.read(metrics_file) if metrics_file.is_file() else []
     return RunRecord(path, config, rows)

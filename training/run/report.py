@@ -125,8 +125,8 @@ class RunReport:
         """Log the run's last lines (also returned): a stopped run says how to continue it. The
         train loss is `last_loss`, the last step's (a stop between two logged steps ends past
         the last row of metrics.jsonl), else the last logged one."""
-        from training.run.store import checkpoint_path
-        from training.interop.weights import WEIGHTS_NAME
+        from training.run.store import CheckpointStore
+        from training.run.files import WEIGHTS
 
         run = read_run(self.run_dir)
         took = duration(time.perf_counter() - self.started)
@@ -137,7 +137,7 @@ class RunReport:
         losses = "".join([f" | train loss {train_loss:.4f}" if train_loss is not None else "",
                           f" | val loss {run.final_val:.4f}" if run.final_val is not None else "",
                           f" (best {best[0]:.4f} at step {best[1]:,})" if best else ""])
-        checkpoint, weights = checkpoint_path(self.run_dir, step), self.run_dir / WEIGHTS_NAME
+        checkpoint, weights = CheckpointStore(self.run_dir).path(step), self.run_dir / WEIGHTS
         files = " | ".join([f"checkpoint: {shown(checkpoint)}"] * checkpoint.is_file()
                            + [f"weights: {shown(weights)}"] * (weights.is_file() and step >= max_steps))
         if exit_code:

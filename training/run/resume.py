@@ -1,5 +1,7 @@
-"""What `resume=` means for a run folder: which checkpoint to load, which run the folder holds,
-and which differences from the checkpoint's training config are accepted.
+"""The resume planner: what `resume=` means for a run folder. Which checkpoint to trust (asking the
+checkpoint store, training.run.store), which run the folder holds, which differences from the
+checkpoint's config are accepted, and, once the data and model are built, the checkpoint put
+back (`restore`).
 
 One run per `run.dir`. A run has an id (its lineage), recorded in every checkpoint it writes
 and in `run.dir/lineage.jsonl`, one row per start (fresh, resumed, rewound or branched, with the
@@ -18,10 +20,9 @@ resumed from.
   (nothing is deleted). A checkpoint of another run starts a branch: allowed only into a folder
   that holds no run yet; the branch gets its own id and records where it came from.
 
-Setting files aside is journaled: `superseded/<time>/rewind.json` is written first and removed
-last, and every step in between can be done again, so a start killed half-way (metrics cut,
-checkpoints not yet moved) is finished by the next start, under the lock, before it looks at the
-folder (`recover`).
+The start decided here is written down by training.run.lineage once the run is accepted
+(lineage.jsonl, and what a rewind sets aside, journaled so that a start killed half-way is
+finished by the next one).
 
 Continuing a run (auto, or a rewind) compares the training config (`trainer`, `optim`, `data`)
 with the checkpoint's: a difference that changes the numbers the run computes is refused in one
@@ -33,29 +34,20 @@ the sequence length, ...) are refused by the check that reads them.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from training.run.store import (ANY_RUN, DATA_CHANGES, CheckpointError, check_model_config, check_unchanged,
-                                 checkpoint_dir, latest_checkpoint, lineage_id, list_checkpoints, load_checkpoint,
-                                 peek_lineage, step_of)
-from training.run.dcp import is_sharded_checkpoint
-from training.interop.weights import WEIGHTS_NAME
-from training.loop.loggers import MetricsFile
-from training.run.files import TEXT, append_line, read_json_lines, remove_temp_files, write_text
+from training.run.files import LINEAGE, METRICS, WEIGHTS
+from training.run.lineage import Start, new_run_id, recorded_run_id
+from training.run.metrics import MetricsFile
+from training.run.store import (ANY_RUN, CheckpointError, CheckpointStore, Restore, describe_differences,
+                                is_checkpoint_folder, lineage_id, load_checkpoint, step_of)
 
 log = logging.getLogger(__name__)
 
-LINEAGE_FILE = "lineage.jsonl"
-LINEAGE_FIELDS = {"run_id": (*TEXT, type(None)), "event": TEXT}
-METRICS_FILE = "metrics.jsonl"
-SUPERSEDED_DIR = "superseded"
 TRAINING_GROUPS = ("trainer", "optim", "data")
 # Keys outside the `model` group that change what the model computes: a resume must keep them.
 COMPUTE_KEYS = ("data.document_mask", "attention.window")
@@ -73,83 +65,34 @@ CHECKED_ELSEWHERE = {"seed": "the data sampler", "trainer.seq_len": "the data sa
                      "data.document_mask": "the model"}
 
 
-@dataclass
-class Start:
-    """How a run starts in its folder; `record` writes it to lineage.jsonl once the run is accepted."""
-    run_id: str | None                         # None: a run from before lineages were recorded
-    event: str                                 # start | restart | resume | rewind | branch
-    checkpoint: Path | None = None
-    state: dict | None = None
-    parent: dict | None = None                 # a branch's origin: {"id", "step", "checkpoint"}
-    superseded: list[Path] = field(default_factory=list)   # a rewind's later checkpoints, moved aside
-    sets_aside: bool = False                                # later files (checkpoints, rows, weights) go aside
-    changes: dict = field(default_factory=dict)             # accepted config differences: key -> [old, new]
-    step: int = 0                                           # the checkpoint's step
-
-    def __post_init__(self) -> None:
-        if self.state is not None:
-            self.step = int(self.state["step"])
-
-    @property
-    def lineage(self) -> dict:
-        """What every checkpoint of this run records."""
-        return {"id": self.run_id, "parent": self.parent}
-
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def recorded_run_id(run_dir: str | Path) -> str | None:
-    """The run lineage.jsonl names (its last row), or None when the folder has none."""
-    path = Path(run_dir) / LINEAGE_FILE
-    if not path.is_file():
-        return None
-    ids = [row["run_id"] for row in read_json_lines(path, LINEAGE_FIELDS)]
-    return ids[-1] if ids else None
-
-
 def checkpoint_to_load(source: Path) -> tuple[Path, dict]:
     """(path, state) of a checkpoint (a file or a DCP folder), or of a run folder's newest usable checkpoint written by
     the run its lineage.jsonl names (any run's in a folder without one): what the scripts that
     read a trained run (evals, export) take as their argument."""
-    if not source.is_dir() or is_sharded_checkpoint(source):   # a file, or one FSDP run's DCP folder
+    if not source.is_dir() or is_checkpoint_folder(source):   # a file, or one FSDP run's DCP folder
         return source, load_checkpoint(source)
-    found = latest_checkpoint(checkpoint_dir(source), recorded_run_id(source) or ANY_RUN)
+    found = CheckpointStore(source).latest(recorded_run_id(source) or ANY_RUN)
     if found is None:
         raise ValueError(f"{source} holds no usable checkpoint under checkpoints/")
     return found
 
 
 def metric_steps(run_dir: str | Path) -> list[int]:
-    path = Path(run_dir) / METRICS_FILE
+    path = Path(run_dir) / METRICS
     return [r["step"] for r in MetricsFile.read(path)] if path.is_file() else []
 
 
-def run_evidence(run_dir: str | Path) -> str:
-    """What in `run_dir` shows a run was there ('' for none): checkpoints, metric rows, weights."""
-    found = []
-    if list_checkpoints(checkpoint_dir(run_dir)):
+def run_evidence(store: CheckpointStore) -> str:
+    """What in the store's run folder shows a run was there ('' for none): checkpoints, metric rows, weights."""
+    found, run_dir = [], store.run_dir
+    if store.list():
         found.append("checkpoints/")
     steps = metric_steps(run_dir)
     if steps:
-        found.append(f"{METRICS_FILE} up to step {max(steps)}")
-    if (Path(run_dir) / WEIGHTS_NAME).exists():
-        found.append(WEIGHTS_NAME)
+        found.append(f"{METRICS} up to step {max(steps)}")
+    if (Path(run_dir) / WEIGHTS).exists():
+        found.append(WEIGHTS)
     return ", ".join(found)
-
-
-def _runs_by_file(ckpt_dir: Path) -> tuple[dict[Path, str | None], list[Path]]:
-    """({readable checkpoint: the run id it names}, unreadable checkpoints, warned about), oldest
-    first. Read without hashing: only the checkpoint a run resumes from is verified in full."""
-    readable, unreadable = {}, []
-    for path in list_checkpoints(ckpt_dir):
-        try:
-            readable[path] = peek_lineage(path)
-        except CheckpointError as e:
-            log.warning("skipping %s", e)
-            unreadable.append(path)
-    return readable, unreadable
 
 
 def _folder_run(run_dir: Path, usable: dict[Path, str | None]) -> str | None:
@@ -161,51 +104,51 @@ def _folder_run(run_dir: Path, usable: dict[Path, str | None]) -> str | None:
     runs = set(usable.values())
     if len(runs) > 1:
         names = ", ".join(sorted(f"{p.name} (run {r or 'unrecorded'})" for p, r in usable.items()))
-        raise CheckpointError(f"run.dir={run_dir} holds checkpoints of {len(runs)} runs and no {LINEAGE_FILE} saying "
+        raise CheckpointError(f"run.dir={run_dir} holds checkpoints of {len(runs)} runs and no {LINEAGE} saying "
                               f"which is its own ({names}): pass resume=<one of them>, or move the others out")
     return next(iter(runs), None)
 
 
-def _refuse_foreign_in_the_way(run_dir: Path, usable: dict, run_id: str | None, start: int, max_steps: int) -> None:
+def _refuse_foreign_in_the_way(store: CheckpointStore, usable: dict, run_id: str | None, start: int,
+                               max_steps: int) -> None:
     """Warn about other runs' checkpoints; refuse when this run would write over one of them."""
     foreign = {p: r for p, r in usable.items() if r != run_id}
     for path, other in foreign.items():
         log.warning("%s belongs to another run (%s): kept, not counted, not resumed from", path, other or "unrecorded")
     in_the_way = [p for p in foreign if start < step_of(p) <= max_steps]
     if in_the_way:
-        raise CheckpointError(f"run.dir={run_dir}: {in_the_way[0]} belongs to another run "
+        raise CheckpointError(f"run.dir={store.run_dir}: {in_the_way[0]} belongs to another run "
                               f"({foreign[in_the_way[0]] or 'unrecorded'}) and this run would write over it at step "
-                              f"{step_of(in_the_way[0])}: move it out of {checkpoint_dir(run_dir)}")
+                              f"{step_of(in_the_way[0])}: move it out of {store.folder}")
 
 
-def plan_start(cfg: DictConfig, run_dir: str | Path) -> Start:
-    """The run's start in `run_dir` from `cfg.resume`; CheckpointError / ValueError (one line) when
-    the folder or the checkpoint does not allow it. Reads only: nothing is written here."""
-    run_dir, resume = Path(run_dir), cfg.get("resume")
-    ckpt_dir, max_steps = checkpoint_dir(run_dir), int(cfg.trainer.max_steps)
+def plan_start(cfg: DictConfig, store: CheckpointStore) -> Start:
+    """The run's start in the store's run folder from `cfg.resume`; CheckpointError / ValueError (one
+    line) when the folder or the checkpoint does not allow it. Reads only: nothing is written here."""
+    run_dir, resume, max_steps = store.run_dir, cfg.get("resume"), int(cfg.trainer.max_steps)
     check_allow_changes(cfg)
     for read in (metric_steps, recorded_run_id):   # a hand-edited row of either file: one line now, before any work
         read(run_dir)
     if resume is None:
-        if list_checkpoints(ckpt_dir):
+        if store.list():
             raise ValueError(f"run.dir={run_dir} already holds checkpoints: pass resume=auto to continue "
                              f"that run, or choose another run.dir")
-        evidence = run_evidence(run_dir)
+        evidence = run_evidence(store)
         if evidence:
             raise ValueError(f"run.dir={run_dir} already holds a run ({evidence}): pass resume=auto to continue it, "
                              f"or choose another run.dir")
         return Start(new_run_id(), "start")
-    if resume != "auto" and Path(resume).is_dir() and not is_sharded_checkpoint(resume):
+    if resume != "auto" and Path(resume).is_dir() and not is_checkpoint_folder(resume):
         raise CheckpointError(f"resume={resume} is a folder: pass a checkpoint (<run.dir>/checkpoints/"
                               f"step_XXXXXXXX.pt or .dcp), or run.dir={resume} resume=auto to continue that run")
-    usable, unusable = _runs_by_file(ckpt_dir)
+    usable, unusable = store.lineages()
     own = _folder_run(run_dir, usable)
     if resume == "auto":
-        start = _plan_auto(run_dir, usable, unusable, own)
+        start = _plan_auto(store, usable, unusable, own)
     else:
-        start = _plan_path(run_dir, Path(resume), usable, own)
+        start = _plan_path(store, Path(resume), usable, own)
     if start.state is not None and start.event != "branch":
-        _refuse_foreign_in_the_way(run_dir, usable, own, start.step, max_steps)
+        _refuse_foreign_in_the_way(store, usable, own, start.step, max_steps)
     if start.state is not None:  # what the model computes first, then how it is trained
         saved = start.state["config"]
         check_model_config(start.checkpoint, saved.get("model", {}), OmegaConf.to_container(cfg.model))
@@ -214,8 +157,8 @@ def plan_start(cfg: DictConfig, run_dir: str | Path) -> Start:
     return start
 
 
-def _plan_auto(run_dir: Path, usable: dict, unusable: list, own: str | None) -> Start:
-    ckpt_dir = checkpoint_dir(run_dir)
+def _plan_auto(store: CheckpointStore, usable: dict, unusable: list, own: str | None) -> Start:
+    run_dir, ckpt_dir = store.run_dir, store.folder
     mine = [p for p, r in usable.items() if r == own]
     for path in reversed(mine):  # newest first; one that fails its checksum is skipped
         try:
@@ -233,8 +176,8 @@ def _plan_auto(run_dir: Path, usable: dict, unusable: list, own: str | None) -> 
         raise CheckpointError(f"resume=auto: every checkpoint in {ckpt_dir} belongs to another run than "
                               f"run.dir={run_dir}'s own ({own or 'unrecorded'}): move them out, or branch from one "
                               f"with resume=<its path> into an empty run.dir")
-    if (run_dir / WEIGHTS_NAME).exists():   # a finished run whose checkpoints were removed
-        raise CheckpointError(f"resume=auto: run.dir={run_dir} holds {run_evidence(run_dir)} but no checkpoint: "
+    if (run_dir / WEIGHTS).exists():   # a finished run whose checkpoints were removed
+        raise CheckpointError(f"resume=auto: run.dir={run_dir} holds {run_evidence(store)} but no checkpoint: "
                               f"starting over would replace them; move them aside (or choose another run.dir) to "
                               f"start from step 0")
     steps = metric_steps(run_dir)
@@ -246,11 +189,11 @@ def _plan_auto(run_dir: Path, usable: dict, unusable: list, own: str | None) -> 
     return Start(own or new_run_id(), "restart" if own or steps else "start", sets_aside=bool(steps))
 
 
-def _plan_path(run_dir: Path, path: Path, usable: dict, own: str | None) -> Start:
-    state = load_checkpoint(path)
+def _plan_path(store: CheckpointStore, path: Path, usable: dict, own: str | None) -> Start:
+    run_dir, state = store.run_dir, load_checkpoint(path)
     source = lineage_id(state)
-    evidence = run_evidence(run_dir)
-    in_own_folder = path.resolve().parent == checkpoint_dir(run_dir).resolve()
+    evidence = run_evidence(store)
+    in_own_folder = path.resolve().parent == store.folder.resolve()
     if not evidence:
         parent = {"id": source, "step": int(state["step"]), "checkpoint": str(path.resolve())}
         return Start(new_run_id(), "branch", path, state, parent)
@@ -308,7 +251,7 @@ def accepted_changes(start: Start, cfg: DictConfig, run_dir: Path) -> dict[str, 
     refused = {k: v for k, v in diffs.items() if not _allowed(k, allow)}
     if refused:
         allow_them = (f"pass allow_changes=[{','.join(refused)}] to continue with the new values (recorded in "
-                      f"{run_dir / LINEAGE_FILE})")
+                      f"{run_dir / LINEAGE})")
         preset = left_out_preset(start.state["config"], cfg, refused)
         advice = (f"the run was made with experiment={preset}, which this command leaves out: add "
                   f"experiment={preset} (as the run's `resume with:` line does), or {allow_them}" if preset
@@ -340,89 +283,88 @@ def _describe(diffs: dict) -> str:
     return "; ".join(f"{k}={old!r} in checkpoint, {new!r} now" for k, (old, new) in diffs.items())
 
 
-# ----------------------------------------------------------------------------- writing it down
+# ----------------------------------------------------------------------------- what a resume checks
 
-def superseded_dir(run_dir: str | Path, start: Start) -> Path | None:
-    """Where a rewind (or a restart from step 0) moves its run's later files (None when nothing is set aside)."""
-    if not start.sets_aside:
-        return None
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return Path(run_dir) / SUPERSEDED_DIR / f"{stamp}-after-step_{start.step:08d}"
+# Model keys that do not change the function or the weights (exact memory features).
+_MODEL_KEYS_FREE_TO_CHANGE = ("activation_checkpointing", "loss_chunk_size", "block_chunk_size",
+                              "offload_activations")
 
 
-REWIND_PLAN = "rewind.json"   # in a superseded/ folder while its files are being moved there
+def check_unchanged(path: str | Path, saved_cfg: dict, cfg, keys: tuple[str, ...]) -> None:
+    """Refuse a resume that changes what the model computes outside the `model` group: the
+    "group.key" names in `keys` (`data.document_mask`, `attention.window`), each at the schema's
+    default where an older checkpoint or config lacks it."""
+    from omegaconf import OmegaConf
+
+    from training.config.schema import default_of
+
+    diffs = []
+    for key in keys:
+        group, name = key.split(".")
+        default = default_of(key)
+        old = saved_cfg.get(group, {}).get(name, default)
+        new = OmegaConf.select(cfg, key, default=default)
+        if old != new:
+            diffs.append(f"{key}={old!r} in checkpoint, {new!r} now")
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} was trained with {'; '.join(diffs)}: it changes what the model "
+                              f"computes (pass the checkpoint's values, or start a new run.dir)")
 
 
-def record(run_dir: str | Path, start: Start, aside: Path | None, data_change: dict | None = None) -> None:
-    """Append the start to lineage.jsonl (and a data change to data_changes.jsonl); with `aside`,
-    first move the run's files past the start's step there (set_aside). Called once the run is
-    accepted, on the process that writes."""
-    run_dir = Path(run_dir)
-    row = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run_id": start.run_id,
-           "event": start.event, "step": start.step, "checkpoint": str(start.checkpoint) if start.checkpoint else None}
-    if start.parent and start.event == "branch":
-        row["parent"] = start.parent
-    if start.changes:
-        row["changes"] = start.changes
-    if aside is None:
-        append_line(run_dir / LINEAGE_FILE, json.dumps(row))
-        if data_change is not None:
-            append_line(run_dir / DATA_CHANGES, json.dumps(data_change))
-        return
-    row["superseded"] = str(aside.relative_to(run_dir))
-    aside.mkdir(parents=True, exist_ok=True)
-    write_text(aside / REWIND_PLAN, json.dumps({"step": start.step, "run_id": start.run_id, "lineage": row,
-                                                "data_change": data_change}))
-    set_aside(run_dir, aside)
-    if start.event == "rewind":
-        log.warning("rewound to step %d: the later checkpoints, metrics and weights are in %s", start.step, aside)
-    else:
-        log.warning("started over from step 0: the %s rows logged before are in %s", METRICS_FILE, aside)
+def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
+    """Refuse weights trained with another model config, even one with the same tensor shapes
+    (heads, norm, RoPE base, tied embeddings): they would load into a different function.
+    A key added to the schema since the checkpoint was written counts at its default."""
+    from training.config.checks import check_group
+
+    saved, current = check_group("model", saved), check_group("model", current)
+    ignore = set(_MODEL_KEYS_FREE_TO_CHANGE)
+    if saved.get("pos_emb", "rope") == current.get("pos_emb") == "rope":
+        ignore.add("max_seq_len")  # RoPE has no table: the longest length is a limit, not a weight
+    diff = describe_differences({k: v for k, v in saved.items() if k not in ignore},
+                                        {k: v for k, v in current.items() if k not in ignore})
+    if diff:
+        raise CheckpointError(f"checkpoint {path} was trained with another model config: {diff} "
+                              f"(pass the checkpoint's values, or start a new run.dir)")
 
 
-def set_aside(run_dir: Path, aside: Path) -> None:
-    """Carry out the plan in `aside`/rewind.json: the run's metrics rows past its step, its later
-    checkpoints and the final weights into `aside`, then the lineage (and data change) rows, then
-    the plan removed. Each step can be done again after a kill (idempotent), in this order: the
-    rows are copied before they are cut, files are moved by one rename each, a row already appended
-    is not appended twice."""
-    plan = json.loads((aside / REWIND_PLAN).read_text())
-    step, run_id = int(plan["step"]), plan["run_id"]
-    metrics = run_dir / METRICS_FILE
-    rows = MetricsFile.read(metrics) if metrics.is_file() else []
-    if any(r["step"] > step for r in rows):
-        MetricsFile.write(aside / METRICS_FILE, [r for r in rows if r["step"] > step])
-        MetricsFile.write(metrics, [r for r in rows if r["step"] <= step])
-    later = [p for p in list_checkpoints(checkpoint_dir(run_dir)) if step_of(p) > step and _is_of(p, run_id)]
-    if later:
-        (aside / "checkpoints").mkdir(exist_ok=True)
-    for path in later:
-        path.replace(aside / "checkpoints" / path.name)
-    if (run_dir / WEIGHTS_NAME).exists():
-        (run_dir / WEIGHTS_NAME).replace(aside / WEIGHTS_NAME)
-    lineage = run_dir / LINEAGE_FILE
-    recorded = read_json_lines(lineage, LINEAGE_FIELDS) if lineage.is_file() else []
-    if not any(r.get("superseded") == plan["lineage"]["superseded"] for r in recorded):
-        append_line(lineage, json.dumps(plan["lineage"]))
-    change, changes = plan.get("data_change"), run_dir / DATA_CHANGES
-    if change is not None and change not in (read_json_lines(changes, {}) if changes.is_file() else []):
-        append_line(changes, json.dumps(change))
-    (aside / REWIND_PLAN).unlink()
+# ----------------------------------------------------------------------------- putting it back
+
+def _sampler_state_for_new_data(saved: dict, sampler) -> dict:
+    """The saved position carried over to a changed corpus: same epoch, same fraction of it."""
+    if int(saved["n_windows"]) == sampler.n_windows:
+        return saved
+    in_epoch = len(sampler.order(int(saved["epoch"])))   # this epoch's windows on the new data
+    cursor = int(saved["cursor"]) * in_epoch // max(1, int(saved["n_windows"]))
+    return {**saved, "n_windows": sampler.n_windows, "cursor": min(cursor, in_epoch - sampler.world_size)}
 
 
-def _is_of(path: Path, run_id: str | None) -> bool:
-    try:
-        return peek_lineage(path) == run_id
-    except CheckpointError:   # unreadable: whoever wrote it, it stays where it is
-        return False
+def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictConfig) -> tuple[Restore, dict | None]:
+    """The start's checkpoint put back into the plain model (its weights), the sampler and the RNGs,
+    the rest held for once the parallel plan has wrapped the model (`Restore.finish`); with the data
+    change to record (data_changes.jsonl, written once the run is accepted), or None. Nothing to put
+    back for a fresh start.
 
-
-def recover(run_dir: str | Path) -> None:
-    """What a start or a save killed half-way left in `run_dir`, put right before a new start looks
-    at the folder (under its lock, on the process that writes): a rewind or restart whose files were
-    being set aside is finished, and the temporary files of the run's own names are removed."""
-    run_dir = Path(run_dir)
-    for plan in sorted((run_dir / SUPERSEDED_DIR).glob(f"*/{REWIND_PLAN}")):
-        log.warning("finishing the setting aside of %s that an interrupted start left half done", plan.parent)
-        set_aside(run_dir, plan.parent)
-    remove_temp_files(run_dir)
+    Refuses another model config, and a checkpoint of other data (the sampler position would
+    index different tokens) unless `data.allow_changed`, which continues at the same point of the
+    epoch on the new data.
+    """
+    if start.state is None:
+        return Restore(), None
+    path, state, model_cfg = start.checkpoint, start.state, OmegaConf.to_container(cfg.model)
+    check_model_config(path, state["config"].get("model", {}), model_cfg)
+    saved_fp = state["config"].get("run", {}).get("data_fingerprint")
+    sampler_state, change = state["sampler"], None
+    if saved_fp != data_fingerprint:
+        if not cfg.data.get("allow_changed", False):
+            raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads "
+                                  f"{data_fingerprint}: the corpus changed; pass data.allow_changed=true to continue on the new data")
+        log.warning("data changed since %s: %s -> %s; continuing (data.allow_changed=true)", path, saved_fp,
+                    data_fingerprint)
+        sampler_state = _sampler_state_for_new_data(sampler_state, sampler)
+        change = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": state["step"],
+                  "checkpoint": str(path), "from": saved_fp, "to": data_fingerprint}
+    restored = Restore(path, state)
+    restored.into_model(model, model_cfg, sampler, sampler_state)
+    start.state = None   # the tensors are in the model now (or held by `restored`); the start's step stays
+    return restored, change

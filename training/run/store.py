@@ -1,20 +1,33 @@
-"""Checkpoints: atomic writes, the newest complete one of a run for `resume=auto`, validation on load.
+"""The checkpoint store: one interface over both checkpoint formats, for the loop, the resume
+planner (training.run.resume), the evals and the export tools.
 
-A checkpoint is one `torch.save` file, `checkpoints/step_00000100.pt`, holding the model,
-optimizer, step, tokens seen, every RNG state, the data sampler's position, the resolved config,
-the wandb run id and the run's lineage (its id, and the checkpoint it branched from). It is
-written to `<name>.tmp` (created exclusively: a planted link is never followed), fsynced and
-renamed, so a crash leaves either the old set of files or the new one; a failed write (a full
-disk, a file-size limit) removes the temp file. A file that still fails to load (a disk error, a
-copy cut short) is skipped by `resume=auto` with a warning naming it. Loading uses
-`weights_only=True`: a checkpoint cannot run code. Pruning and `resume=auto` look only at the
-files of one run (training.run.resume decides which): another run's checkpoint in the same folder is
-never deleted, never counted as kept.
+    store = CheckpointStore(run_dir)                    # <run.dir>/checkpoints/
+    store.list()                                        # oldest step first, either format
+    store.lineages()                                    # which run wrote each (cheap), the unreadable apart
+    store.latest(run_id)                                # the newest that verifies, with its state
+    path, weights = store.save(meta, model, optimizer, plan, weights=True)   # every rank; atomic
+    store.prune(keep, run_id)
+    state = load_checkpoint(path)                       # any checkpoint: read and verified
+    restore = Restore(path, state)                      # put back into a run (training.run.resume)
 
-Under `trainer.parallel=fsdp` a checkpoint is a folder, `checkpoints/step_00000100.dcp/`, that
-every rank writes its shards into (training.run.dcp): the same state, the same rules (made visible by
-one rename once complete, every file verified by sha256 against its manifest, lineage, pruning).
-Both kinds load wherever a checkpoint is read; `resume=auto` takes the newest of either.
+A checkpoint holds the model, optimizer, step, tokens seen, every RNG state, the data sampler's
+position, the resolved config, the wandb run id and the run's lineage (its id, and the
+checkpoint it branched from), with the sha256 of all of it. Two formats, chosen by the parallel
+plan (`plan.shards_state`), never by the loop:
+
+- one `torch.save` file, `checkpoints/step_00000100.pt`, from rank 0: written to `<name>.tmp`
+  (created exclusively: a planted link is never followed), fsynced and renamed, so a crash
+  leaves either the old set of files or the new one; a failed write (a full disk, a file-size
+  limit) removes the temp file;
+- a DCP folder, `checkpoints/step_00000100.dcp/`, that every rank writes its shards into
+  (training.run.dcp, private to this module): the same state, the same rules (made visible by one
+  rename once complete, every file verified by sha256 against its manifest).
+
+Either loads wherever a checkpoint is read; `resume=auto` takes the newest of either. A file
+that fails to load (a disk error, a copy cut short) is skipped with a warning naming it.
+Loading uses `weights_only=True`: a checkpoint cannot run code. Pruning and `resume=auto` look
+only at the files of one run (the resume planner decides which): another run's checkpoint in
+the same folder is never deleted, never counted as kept.
 """
 from __future__ import annotations
 
@@ -23,15 +36,15 @@ import hashlib
 import logging
 import re
 import shutil
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from training.run import dcp
+from training.process.faults import os_error_in
 from training.process.rng import set_rng_state
-from training.run.files import RecordingWriter, new_file, os_error_in
+from training.run import dcp
+from training.run.files import CHECKPOINTS, RecordingWriter, new_file
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +54,7 @@ REQUIRED_KEYS = ("step", "tokens", "model", "optimizer", "rng", "sampler", "conf
                  "wandb_id")
 _NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 _TENSOR_KEYS = ("model", "optimizer")   # in the shards of a sharded checkpoint, not its state.pt
+_META_KEYS = tuple(k for k in REQUIRED_KEYS if k not in _TENSOR_KEYS)
 ANY_RUN = "*"   # pruning / picking over every file, whichever run wrote it (lineage ids are hex)
 
 
@@ -90,23 +104,145 @@ def state_checksum(state: dict) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def checkpoint_path(run_dir: str | Path, step: int, sharded: bool = False) -> Path:
-    """The single file of a step, or (sharded) its DCP folder."""
-    return checkpoint_dir(run_dir) / f"step_{step:08d}{dcp.SUFFIX if sharded else '.pt'}"
-
-
 def lineage_id(state: dict) -> str | None:
     """The id of the run that wrote a checkpoint's state; None for files from before lineages."""
     lineage = state.get("lineage")
     return lineage.get("id") if isinstance(lineage, dict) else None
 
 
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's file name."""
+    return int(_NAME.match(Path(path).name).group(1))
+
+
+def is_sharded(state: dict) -> bool:
+    """Whether `state` is a sharded checkpoint's (its model and optimizer are in the DCP shards)."""
+    return "model" not in state
+
+
+# ----------------------------------------------------------------------------- one run's checkpoints
+
+class CheckpointStore:
+    """The checkpoints of one run folder, `<run.dir>/checkpoints/`, in either format."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.folder = self.run_dir / CHECKPOINTS
+
+    def path(self, step: int, sharded: bool = False) -> Path:
+        """The single file of a step, or (sharded) its DCP folder."""
+        return self.folder / f"step_{step:08d}{dcp.SUFFIX if sharded else '.pt'}"
+
+    def list(self) -> list[Path]:
+        """The checkpoints here, oldest step first (temp files are not checkpoints)."""
+        if not self.folder.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _NAME.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def lineages(self) -> tuple[dict[Path, str | None], list[Path]]:
+        """({readable checkpoint: the run id it names}, unreadable checkpoints, warned about), oldest
+        first. Read without hashing: only the checkpoint a run resumes from is verified in full."""
+        readable, unreadable = {}, []
+        for path in self.list():
+            try:
+                readable[path] = peek_lineage(path)
+            except CheckpointError as e:
+                log.warning("skipping %s", e)
+                unreadable.append(path)
+        return readable, unreadable
+
+    def latest(self, run_id: str | None = ANY_RUN) -> tuple[Path, dict] | None:
+        """The newest checkpoint of run `run_id` that loads, with its state; unreadable ones are
+        skipped with a warning, another run's are passed over."""
+        for path in reversed(self.list()):
+            try:
+                state = load_checkpoint(path)
+            except CheckpointError as e:
+                log.warning("skipping %s", e)
+                continue
+            if run_id == ANY_RUN or lineage_id(state) == run_id:
+                return path, state
+        return None
+
+    def note(self, run_id: str | None = ANY_RUN) -> str:
+        """Where the last good checkpoint of run `run_id` is, for messages of a run that stopped."""
+        good = next((p for p in reversed(self.list()) if is_of_run(p, run_id)), None)
+        return f"the last good checkpoint is {good}" if good else "no checkpoint was saved yet"
+
+    def save(self, meta: dict, model: nn.Module, optimizer, plan, weights: bool = False
+             ) -> tuple[Path | None, dict | None]:
+        """Every rank: checkpoint `meta` (the state but the model and optimizer, its "step"
+        naming the file) with the model's and optimizer's state, in the format the parallel plan
+        asks for: a DCP folder every rank writes its shards into, or the whole state gathered
+        into one file by rank 0. Returns (the checkpoint, and with `weights` the whole model's
+        state dict) on rank 0, (None, None) elsewhere; CheckpointWriteError when it could not be
+        written (the older checkpoints untouched)."""
+        if plan.shards_state:
+            path = self.path(meta["step"], sharded=True)
+            stamped = _stamped(meta, _META_KEYS) if plan.is_main else None
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                written = dcp.save_sharded(path, stamped, model, optimizer, plan.env)
+            except OSError as e:
+                raise _write_error(path, e) from e
+            if written is None:
+                return None, None
+            _verified[_file_id(path)] = lineage_id(stamped)
+            return path, dcp.consolidate(path, keys=("model",))["model"] if weights else None
+        model_sd, optim_sd = plan.full_state(model, optimizer)
+        if not plan.is_main:
+            return None, None
+        path = save_checkpoint(self.path(meta["step"]), {**meta, "model": model_sd, "optimizer": optim_sd})
+        return path, model_sd if weights else None
+
+    def prune(self, keep: int, run_id: str | None = ANY_RUN) -> None:
+        """Keep the newest `keep` usable checkpoints of run `run_id`; delete its older ones and stale temp files.
+
+        Unusable files are never counted as kept (nor deleted: they are evidence, and `resume=auto`
+        skips them with a warning), so the newest usable checkpoint always survives; another run's
+        files are neither counted nor deleted. Only the run holding the folder's lock calls this, so a
+        `.tmp` here is not another writer's.
+        """
+        if keep < 1:
+            raise ValueError(f"keep={keep}: pruning must keep at least one checkpoint")
+        for stale in [*self.folder.glob("*.pt.tmp"), *self.folder.glob(f"*{dcp.SUFFIX}.tmp"),
+                      *self.folder.glob(f"*{dcp.SUFFIX}.old")]:
+            _remove(stale)
+        kept = 0
+        for path in reversed(self.list()):
+            try:
+                foreign = run_id != ANY_RUN and peek_lineage(path) != run_id
+            except CheckpointError:
+                foreign = False  # unreadable: whoever wrote it, it is evidence
+            if foreign:
+                continue
+            if not is_usable(path):
+                log.warning("checkpoint %s is unusable: kept on disk, not counted among the %d kept", path, keep)
+            elif kept < keep:
+                kept += 1
+            else:
+                _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """A checkpoint file, or a sharded checkpoint's folder (a link itself, never what it points to)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- any one checkpoint
+
+def is_checkpoint_folder(path: str | Path) -> bool:
+    """Whether `path` names a DCP checkpoint folder (a folder that is itself one checkpoint)."""
+    return Path(path).name.endswith(dcp.SUFFIX)
+
+
 def save_checkpoint(path: str | Path, state: dict) -> Path:
-    """Write `state` with its checksum atomically: exclusive temp file, fsync, rename, fsync the folder.
+    """Write `state` as one file with its checksum atomically: exclusive temp file, fsync, rename,
+    fsync the folder.
 
     A failed write (a full disk, a file-size limit, an interrupt) removes the partial temp file;
     write errors raise CheckpointWriteError naming the cause. The checkpoints already there are untouched.
@@ -148,35 +284,6 @@ def _stamped(state: dict, required: tuple[str, ...]) -> dict:
     return state
 
 
-def save_sharded_checkpoint(path: str | Path, state: dict, model: nn.Module, optimizer, env) -> Path | None:
-    """Every rank: the sharded checkpoint folder `path` (training.run.dcp) of `model` and `optimizer`
-    with the rest of `state` (no model or optimizer in it); returns the folder on rank 0."""
-    path = Path(path)
-    meta = _stamped(state, tuple(k for k in REQUIRED_KEYS if k not in _TENSOR_KEYS)) if env.is_main else None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        written = dcp.save_sharded(path, meta, model, optimizer, env)
-    except OSError as e:
-        raise _write_error(path, e) from e
-    if written is not None:
-        _verified[_file_id(path)] = lineage_id(meta)
-    return written
-
-
-def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Checkpoint files in `ckpt_dir`, oldest step first (temp files are not checkpoints)."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def step_of(path: Path) -> int:
-    """The step in a checkpoint's file name."""
-    return int(_NAME.match(Path(path).name).group(1))
-
-
 def peek_lineage(path: Path) -> str | None:
     """The run id a checkpoint names, read without checking its checksum (cheap: its tensors are
     memory-mapped, not read); CheckpointError when it does not load as one of ours."""
@@ -188,17 +295,11 @@ def peek_lineage(path: Path) -> str | None:
     return lineage_id(_read(path)) if found is False else found
 
 
-def checkpoint_lineage(path: Path) -> str | None:
-    """The lineage id of a checkpoint that loads and matches its checksum (remembered for files
-    seen intact); CheckpointError or OSError otherwise."""
-    found = _verified.get(_file_id(path), False)
-    return lineage_id(load_checkpoint(path)) if found is False else found
-
-
 def is_usable(path: Path) -> bool:
-    """Whether the checkpoint loads and matches its checksum."""
+    """Whether the checkpoint loads and matches its checksum (remembered for files seen intact)."""
     try:
-        checkpoint_lineage(path)
+        if _verified.get(_file_id(path), False) is False:
+            load_checkpoint(path)
     except (OSError, CheckpointError):
         return False
     return True
@@ -214,61 +315,19 @@ def is_of_run(path: Path, run_id: str | None) -> bool:
     return is_usable(path)
 
 
-def prune_checkpoints(ckpt_dir: str | Path, keep: int, run_id: str | None = ANY_RUN) -> None:
-    """Keep the newest `keep` usable checkpoints of run `run_id`; delete its older ones and stale temp files.
-
-    Unusable files are never counted as kept (nor deleted: they are evidence, and `resume=auto`
-    skips them with a warning), so the newest usable checkpoint always survives; another run's
-    files are neither counted nor deleted. Only the run holding the folder's lock calls this, so a
-    `.tmp` here is not another writer's.
-    """
-    if keep < 1:
-        raise ValueError(f"keep={keep}: pruning must keep at least one checkpoint")
-    for stale in [*Path(ckpt_dir).glob("*.pt.tmp"), *Path(ckpt_dir).glob(f"*{dcp.SUFFIX}.tmp"),
-                  *Path(ckpt_dir).glob(f"*{dcp.SUFFIX}.old")]:
-        _remove(stale)
-    kept = 0
-    for path in reversed(list_checkpoints(ckpt_dir)):
-        try:
-            foreign = run_id != ANY_RUN and peek_lineage(path) != run_id
-        except CheckpointError:
-            foreign = False  # unreadable: whoever wrote it, it is evidence
-        if foreign:
-            continue
-        if not is_usable(path):
-            log.warning("checkpoint %s is unusable: kept on disk, not counted among the %d kept", path, keep)
-        elif kept < keep:
-            kept += 1
-        else:
-            _remove(path)
-
-
-def _remove(path: Path) -> None:
-    """A checkpoint file, or a sharded checkpoint's folder (a link itself, never what it points to)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def is_sharded(state: dict) -> bool:
-    """Whether `state` is a sharded checkpoint's (its model and optimizer are in the DCP shards)."""
-    return "model" not in state
-
-
 def _read_sharded(path: Path) -> dict:
     try:
         state = dcp.read_state(path)
     except Exception as e:  # no manifest, a link, a state.pt cut short: all mean unusable
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} is unusable (incomplete or corrupt): {reason}") from e
-    return _checked_structure(path, state, tuple(k for k in REQUIRED_KEYS if k not in _TENSOR_KEYS))
+    return _checked_structure(path, state, _META_KEYS)
 
 
 def _read(path: Path) -> dict:
     """A checkpoint's state, structure checked, tensors memory-mapped (not yet read); a sharded
     checkpoint's without its model and optimizer (they stay in the shards)."""
-    if path.name.endswith(dcp.SUFFIX):
+    if is_checkpoint_folder(path):
         return _read_sharded(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -314,67 +373,19 @@ def load_checkpoint(path: str | Path) -> dict:
     return state
 
 
-def latest_checkpoint(ckpt_dir: str | Path, run_id: str | None = ANY_RUN) -> tuple[Path, dict] | None:
-    """The newest checkpoint of run `run_id` that loads, with its state; unreadable ones are
-    skipped with a warning, another run's are passed over."""
-    for path in reversed(list_checkpoints(ckpt_dir)):
-        try:
-            state = load_checkpoint(path)
-        except CheckpointError as e:
-            log.warning("skipping %s", e)
-            continue
-        if run_id == ANY_RUN or lineage_id(state) == run_id:
-            return path, state
-    return None
+def read_tensors(path: str | Path, state: dict, optimizer: bool = True) -> dict:
+    """`state` (load_checkpoint's) with its model's (and, with `optimizer`, the optimizer's)
+    tensors, whichever the format: a DCP folder's are read from its shards on this one process (no
+    process group), the optimizer indexed by parameter position as `torch.optim` saves it."""
+    if not is_sharded(state):
+        return state
+    return dcp.consolidate(path, keys=_TENSOR_KEYS if optimizer else ("model",))
 
 
-# Model keys that do not change the function or the weights (exact memory features).
-_MODEL_KEYS_FREE_TO_CHANGE = ("activation_checkpointing", "loss_chunk_size", "block_chunk_size",
-                              "offload_activations")
-
-
-def _describe_config_differences(saved: dict, current: dict, prefix: str = "model") -> str:
+def describe_differences(saved: dict, current: dict, prefix: str = "model") -> str:
     diffs = [f"{prefix}.{k}={saved.get(k)!r} in checkpoint, {current.get(k)!r} now"
              for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
     return "; ".join(diffs)
-
-
-def check_unchanged(path: str | Path, saved_cfg: dict, cfg, keys: tuple[str, ...]) -> None:
-    """Refuse a resume that changes what the model computes outside the `model` group: the
-    "group.key" names in `keys` (`data.document_mask`, `attention.window`), each at the schema's
-    default where an older checkpoint or config lacks it."""
-    from omegaconf import OmegaConf
-
-    from training.config.schema import default_of
-
-    diffs = []
-    for key in keys:
-        group, name = key.split(".")
-        default = default_of(key)
-        old = saved_cfg.get(group, {}).get(name, default)
-        new = OmegaConf.select(cfg, key, default=default)
-        if old != new:
-            diffs.append(f"{key}={old!r} in checkpoint, {new!r} now")
-    if diffs:
-        raise CheckpointError(f"checkpoint {path} was trained with {'; '.join(diffs)}: it changes what the model "
-                              f"computes (pass the checkpoint's values, or start a new run.dir)")
-
-
-def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
-    """Refuse weights trained with another model config, even one with the same tensor shapes
-    (heads, norm, RoPE base, tied embeddings): they would load into a different function.
-    A key added to the schema since the checkpoint was written counts at its default."""
-    from training.config.checks import check_group
-
-    saved, current = check_group("model", saved), check_group("model", current)
-    ignore = set(_MODEL_KEYS_FREE_TO_CHANGE)
-    if saved.get("pos_emb", "rope") == current.get("pos_emb") == "rope":
-        ignore.add("max_seq_len")  # RoPE has no table: the longest length is a limit, not a weight
-    diff = _describe_config_differences({k: v for k, v in saved.items() if k not in ignore},
-                                        {k: v for k, v in current.items() if k not in ignore})
-    if diff:
-        raise CheckpointError(f"checkpoint {path} was trained with another model config: {diff} "
-                              f"(pass the checkpoint's values, or start a new run.dir)")
 
 
 def restore_model(model: nn.Module, state: dict, path: str | Path, current_model_cfg: dict | None = None) -> None:
@@ -387,57 +398,63 @@ def restore_model(model: nn.Module, state: dict, path: str | Path, current_model
     if problems:
         detail = problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
         if current_model_cfg is not None:
-            config_diff = _describe_config_differences(state["config"].get("model", {}), current_model_cfg)
+            config_diff = describe_differences(state["config"].get("model", {}), current_model_cfg)
             detail += f"; config: {config_diff}" if config_diff else ""
         raise CheckpointError(f"checkpoint {path} does not match the model: {detail}")
     model.load_state_dict(saved)
 
 
-DATA_CHANGES = "data_changes.jsonl"
+class Restore:
+    """A checkpoint put back into a run, in two halves around the parallel plan's wrapping:
+    `into_model` before it (the plain model's weights from a file, the data sampler's position,
+    every RNG), `finish` after it (the optimizer's moments, or a DCP folder's weights and moments
+    from its shards, which DCP reshards onto this run's ranks). A fresh start's (no checkpoint)
+    puts nothing back."""
+
+    def __init__(self, path: Path | None = None, state: dict | None = None):
+        self.path, self._state, self._optimizer = path, state, None
+        self.step, self.tokens, self.wandb_id = ((state["step"], state["tokens"], state["wandb_id"]) if state
+                                                 else (0, 0, None))
+
+    def into_model(self, model: nn.Module, model_cfg: dict, sampler, sampler_state: dict) -> None:
+        """The weights into the plain model (a file's; a folder's come in `finish`), `sampler_state`
+        into the sampler and the RNGs; the optimizer's moments are held for `finish`, copied out
+        of the checkpoint: it is memory-mapped, and the optimizer would keep its tensors (a load
+        onto the same device and dtype does not copy), so the file's space would stay in use after
+        pruning deletes it, until the process ends."""
+        if self._state is None:
+            return
+        from torch.utils._pytree import tree_map
+
+        state, path = self._state, self.path
+        if not is_sharded(state):
+            restore_model(model, state, path, model_cfg)
+            self._optimizer = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state["optimizer"])
+        try:
+            sampler.load_state_dict(sampler_state)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
+        set_rng_state(state["rng"])
+        self._state = {"sharded": is_sharded(state)}   # the tensors are in the model now, or in the shards
+
+    def finish(self, model: nn.Module, optimizer, plan) -> None:
+        """Every rank, once the plan has wrapped the model and the optimizer is built over it."""
+        if self._state is None:
+            return
+        if self._state["sharded"]:
+            dcp.load_sharded(self.path, model, optimizer)   # DCP reshards onto this run's ranks
+        else:
+            _check_param_groups(self.path, self._optimizer, optimizer)
+            plan.load_optimizer(model, optimizer, self._optimizer)
+        self._state = self._optimizer = None
 
 
-def _sampler_state_for_new_data(saved: dict, sampler) -> dict:
-    """The saved position carried over to a changed corpus: same epoch, same fraction of it."""
-    if int(saved["n_windows"]) == sampler.n_windows:
-        return saved
-    in_epoch = len(sampler.order(int(saved["epoch"])))   # this epoch's windows on the new data
-    cursor = int(saved["cursor"]) * in_epoch // max(1, int(saved["n_windows"]))
-    return {**saved, "n_windows": sampler.n_windows, "cursor": min(cursor, in_epoch - sampler.world_size)}
-
-
-def restore_training_state(path: str | Path, state: dict, *, model: nn.Module, optimizer, sampler,
-                           data_fingerprint: str, model_cfg: dict, allow_data_change: bool = False) -> dict | None:
-    """Put a run back exactly where `state` left it: weights, optimizer moments, data position, RNGs.
-
-    Refuses another model config, and a checkpoint of other data (the sampler position would
-    index different tokens) unless `allow_data_change`, which continues at the same point of the
-    epoch on the new data. Returns the data change to record (<run_dir>/data_changes.jsonl, written
-    once the run is accepted), or None.
-    """
-    check_model_config(path, state["config"].get("model", {}), model_cfg)
-    saved_fp = state["config"].get("run", {}).get("data_fingerprint")
-    sampler_state, change = state["sampler"], None
-    if saved_fp != data_fingerprint:
-        if not allow_data_change:
-            raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads "
-                                  f"{data_fingerprint}: the corpus changed; pass data.allow_changed=true to continue on the new data")
-        log.warning("data changed since %s: %s -> %s; continuing (data.allow_changed=true)", path, saved_fp,
-                    data_fingerprint)
-        sampler_state = _sampler_state_for_new_data(sampler_state, sampler)
-        change = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": state["step"],
-                  "checkpoint": str(path), "from": saved_fp, "to": data_fingerprint}
-    if not is_sharded(state):  # a sharded checkpoint's tensors load once the model is wrapped (load_sharded)
-        restore_model(model, state, path, model_cfg)
-        optimizer.load_state_dict(state["optimizer"])
-    try:
-        sampler.load_state_dict(sampler_state)
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {path}: {e}") from None
-    set_rng_state(state["rng"])
-    return change
-
-
-def last_checkpoint_note(run_dir: str | Path, run_id: str | None = ANY_RUN) -> str:
-    """Where the last good checkpoint of run `run_id` is, for messages of a run that stopped."""
-    good = next((p for p in reversed(list_checkpoints(checkpoint_dir(run_dir))) if is_of_run(p, run_id)), None)
-    return f"the last good checkpoint is {good}" if good else "no checkpoint was saved yet"
+def _check_param_groups(path, saved: dict, optimizer) -> None:
+    """Refuse optimizer moments grouped otherwise than this run groups its parameters (which
+    tensors are decayed), in one line that says which setting does it."""
+    sizes = lambda groups: [len(g["params"]) for g in groups]  # noqa: E731
+    if sizes(saved["param_groups"]) != sizes(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {path} decays {sizes(saved['param_groups'])[0]} parameter tensors, this run "
+            f"{sizes(optimizer.param_groups)[0]}: optim.decay_embeddings differs from the checkpoint's run (runs "
+            f"from before that option decayed no embedding table: pass optim.decay_embeddings=false)")
