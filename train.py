@@ -1,12 +1,7 @@
 """Train a GPT: `python train.py [group=option ...] [key=value ...]`, or on several GPUs
 `torchrun --nproc_per_node=N train.py ...` (see docs/parallel.md).
 
-Exit status: 0 finished; 1 the loss went NaN/inf (no checkpoint written after it); 2 bad input
-(config key or value, data path, folder, checkpoint, a run.dir in use) or the machine (out of memory,
-a full disk, no network for wandb), reported in one line (before any step where it can be known;
-older checkpoints kept); 130 (Ctrl-C) or 143 (SIGTERM) stopped at a step boundary after saving a
-checkpoint (a second Ctrl-C: at once, without saving), 129 under torchrun when the launcher died:
-rerun with resume=auto.
+Its exit statuses are training/process/exits.py's table (`python train.py --help` prints it).
 """
 from __future__ import annotations
 
@@ -25,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config import hydra_callbacks, plain
 from training.config.errors import exit_on_config_error
 from training.config.errors import report_error as report
+from training.process.exits import INTERRUPTED, help_text
 from training.process.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits
 
 
@@ -72,7 +68,7 @@ def train(cfg: DictConfig, outcome: dict | None = None, on_start: Callable[[], C
     except KeyboardInterrupt:  # a second Ctrl-C (or one before the loop): one line, not a traceback; ends a sweep too
         note = trainer.note() if trainer is not None and hasattr(trainer, "start") else "nothing was trained yet"
         print(f"error: interrupted: stopped at once, without saving; {note}", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
     finally:
         if finish is not None:
             finish()
@@ -164,6 +160,7 @@ def one_folder_per_run(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     ignore_ctrl_c_as_python_exits()
+    OmegaConf.register_new_resolver("exit_statuses", help_text)   # configs/train.yaml's --help lists them
     try:
         sys.argv = one_folder_per_run(sys.argv)
         with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
@@ -177,6 +174,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # one train() did not turn into its line: in its clean-up, or in Hydra's code around it
         exit_at_once_on_ctrl_c()
         print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     finally:
         exit_at_once_on_ctrl_c()   # the run has ended and said how; a further Ctrl-C: status 130 at once

@@ -11,8 +11,17 @@ import subprocess
 import pytest
 
 from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
-from tests.trainrun import run_in_process, run_subprocess, tiny_overrides
+from tests.trainrun import REPO, run_in_process, run_subprocess, tiny_overrides
+from training.process import exits
 from training.run.store import CheckpointStore
+
+
+def test_the_readme_table_is_the_one_table():
+    """What each status means is said once (training/process/exits.py); the README shows that table
+    as it is, and `--help` prints it (test_train.py)."""
+    readme = (REPO / "README.md").read_text()
+    assert exits.markdown_table() in readme
+    assert sorted(c for codes, _ in exits.EXIT_STATUSES for c in codes) == [0, 1, 2, 129, 130, 143]
 
 HYDRA_ERRORS = [
     (["trainer.foo=1"], "error: unknown config key 'trainer.foo' (`python train.py --cfg job` prints every valid key)"),

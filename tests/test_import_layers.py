@@ -2,7 +2,7 @@
 inside training, each package imports only those below it (training/__init__.py lists them).
 
 kernels imports nothing of ours; model imports kernels only; data imports neither; training may
-import all three, its packages in their order: config and process at the bottom, then parallel,
+import all three, its packages in their order: process and config at the bottom, then parallel,
 run, interop, builders.py, and loop on top; scripts/ and train.py sit on top of it all. The
 checkpoint store's DCP format (training/run/dcp.py) is private to the store, and the loop names
 no parallel mode and no checkpoint format: it asks the parallel plan and the store. Every import
@@ -28,14 +28,14 @@ ALLOWED = {
     "model": {"kernels"},
     "data": set(),
     "training": set(),                        # training/__init__.py: the map, no code
-    "training.config": {"kernels", "model"},
+    "training.config": {"kernels", "model", "training.process"},
     "training.process": set(),
     "training.parallel": {"model", "training.process"},
     "training.run": {"data", "training.config", "training.process", "training.parallel"},
     "training.interop": {"data", "model", "training.process", "training.run"},
     "training.builders": _BELOW_LOOP - {"training.builders"},
     "training.loop": _BELOW_LOOP,
-    "training.launch": set(),                 # `python -m training.launch`: torchrun's own launcher
+    "training.launch": {"training.process"},  # `python -m training.launch`: torchrun's own launcher
     "scripts": {"kernels", "model", "data", "training"},
     "train": {"kernels", "model", "data", "training"},
 }

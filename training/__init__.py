@@ -2,8 +2,8 @@
 
 Each package may import those listed before it (tests/test_import_layers.py enforces it):
 
-- config/   the schema, composition and checks of the config (imports kernels, model)
 - process/  this process: device, precision, RNGs, signals, exit statuses, faults (imports nothing)
+- config/   the schema, composition and checks of the config (imports kernels, model)
 - parallel/ the parallel plan over torchrun's processes: DDP/FSDP2, context parallelism, state
 - run/      the run folder: atomic files, lock, checkpoint store, resume planner, lineage, report
 - interop/  weights-only safetensors and Hugging Face folders

@@ -3,8 +3,9 @@
 Owns the schema (schema.py: one typed class per group, registered with Hydra), its checks beyond
 types (checks.py: ranges, checks across keys and groups), the one-line wording of Hydra's errors
 (errors.py) and, here, composition itself: `compose` gives train.py's config to scripts and
-tests, and the helpers on a command line's overrides. Imports nothing else of training (the
-schema reads the kernel words from kernels/choices.py and the model's keys from model/config.py);
+tests, and the helpers on a command line's overrides. Imports nothing else of training but the
+exit-status table (the schema reads the kernel words from kernels/choices.py and the model's keys
+from model/config.py);
 everything above builds from what it composes. Imports nothing heavy: `train.py --help` loads it.
 
 Types, unknown keys and choices are checked by Hydra against the schema as the config is

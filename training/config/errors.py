@@ -13,6 +13,7 @@ import time
 from contextlib import contextmanager
 
 from training.config.checks import bad_value
+from training.process.exits import BAD_INPUT
 
 VALID_KEYS_HINT = "(`python train.py --cfg job` prints every valid key)"
 # Hydra's override grammar takes ~, spaces and most punctuation only inside quotes.
@@ -36,7 +37,7 @@ def report_error(line: str, every_rank: bool = False) -> int:
     if not (every_rank or is_main_process()):
         time.sleep(RANK0_REPORT_WAIT_S)
     print(f"error: {line.splitlines()[0] if line else line}", file=sys.stderr)
-    return 2
+    return BAD_INPUT
 
 
 def _handled_while_raising(exc: BaseException, kind: type):

@@ -33,6 +33,7 @@ from training.loop.step import TrainStep
 from training.loop.throughput import Throughput, mfu, peak_flops
 from training.parallel.plan import ParallelPlan
 from training.process.device import cpu_threads
+from training.process.exits import BAD_INPUT, DIVERGED, INTERRUPTED
 from training.process.faults import fault_line
 from training.process.rng import rng_state, seed_everything
 from training.process.signals import StopRequest, stop_reason
@@ -265,21 +266,21 @@ class Trainer:
         the machine's faults (and bad input found before the loggers opened); a second Ctrl-C and
         anything else are re-raised (train.py words the first, the second is a bug's traceback)."""
         if isinstance(e, FloatingPointError):
-            self._close(1)
+            self._close(DIVERGED)
             print(f"error: {e}", file=sys.stderr)
-            return 1
+            return DIVERGED
         interrupt = _second_ctrl_c(e)
         if interrupt is not None:
-            self._close(130)
+            self._close(INTERRUPTED)
             raise interrupt
         line = e.strerror if isinstance(e, CheckpointWriteError) else (
             str(e) if isinstance(e, ValueError) and self._loggers is None else fault_line(e))
         if line is None:
             raise e
-        self._close(2)
+        self._close(BAD_INPUT)
         who = "" if self.plan.is_main else f"rank {self.plan.rank}: "
         print(f"{who}error: {line.splitlines()[0]}; {self.note()}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
 
 
 def _second_ctrl_c(e: BaseException | None) -> KeyboardInterrupt | None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from training.process.exits import FINISHED, stopped_by
+
 
 @dataclass
 class DistEnv:
@@ -215,4 +217,4 @@ class AgreedStop:
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum if self.signum else 0
+        return stopped_by(self.signum) if self.signum else FINISHED

@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM as requests to stop at the next step boundary, after a checkpoint.
 
 The handler only sets a flag: stopping mid-step would save a half-applied update. The process
-then exits with the shell's convention for the signal: 130 for SIGINT, 143 for SIGTERM.
+then exits with the shell's convention for the signal, 128 + its number (training/process/exits.py).
 
 Alone (`python train.py`), a second Ctrl-C stops at once (KeyboardInterrupt, which train.py
 turns into one line and status 130) for a user who does not want to wait. Under torchrun the
@@ -17,6 +17,8 @@ import atexit
 import os
 import signal
 import sys
+
+from training.process.exits import FINISHED, INTERRUPTED, stopped_by
 
 
 def launched_by_torchrun() -> bool:
@@ -52,7 +54,7 @@ class StopRequest:
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum if self.signum is not None else 0
+        return stopped_by(self.signum) if self.signum is not None else FINISHED
 
     @property
     def name(self) -> str:
@@ -86,7 +88,7 @@ def exit_at_once_on_ctrl_c() -> None:
                 stream.flush()
             except (OSError, ValueError, RuntimeError):   # closed, or interrupted mid-write
                 pass
-        os._exit(128 + signal.SIGINT)
+        os._exit(INTERRUPTED)
     signal.signal(signal.SIGINT, exit_130)
 
 
