@@ -2,7 +2,8 @@
 
 Scripts run as `python scripts/<tool>.py`, which puts scripts/ (not the repo root) first on
 sys.path; importing this module first makes `model`, `kernels`, `training` importable from any
-working directory. Every result file records where it came from (date, device, versions, commit),
+working directory. The benchmarks (scripts/bench/) and kernel-development tools
+(scripts/kernel_dev/) put scripts/ on sys.path themselves, first, so the same import works there. Every result file records where it came from (date, device, versions, commit),
 is written atomically (a crash mid-write never leaves half a JSON), and is rewritten as results
 arrive, so a run killed half-way still leaves what it measured.
 """

@@ -447,7 +447,7 @@ def write_outputs(stem: Path, report: dict) -> None:
              "search that reached its cap. 'vs naive' divides by naive's maximum under the same features. "
              "Peak memory, step time and tokens/s are those of the longest step that fitted. A step of "
              f"over {RETIME_BELOW_S:g} s is timed once, so its time includes first-call costs such as "
-             "compiling kernels; kernel speed is measured by scripts/bench_attention.py. µs/token is that step's "
+             "compiling kernels; kernel speed is measured by scripts/bench/bench_attention.py. µs/token is that step's "
              "time per token. 'bytes/token' is the slope of peak memory through the two longest steps that "
              "fitted, and 'linear max' the length at which that line reaches the "
              + ("device's memory" if meta["device_type"] == "cuda" else "budget")

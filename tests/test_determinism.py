@@ -1,6 +1,6 @@
 """Issue 25, item 3: `trainer.deterministic=true` makes every kernel of the step deterministic,
 so kill -9 + resume=auto repeats an uninterrupted run to the bit on CUDA as on the CPU (the H200
-measurement, with its cost, is scripts/check_gpu_resume.py's, in benchmarks/)."""
+measurement, with its cost, is scripts/bench/check_gpu_resume.py's, in benchmarks/)."""
 from __future__ import annotations
 
 import signal

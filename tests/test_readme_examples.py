@@ -40,6 +40,9 @@ NOT_RUN = {
 }
 
 
+TOOL_PATH = r"scripts/(?:\w+/)?(\w+)\.py"   # a user tool, or one in scripts/bench/ or scripts/kernel_dev/
+
+
 @dataclass(frozen=True)
 class Command:
     source: str          # the document it is in
@@ -58,7 +61,7 @@ class Command:
         for word in self.argv:
             if word == "train.py":
                 return "train"
-            found = re.fullmatch(r"scripts/(\w+)\.py", word)
+            found = re.fullmatch(TOOL_PATH, word)
             if found:
                 return found.group(1)
         return None
@@ -66,7 +69,7 @@ class Command:
     @property
     def args(self) -> list[str]:
         argv = self.argv
-        at = next(i for i, w in enumerate(argv) if w == "train.py" or re.fullmatch(r"scripts/\w+\.py", w))
+        at = next(i for i, w in enumerate(argv) if w == "train.py" or re.fullmatch(TOOL_PATH, w))
         return argv[at + 1:]
 
 
@@ -102,6 +105,13 @@ def test_the_docs_hold_the_commands_this_test_tries():
     assert {"train", "generate", "export_weights", "export_hf", "compare_runs", "max_context", "data_stats"} <= tools
     assert len([c for c in COMMANDS if c.tool == "train"]) >= 20
     assert any(c.text == "python scripts/max_context.py" for c in COMMANDS)   # the CPU's comparison
+
+
+def test_every_documented_tool_is_where_the_command_says():
+    """A tool moved to another folder of scripts/ leaves no command naming its old place."""
+    for command in COMMANDS:
+        named = next(w for w in command.argv if w == "train.py" or re.fullmatch(TOOL_PATH, w))
+        assert (REPO / named).is_file(), f"{command.source}: {command.text}"
 
 
 def train_overrides(command: Command) -> list[str]:

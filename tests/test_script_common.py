@@ -59,7 +59,7 @@ def test_bad_input_is_one_line_on_stderr(args, message):
     assert done.stderr.startswith(message)
 
 
-SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").glob("*.py"))
+SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").rglob("*.py"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
@@ -68,7 +68,7 @@ def test_no_tool_writes_into_the_committed_results_by_default(script):
     by default its results go to the git-ignored outputs/<tool>/ (_common.add_out_argument)."""
     source = script.read_text()
     assert not re.search(r"""REPO_ROOT\s*/\s*["']benchmarks""", source), script.name
-    assert not re.search(r"""^\s*out_dir:\s*benchmarks""", (script.parent.parent / "configs" / "max_context.yaml")
+    assert not re.search(r"""^\s*out_dir:\s*benchmarks""", (_common.REPO_ROOT / "configs" / "max_context.yaml")
                          .read_text(), re.M)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TOOLS = {p.stem: p for folder in ("", "bench", "kernel_dev") for p in sorted((REPO / "scripts" / folder).glob("*.py"))
+         if not p.stem.startswith("_")}   # every tool by name: user tools, benchmarks, kernel development
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
 """What the attention kernels compile to on Hopper, on any machine: registers, spills and load
 pipelining for every tile shape the tuner may pick.
 
-    python scripts/kernel_report.py                          # all four kernels, every candidate, D = 64 and 128
-    python scripts/kernel_report.py --kernels fwd,kv --dims 128 --shape 1/16384/16/16
-    python scripts/kernel_report.py --unspecialized          # compiled the way test_kernel_compile checks them
-    python scripts/kernel_report.py --gluon                  # the Gluon Hopper forward's variants instead
+    python scripts/kernel_dev/kernel_report.py                          # all four kernels, every candidate, D = 64 and 128
+    python scripts/kernel_dev/kernel_report.py --kernels fwd,kv --dims 128 --shape 1/16384/16/16
+    python scripts/kernel_dev/kernel_report.py --unspecialized          # compiled the way test_kernel_compile checks them
+    python scripts/kernel_dev/kernel_report.py --gluon                  # the Gluon Hopper forward's variants instead
 
 Triton compiles for sm_90a without a GPU (ptxas ships in its wheel), so what ptxas says about a
 kernel can be read before any device time is spent. A launch specialises its integer arguments: a
@@ -24,9 +24,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 
 from _common import add_out_argument, print_table, run_cli, write_json

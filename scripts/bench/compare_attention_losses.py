@@ -1,8 +1,8 @@
 """Loss parity of two attention implementations: train.py twice from one seed, curves compared.
 
-    python scripts/compare_attention_losses.py trainer.max_steps=300 trainer.seq_len=64 trainer.batch_size=1 \
+    python scripts/bench/compare_attention_losses.py trainer.max_steps=300 trainer.seq_len=64 trainer.batch_size=1 \
         trainer.eval_batches=4 logger=none      # naive vs flash: ~12 min on 2 CPU cores
-    python scripts/compare_attention_losses.py --attention sdpa,flash --name loss_parity_h200 ...
+    python scripts/bench/compare_attention_losses.py --attention sdpa,flash --name loss_parity_h200 ...
 
 Issue 3's end-to-end check: an exact kernel must train like the formula it replaces. Both runs get
 the same Hydra overrides (so the same seed, data order and initial weights) and differ only in
@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from omegaconf import OmegaConf

@@ -1,11 +1,11 @@
 """Attention speed and memory: our Triton FlashAttention against SDPA (FA2, cuDNN), FlexAttention, naive.
 
-    python scripts/bench_attention.py            # full sweep: an estimated 5-7 minutes on an H200,
+    python scripts/bench/bench_attention.py            # full sweep: an estimated 5-7 minutes on an H200,
                                                  # half of it compiling FlexAttention for each shape
-    python scripts/bench_attention.py --quick    # two lengths, memory up to 32K (1-2 minutes)
-    python scripts/bench_attention.py --long     # gpt2-small's heads, batch 1, N up to 256K
-    python scripts/bench_attention.py --smoke    # CPU-sized plumbing check (not a benchmark)
-    python scripts/bench_attention.py --training # the shapes models train with
+    python scripts/bench/bench_attention.py --quick    # two lengths, memory up to 32K (1-2 minutes)
+    python scripts/bench/bench_attention.py --long     # gpt2-small's heads, batch 1, N up to 256K
+    python scripts/bench/bench_attention.py --smoke    # CPU-sized plumbing check (not a benchmark)
+    python scripts/bench/bench_attention.py --training # the shapes models train with
 
 --training with every backend (ours, ours-auto, ours-gluon, ours-atomic, sdpa-default, sdpa-cudnn, flex) takes an
 estimated ~13-15 minutes on one H200 (ours-gluon adds ~1-2 minutes: its forward compiles in ~5 s per
@@ -15,11 +15,11 @@ autotuner compiles ~17 candidates per head dim and times each at 64K and 128K, w
 two-GPU host (the first without a sustained run: 12 x 64's is in the file from commit 22c954d),
 then merged:
 
-    CUDA_VISIBLE_DEVICES=0 python scripts/bench_attention.py --training --heads 12/12/64,16/16/128 \
+    CUDA_VISIBLE_DEVICES=0 python scripts/bench/bench_attention.py --training --heads 12/12/64,16/16/128 \
         --sustained '' --out lane1 &
-    CUDA_VISIBLE_DEVICES=1 python scripts/bench_attention.py --training --heads 32/8/128 \
+    CUDA_VISIBLE_DEVICES=1 python scripts/bench/bench_attention.py --training --heads 32/8/128 \
         --sustained 32/8/128/16384 --out lane2 &
-    wait; python scripts/bench_attention.py --merge-training lane1/attention_h200_training.json \
+    wait; python scripts/bench/bench_attention.py --merge-training lane1/attention_h200_training.json \
         lane2/attention_h200_training.json --out benchmarks/attention
 
 Throughput: forward, backward and forward+backward TFLOP/s for head dims 64 and 128, sequence
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.nn.functional as F

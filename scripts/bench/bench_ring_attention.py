@@ -1,10 +1,10 @@
 """Ring attention speed and memory across the GPUs of one host, against one GPU.
 
-    torchrun --nproc-per-node 2 scripts/bench_ring_attention.py             # 128K .. 1M tokens
-    torchrun --nproc-per-node 2 scripts/bench_ring_attention.py --lengths 1048576
-    torchrun --nproc-per-node 2 scripts/bench_ring_attention.py --smoke     # CPU (gloo) plumbing check
+    torchrun --nproc-per-node 2 scripts/bench/bench_ring_attention.py             # 128K .. 1M tokens
+    torchrun --nproc-per-node 2 scripts/bench/bench_ring_attention.py --lengths 1048576
+    torchrun --nproc-per-node 2 scripts/bench/bench_ring_attention.py --smoke     # CPU (gloo) plumbing check
     # packed documents and windows against causal, at 128K and 1M (ring_attention_<gpu>_x2_masked.*):
-    torchrun --nproc-per-node 2 scripts/bench_ring_attention.py --lengths 131072,1048576 \
+    torchrun --nproc-per-node 2 scripts/bench/bench_ring_attention.py --lengths 131072,1048576 \
         --masks causal,docs-2k,docs-mixed,docs-mixed-w4k --out benchmarks/parallel
 
 gpt2-small's attention (12 heads of 64, batch 1, causal, bf16). Per length, every rank times one
@@ -15,7 +15,7 @@ memory is the largest rank's. A ring that runs out of memory ends the run (one r
 alone would leave the others waiting); the lengths measured before are kept; one GPU running
 out of memory is recorded as a result. Writes <out>/ring_attention_<gpu>_x<C>.json and .md, rewritten per length.
 
-`--masks`: besides plain causal, packed documents (the mixes of scripts/bench_ring_balance.py:
+`--masks`: besides plain causal, packed documents (the mixes of scripts/bench/bench_ring_balance.py:
 docs-2k, docs-mixed, docs-mixed-w4k with attention.window=4096) on the layout
 context_parallel_batch picks for them, against one GPU with the same mask; each row also gives
 tokens/s of the ring, the layout's imbalance (busiest rank's allowed pairs over the mean) and the
@@ -24,9 +24,11 @@ ring steps skipped. Any mask but causal alone writes ring_attention_<gpu>_x<C>_m
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.distributed as dist
@@ -139,7 +141,7 @@ def write_outputs(stem: Path, report: dict) -> None:
         f"# Ring attention on {size} x {meta['device']}\n\n"
         f"{meta['date']}, commit {meta['git_commit']}, torch {meta['torch']}, triton {meta['triton']}.\n"
         f"Causal, batch 1, {HEADS} heads of {HEAD_DIM}, {report['dtype']}, one forward+backward; "
-        "masks as in scripts/bench_ring_balance.py (imbalance: busiest rank's allowed pairs over the "
+        "masks as in scripts/bench/bench_ring_balance.py (imbalance: busiest rank's allowed pairs over the "
         "mean, on the ring's layout; skipped steps: of rank 0's C ring steps per call, those with no key to see).\n\n"
         + markdown_table(["mask", "tokens", f"ring on {size} (ms)", "ring tokens/s", "one GPU (ms)", "ring / one",
                           "ideal", "imbalance", "skipped steps", "ring peak per rank"], rows)))
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_out_argument(parser, "bench_ring_attention")
     args = parser.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
-        raise ValueError("run under torchrun, e.g. torchrun --nproc-per-node 2 scripts/bench_ring_attention.py")
+        raise ValueError("run under torchrun, e.g. torchrun --nproc-per-node 2 scripts/bench/bench_ring_attention.py")
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else (SMOKE_LENGTHS if args.smoke else LENGTHS)
     size = int(os.environ["WORLD_SIZE"])
     bad = [n for n in lengths if n <= 0 or n % (2 * size)]

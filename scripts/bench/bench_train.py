@@ -1,9 +1,9 @@
 """Training-step throughput: the real loop (train.py) next to a bare step of the same model.
 
-    python scripts/bench_train.py                         # sdpa and flash at T = 1K, 4K, 16K (H200: ~6 min)
-    python scripts/bench_train.py --ablation              # where the loop's time goes (T = 4K, sdpa)
-    python scripts/bench_train.py --first-step            # first step cold (empty caches) and warm
-    python scripts/bench_train.py --smoke                 # CPU plumbing check, not a benchmark
+    python scripts/bench/bench_train.py                         # sdpa and flash at T = 1K, 4K, 16K (H200: ~6 min)
+    python scripts/bench/bench_train.py --ablation              # where the loop's time goes (T = 4K, sdpa)
+    python scripts/bench/bench_train.py --first-step            # first step cold (empty caches) and warm
+    python scripts/bench/bench_train.py --smoke                 # CPU plumbing check, not a benchmark
 
 For each attention implementation and sequence length T (16K tokens per optimizer step, batch
 16K / T, gpt2-small, bf16 autocast, fused AdamW, torch.compile):
@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from training.config import merge_overrides

@@ -1,17 +1,17 @@
 """One GPU against N: tokens/s of DDP and FSDP2, loss curves from one seed, gpt-1b memory per GPU.
 
-    python scripts/bench_parallel.py --out benchmarks/parallel   # about 7 minutes on 2 H200s (estimated)
-    python scripts/bench_parallel.py --out /tmp/x --steps 40 --only throughput trainer.seq_len=1024
+    python scripts/bench/bench_parallel.py --out benchmarks/parallel   # about 7 minutes on 2 H200s (estimated)
+    python scripts/bench/bench_parallel.py --out /tmp/x --steps 40 --only throughput trainer.seq_len=1024
 
 The targets, each one call (the global batch stays the same on 1 and N GPUs; grad_accum must be
 a multiple of N):
 
     # gpt2-small: DDP >= 1.9x one GPU on 2 GPUs, >= 0.9x linear on 4 and 8
-    python scripts/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 2
-    python scripts/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 4 trainer.grad_accum=8
-    python scripts/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 8 trainer.grad_accum=8
+    python scripts/bench/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 2
+    python scripts/bench/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 4 trainer.grad_accum=8
+    python scripts/bench/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 8 trainer.grad_accum=8
     # gpt-1b: FSDP2 >= 0.95x DDP tokens/s and >= 1.85x one GPU on 2 GPUs
-    python scripts/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 2 --name parallel_h200_gpt1b \
+    python scripts/bench/bench_parallel.py --out benchmarks/parallel --only throughput --gpus 2 --name parallel_h200_gpt1b \
         model=gpt-1b attention=sdpa trainer.batch_size=1 trainer.grad_accum=8
 
 1. Throughput and loss: train.py three times from the same seed on the same global batch
@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 

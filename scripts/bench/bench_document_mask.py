@@ -1,9 +1,9 @@
 """Packed documents and sliding windows: our masked kernel against FlexAttention and plain causal.
 
-    python scripts/bench_document_mask.py           # H200: 64K windows, about 3 minutes (most of
+    python scripts/bench/bench_document_mask.py           # H200: 64K windows, about 3 minutes (most of
                                                     # it compiling FlexAttention for each mask)
-    python scripts/bench_document_mask.py --cases window-4k   # one case; the file keeps the others
-    python scripts/bench_document_mask.py --smoke   # CPU-sized plumbing check (not a benchmark)
+    python scripts/bench/bench_document_mask.py --cases window-4k   # one case; the file keeps the others
+    python scripts/bench/bench_document_mask.py --smoke   # CPU-sized plumbing check (not a benchmark)
 
 Cases, one sequence (B = 1) of T = 64K tokens, bf16, causal, 12 heads of 64 by default (--heads):
 
@@ -23,8 +23,10 @@ forward 4 * H * D * pairs, forward+backward 3.5x that. Results: <out>/document_m
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 

@@ -1,7 +1,7 @@
 """Load balance of the context-parallel ring under document masks, counted on the CPU (no GPU).
 
-    python scripts/bench_ring_balance.py --out benchmarks/parallel   # ~1 minute: ring_balance_cpu.{json,md}
-    python scripts/bench_ring_balance.py --smoke              # tiny windows, plumbing only
+    python scripts/bench/bench_ring_balance.py --out benchmarks/parallel   # ~1 minute: ring_balance_cpu.{json,md}
+    python scripts/bench/bench_ring_balance.py --smoke              # tiny windows, plumbing only
 
 Each CP rank computes attention for its own queries, so a step of the ring takes as long as its
 busiest rank. For packed windows of 64K, 128K and 1M tokens and C = 2, 4, 8 ranks this counts,
@@ -19,13 +19,15 @@ log-normal mix, median 700 tokens, over `--windows` draws), docs-mixed-w4k (the 
 attention.window=4096). The zig-zag split is exactly even for docs-2k; for the mix it is not.
 
 GPU tokens/s of the same layouts need the 2-GPU host:
-`torchrun --nproc-per-node 2 scripts/bench_ring_attention.py --mask docs-mixed --lengths 131072,1048576`.
+`torchrun --nproc-per-node 2 scripts/bench/bench_ring_attention.py --mask docs-mixed --lengths 131072,1048576`.
 """
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 

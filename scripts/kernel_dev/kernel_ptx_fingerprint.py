@@ -1,12 +1,12 @@
 """Fingerprints of the PTX every attention kernel compiles to for Hopper, to show that a change
 made for the reader leaves the generated code as it was.
 
-    python scripts/kernel_ptx_fingerprint.py                       # print one fingerprint per kernel config
-    python scripts/kernel_ptx_fingerprint.py --check               # compare with tests/kernel_ptx_fingerprints.json
-    python scripts/kernel_ptx_fingerprint.py --write               # record this Triton's fingerprints there
-    python scripts/kernel_ptx_fingerprint.py --quick --only 'fwd'  # the subset the CPU test compiles
+    python scripts/kernel_dev/kernel_ptx_fingerprint.py                       # print one fingerprint per kernel config
+    python scripts/kernel_dev/kernel_ptx_fingerprint.py --check               # compare with tests/kernel_ptx_fingerprints.json
+    python scripts/kernel_dev/kernel_ptx_fingerprint.py --write               # record this Triton's fingerprints there
+    python scripts/kernel_dev/kernel_ptx_fingerprint.py --quick --only 'fwd'  # the subset the CPU test compiles
 
-No GPU is needed: every kernel is compiled for sm_90a as scripts/kernel_report.py's compile helpers
+No GPU is needed: every kernel is compiled for sm_90a as scripts/kernel_dev/kernel_report.py's compile helpers
 do (a launch's specialisation: strides of 1 constant, multiples of 16 divisible), for each kernel
 (Triton forward, dQ, dK/dV, atomic dK/dV/dQ, Delta; the Gluon forward's variants, backward and its
 prep kernel; the decode kernels), head dims 32 to 256 where the tile tables have them, causal or not,
@@ -27,6 +27,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 
 from _common import REPO_ROOT, argument_parser, run_cli, write_json

@@ -1,10 +1,10 @@
 """nanoGPT's shakespeare-char run beside ours on one GPU, in one call: same text, same recipe.
 
-    python scripts/bench_shakespeare_char.py run --text input.txt --nanogpt path/to/nanoGPT --work /tmp/sc \\
+    python scripts/bench/bench_shakespeare_char.py run --text input.txt --nanogpt path/to/nanoGPT --work /tmp/sc \\
         --out $OUT --deadline 150
-    python scripts/bench_shakespeare_char.py report --pack $OUT/shakespeare_char_runs.tar.gz \\
+    python scripts/bench/bench_shakespeare_char.py report --pack $OUT/shakespeare_char_runs.tar.gz \\
         --out benchmarks/shakespeare_char
-    python scripts/bench_shakespeare_char.py run ... --smoke      # CPU plumbing check, not a benchmark
+    python scripts/bench/bench_shakespeare_char.py run ... --smoke      # CPU plumbing check, not a benchmark
 
 `run` starts, as concurrent processes on the one GPU:
 - nanoGPT's own `train.py config/train_shakespeare_char.py` in the `--nanogpt` checkout (its
@@ -42,8 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO = SCRIPTS.parent
+REPO = Path(__file__).resolve().parents[2]
 PACK = "shakespeare_char_runs.tar.gz"
 STEPS = 5000
 TOKENS_PER_STEP = 64 * 256
@@ -223,13 +222,14 @@ def gpu_state() -> dict:
 
 def pack(args, runs: list[Run], events: dict) -> None:
     """The runs' logs, metrics and configs (no checkpoints) and the events, into one file under --out."""
+    from training.run.files import replacing
+
     events = {**events, "runs": {r.spec.name: {"label": r.spec.label, "overrides": r.spec.overrides,
                                                "rank": r.spec.rank, "compiled": r.spec.compiled,
                                                "exit": r.proc.poll(), "stopped_at": r.stopped_at,
                                                "last_step": r.step} for r in runs}}
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / (PACK + ".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
+    with replacing(args.out / PACK) as tmp, tarfile.open(tmp, "w:gz") as tar:
         data = json.dumps(events, indent=2, default=str).encode()
         info = tarfile.TarInfo("events.json")
         info.size = len(data)
@@ -239,7 +239,6 @@ def pack(args, runs: list[Run], events: dict) -> None:
                 path = r.folder / name
                 if path.is_file():
                     tar.add(path, arcname=f"{r.spec.name}/{name}")
-    os.replace(tmp, args.out / PACK)
 
 
 def train_loss_command(run_dir: Path) -> list[str]:
@@ -503,7 +502,7 @@ def report(args) -> None:
             f"Our runs: `python train.py experiment=shakespeare-char data.paths=[input.txt]` (the experiment file of "
             f"the commit above) with these overrides; what each trained with is read from its saved config.yaml:"
             f"\n\n{overrides}\n\n"
-            f"Runs the device time did not let finish were stopped by the script (`scripts/bench_shakespeare_char.py`: "
+            f"Runs the device time did not let finish were stopped by the script (`scripts/bench/bench_shakespeare_char.py`: "
             f"the must-finish runs go first); their curves up to there are in the JSON and the plot.\n\n"
             + ablation_table(results, markdown_table)
             + "## Throughput, each timed run alone on the GPU (the others paused)\n\n"
@@ -583,6 +582,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
     import _common  # noqa: F401  (puts the repo root on sys.path)
     from _common import run_cli
 

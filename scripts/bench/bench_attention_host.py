@@ -1,7 +1,7 @@
 """Host time of our attention's calls beside SDPA's: what a small call cannot hide behind the GPU.
 
-    python scripts/bench_attention_host.py --out benchmarks/attention   # CUDA: gpt2-small's heads, B=16, T=1K
-    python scripts/bench_attention_host.py --stub                       # any machine: every launch a no-op
+    python scripts/bench/bench_attention_host.py --out benchmarks/attention   # CUDA: gpt2-small's heads, B=16, T=1K
+    python scripts/bench/bench_attention_host.py --stub                       # any machine: every launch a no-op
 
 gpt2-small's attention at T = 1K is a few hundred microseconds of GPU work per forward+backward,
 so the host's Python and launch work decides the speed of an eager step. On CUDA, for SDPA's
@@ -25,7 +25,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 

@@ -1,8 +1,8 @@
 """Generation speed: decoding tokens/s by decode mode (eager, static cache, CUDA graph) and prefill.
 
-    python scripts/bench_generation.py                 # GPU: gpt2-small, bf16 weights, random tokens
-    python scripts/bench_generation.py --attention flash model=gpt-1b    # one implementation, another model
-    python scripts/bench_generation.py --smoke         # CPU-sized plumbing check (not a benchmark)
+    python scripts/bench/bench_generation.py                 # GPU: gpt2-small, bf16 weights, random tokens
+    python scripts/bench/bench_generation.py --attention flash model=gpt-1b    # one implementation, another model
+    python scripts/bench/bench_generation.py --smoke         # CPU-sized plumbing check (not a benchmark)
 
 Decoding: a batch of B random prompts of N tokens is prefilled into the cache, then greedy
 decoding runs --warmup-steps untimed steps and --decode-steps timed ones through
@@ -24,9 +24,11 @@ every measurement.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 

@@ -1,9 +1,9 @@
 """One device round for the Gluon forward: every variant checked against float64, then timed beside ours
 (Triton) and SDPA's cuDNN, forward only, at training shapes.
 
-    python scripts/gluon_check.py --out DIR                 # every rung of kernels/lab/gluon_forward_ladder.LADDER
-    python scripts/gluon_check.py --variants ws-pingpong --out DIR
-    python scripts/gluon_check.py --rounds r1/gluon_check.json r2/gluon_check.json --out benchmarks/gluon
+    python scripts/kernel_dev/gluon_check.py --out DIR                 # every rung of kernels/lab/gluon_forward_ladder.LADDER
+    python scripts/kernel_dev/gluon_check.py --variants ws-pingpong --out DIR
+    python scripts/kernel_dev/gluon_check.py --rounds r1/gluon_check.json r2/gluon_check.json --out benchmarks/gluon
                                                            # the rounds as gluon_fwd_<gpu>_rounds.{json,md}
 
 Each variant first runs in its own process, all at once, with a time limit: a variant whose mbarrier
@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
@@ -191,7 +192,7 @@ def merge_rounds(paths: list[Path], out: Path) -> dict:
     stem = out / "gluon_fwd_h200_rounds"
     write_json(stem.with_suffix(".json"), {"rounds": reports})
     lines = ["# Gluon forward on the H200, round by round", "",
-             "`python scripts/gluon_check.py` per round. Forward only, bf16; milliseconds (TFLOP/s: forward "
+             "`python scripts/kernel_dev/gluon_check.py` per round. Forward only, bf16; milliseconds (TFLOP/s: forward "
              "4*B*H*T^2*D, halved when causal), triton.testing.do_bench median; q, k, v strided views of one fused "
              "QKV projection, 16K tokens per call. triton: our Triton forward on its pinned tile shape "
              "(FLASHTRAIN_AUTOTUNE=0); cudnn: SDPA restricted to cuDNN. Ratios > 1: the fastest Gluon variant is "

@@ -1,7 +1,7 @@
 """Tokens/s of the data loader alone (window sampling from the token cache to int64 tensors).
 
-    python scripts/bench_loader.py                       # default corpus, seq_len 65536, batch 4
-    python scripts/bench_loader.py data=pg19 tokenizer=bpe --seq-len 16384 --batch-size 8
+    python scripts/bench/bench_loader.py                       # default corpus, seq_len 65536, batch 4
+    python scripts/bench/bench_loader.py data=pg19 tokenizer=bpe --seq-len 16384 --batch-size 8
 
 The GPU must never wait on data: the result is set beside what a gpt2-small training step
 consumes on the H200 (a bare nanoGPT-style step with SDPA + compile: 419K tokens/s) and should be at least 10x it.
@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 

@@ -1,19 +1,22 @@
 """Where one long training step spends its GPU time: the kernels, summed by name.
 
-    python scripts/profile_step.py --attention flash model=gpt2-small length=262144 'features=[ckpt+chunked]'
+    python scripts/bench/profile_step.py --attention flash model=gpt2-small length=262144 'features=[ckpt+chunked]'
 
 The config is configs/profile_step.yaml: scripts/max_context.py's (so train.py's) plus
 `length`; `--attention` (one implementation) and the first of `features` are profiled. One step runs untimed
 (compiling the kernels), then one under torch.profiler. The table of the kernels that took
-most GPU time is what to set beside a FLOP count and the rates of scripts/bench_attention.py
+most GPU time is what to set beside a FLOP count and the rates of scripts/bench/bench_attention.py
 (kernels/LOG.md does this for a million-token step).
 """
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 from _common import run_cli
 from max_context import StepProbe, compose_config, fill_from_device_and_tokenizer, parse_args, validate, with_features

@@ -1,8 +1,8 @@
 """Resume to the bit on the GPU, and what `trainer.deterministic` costs, measured in one call.
 
-    python scripts/check_gpu_resume.py --out benchmarks/resume           # H200: gpt2-small, T = 1K, ~2-3 min
-    python scripts/check_gpu_resume.py --out benchmarks/resume --default-resume  # also kill/resume without it (+1 min)
-    python scripts/check_gpu_resume.py --out /tmp/x --steps 12 --ckpt-every 4 --kill-at 8 \\
+    python scripts/bench/check_gpu_resume.py --out benchmarks/resume           # H200: gpt2-small, T = 1K, ~2-3 min
+    python scripts/bench/check_gpu_resume.py --out benchmarks/resume --default-resume  # also kill/resume without it (+1 min)
+    python scripts/bench/check_gpu_resume.py --out /tmp/x --steps 12 --ckpt-every 4 --kill-at 8 \\
         device=cpu model=tiny trainer.seq_len=64 trainer.batch_size=4 data.max_bytes=2000000
 
 Every run is `python train.py` itself (a subprocess, logger=none, offline corpus), `--steps`
@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
@@ -187,7 +188,7 @@ def main(argv: list[str]) -> None:
 def markdown(result: dict) -> str:
     meta, tp = result["meta"], result["throughput"]
     lines = [f"# Resume to the bit on {meta['device']}, and the cost of `trainer.deterministic`", "",
-             f"`python scripts/check_gpu_resume.py` on {meta['date']}: torch {meta['torch']}, triton {meta['triton']}, "
+             f"`python scripts/bench/check_gpu_resume.py` on {meta['date']}: torch {meta['torch']}, triton {meta['triton']}, "
              f"commit {meta['git_commit']}. Each run is train.py with `{' '.join(meta['overrides'])}`, "
              f"{meta['steps']} steps, a checkpoint every {meta['ckpt_every']}.", "",
              "## kill -9 and resume=auto against an uninterrupted run", ""]

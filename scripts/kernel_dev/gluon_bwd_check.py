@@ -1,7 +1,7 @@
 """Check, then time, the Gluon (Hopper) attention backward on the GPU: every variant, one run.
 
-    FLASHTRAIN_AUTOTUNE=0 python scripts/gluon_bwd_check.py --out DIR     # the production kernel, ~4-5 min
-    python scripts/gluon_bwd_check.py --out DIR --variants fa3,v1 --groups quick,warm
+    FLASHTRAIN_AUTOTUNE=0 python scripts/kernel_dev/gluon_bwd_check.py --out DIR     # the production kernel, ~4-5 min
+    python scripts/kernel_dev/gluon_bwd_check.py --out DIR --variants fa3,v1 --groups quick,warm
 
 Variants: `fa3`, kernels/gluon/backward.py (what a kernel plan runs); `fa3-m64`, `fa3-end`, `fa3-dv`,
 the same with one setting of its TILES changed (64-row query tiles; HANDOFF_AT_END; DV_EARLY); `v1`,
@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 
 from _common import REPO_ROOT, environment, write_json
@@ -88,7 +89,7 @@ def tflops(B, H, N, D, ms, causal=True):
 def correctness(variant: str, out: Path, groups: list[str]) -> dict:
     import torch
     sys.path.insert(0, str(REPO_ROOT / "tests"))
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     import torch.utils.deterministic as det
     from test_flash_attention import assert_as_exact_as_plain, make_inputs, NAMES
     from bench_attention import fused_inputs
@@ -193,7 +194,7 @@ def cudnn_backward(q, k, v, do, causal=True):
 def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
     import torch
     import triton
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    sys.path.insert(0, str(REPO_ROOT / "scripts" / "bench"))
     from bench_attention import fused_inputs
 
     from kernels.flash_op import _triton_backward as _launch_backward, _triton_forward as _launch_forward
