@@ -39,7 +39,10 @@ class ParallelPlan:
     """Where this process sits (`env`: rank, world, the groups) and the parts that lay the run out."""
 
     def __init__(self, env: DistEnv | None = None, parallel: str = "ddp"):
-        self.env = env or DistEnv()
+        self.env = env = env or DistEnv()
+        # who this rank is; the data-parallel rank says which share of the windows its group reads
+        self.rank, self.world_size, self.is_main = env.rank, env.world_size, env.is_main
+        self.dp_rank, self.dp_size = env.dp_rank, env.dp_size
         if parallel not in REPLICAS:
             raise ValueError(f"trainer.parallel={parallel!r}: expected one of {', '.join(REPLICAS)}")
         self.replicas: Alone = REPLICAS[parallel]() if self.env.enabled else Alone()
@@ -62,28 +65,7 @@ class ParallelPlan:
             device = torch.device("cuda", env.local_rank)
         return cls(env, t.parallel), device
 
-    # ------------------------------------------------------------------------- who this rank is
-
-    @property
-    def is_main(self) -> bool:
-        return self.env.is_main
-
-    @property
-    def rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world_size
-
-    @property
-    def dp_rank(self) -> int:
-        """The data-parallel rank: which share of the windows this rank's group reads."""
-        return self.env.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.env.dp_size
+    # ------------------------------------------------------------------------- layout
 
     def micro_steps(self, grad_accum: int) -> int:
         """Micro-batches per rank per optimizer step (the global batch stays the config's)."""
