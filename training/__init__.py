@@ -11,5 +11,5 @@ Each package may import those listed before it (tests/test_import_layers.py enfo
 - loop/     the Trainer, its step, optimizer, evaluation, throughput and loggers
 - launch.py `python -m training.launch`: torchrun with train.py's exit statuses (imports none)
 
-`train.py` wires them together.
+`train.py` wires them together; docs/architecture.md walks a step and a checkpoint through them.
 """

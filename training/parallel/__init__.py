@@ -7,5 +7,6 @@ whole state for a checkpoint and scatters it back; the loop and the checkpoint s
 never the mode. Its parts: data_parallel.py (how the data-parallel ranks hold the model: alone,
 DDP, FSDP2) and context.py (context parallelism: its checks, the loss share, the ring);
 distributed.py holds the process group, the mesh and the collectives. A new parallelism is a new
-part. Imports the process layer and, for the ring, model; nothing else of training.
+part (docs/architecture.md, "Adding a parallelism"). Imports the process layer and, for the
+ring, model; nothing else of training.
 """

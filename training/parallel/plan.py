@@ -13,7 +13,8 @@ A plan has two parts: the replica part (`Alone`, `Replicate` for DDP, `Shard` fo
 training/parallel/data_parallel.py), how the data-parallel ranks hold the model, and the
 context-parallel part (`ContextSplit`, training/parallel/context.py), how a sequence is split.
 The loop (training/loop/) asks the plan and never the mode, and the checkpoint store asks it
-whether the state is saved as shards; a new parallelism is a new part here.
+whether the state is saved as shards; a new parallelism is a new part here
+(docs/architecture.md, "Adding a parallelism").
 
 Layout: N processes, C = `trainer.context_parallel` dividing N; the ranks form a 2-D mesh
 (dp = N / C, cp = C; ranks dp_rank * C .. dp_rank * C + C - 1 are one CP group). The sampler is
