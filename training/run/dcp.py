@@ -33,16 +33,12 @@ import torch
 from torch import nn
 
 from training.parallel.data_parallel import optimizer_by_index
-from training.run.files import fsync_dir, new_file
+from training.run.files import fsync_dir, new_file, temp_path
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 SUFFIX = ".dcp"
 _TENSOR_KEYS = ("model", "optimizer")   # in the DCP shards; every other key is in state.pt
-
-
-def temp_dir(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp")
 
 
 def _sha256(path: Path) -> str:
@@ -77,7 +73,7 @@ def save_sharded(path: str | Path, meta: dict, model: nn.Module, optimizer, env)
     from training.parallel.distributed import barrier
 
     path = Path(path)
-    tmp = temp_dir(path)
+    tmp = temp_path(path)   # step_X.dcp.tmp/
     if env.is_main:
         _fresh_temp_dir(tmp)
     barrier(env)

@@ -50,6 +50,7 @@ def refuse_links(run_dir: str | Path) -> None:
 
 
 def temp_path(path: Path) -> Path:
+    """Where a file (or a DCP checkpoint folder) is written before one rename makes it `path`."""
     return path.with_name(path.name + ".tmp")
 
 
