@@ -38,9 +38,13 @@ class PasskeySource:
         return PasskeySource(self.num_docs, self.length, self.depths, self.key_digits, self.seed,
                              count_tokens=lambda text: len(tokenizer.encode(text)))
 
+    def names(self) -> list[str]:
+        """The documents' names, in order, without building their texts."""
+        return [f"passkey-{i}" for i in range(self.num_docs)]
+
     def documents(self) -> Iterator[tuple[str, str]]:
         rng = np.random.default_rng(self.seed)
-        for i in range(self.num_docs):
+        for i, name in enumerate(self.names()):
             depth = self.depths[i % len(self.depths)] if self.depths else float(rng.uniform())
             prompt, answer = passkey_prompt(self.length, depth, random_key(rng, self.key_digits), self.count_tokens)
-            yield f"passkey-{i}", f"{prompt}{answer}."
+            yield name, f"{prompt}{answer}."
