@@ -19,8 +19,9 @@
 #   bash benchmarks/long_context_runs.sh flash-eval       # ~1 min: passkey grid and loss by position, final checkpoint
 # then commit $OUT's files under benchmarks/evals/, the run's config.yaml and metrics.jsonl (each
 # training call returns them) in benchmarks/evals/long_context_passkey_flash/.
-# Session 2, naive: `naive`, `naive continue` ... and `naive-eval`, which draws session 1's committed
-# flash results beside naive's, committed the same way. Its 64.9M tokens need ~55 min at the
+# Session 2, naive: `naive` (which first checks that its BPE is the committed flash run's),
+# `naive continue` ... and `naive-eval`, which draws session 1's committed flash results beside
+# naive's, committed the same way. Its 64.9M tokens need ~55 min at the
 # committed 19,870 tokens/s, more than a machine is held: see docs/long-context.md for what a
 # session can do (NAIVE_STEPS=N trains N steps instead of the preset's 1,920, from its first call on).
 # Last, on any machine (CPU): `bash benchmarks/long_context_runs.sh compare`, both runs' tokens/s
@@ -77,9 +78,30 @@ evaluate() {
     --batches "$batches" --name "$stem" --out "$OUT" "${loss_beside[@]}"
 }
 
+# Before naive's first call: its BPE must be flash's (trained on the same corpus documents, so it
+# should be), or the two runs' losses per token would not compare. data_stats.py builds the BPE and
+# token cache training then reuses, and names the tokenizer by its file's hash, as the flash run's
+# committed config.yaml does.
+same_tokenizer_as_flash() {
+  local flash=$EVALS/long_context_passkey_flash/config.yaml
+  [[ -f $flash ]] || { step "error: $flash is not committed: session 1 (flash) comes first"; exit 2; }
+  step "naive: the BPE and token cache, checked against flash's tokenizer"
+  run 240 python3 scripts/data_stats.py experiment=long-context-passkey-naive --json "$OUT/naive_data.json" || exit 2
+  python3 - "$flash" "$OUT/naive_data.json" <<'PY' 2>&1 | tee -a "$LOG"; (( PIPESTATUS[0] == 0 )) || exit 2
+import json, sys, yaml
+flash = yaml.safe_load(open(sys.argv[1]))["run"]["data_fingerprint"].split("/")[1]
+naive = json.load(open(sys.argv[2]))["fingerprint"].split("/")[1]
+print(f"    tokenizer: flash {flash}, naive {naive}")
+sys.exit(0 if flash == naive else "error: naive's BPE is not flash's: its losses would not compare with flash's")
+PY
+}
+
 case "${1:-}" in
 flash) shift; train flash long-context-passkey "$@" ;;
-naive) shift; train naive long-context-passkey-naive "$@" ${NAIVE_STEPS:+trainer.max_steps=$NAIVE_STEPS} ;;
+naive)
+  shift
+  [[ "${1:-}" == continue ]] || same_tokenizer_as_flash
+  train naive long-context-passkey-naive "$@" ${NAIVE_STEPS:+trainer.max_steps=$NAIVE_STEPS} ;;
 # 12 windows of 32,768 and 35 of 11,264 tokens: the same ~393K held-out tokens for both
 flash-eval) evaluate flash flash 12 ;;
 naive-eval) evaluate naive naive 35 flash ;;

@@ -95,5 +95,9 @@ def test_the_gpu_script_refuses_to_continue_a_run_its_machine_does_not_hold(tmp_
     done = subprocess.run(["bash", str(script), "naive", "continue"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "error: no run in runs/long-context/naive" in done.stdout
+    env["EVALS"] = str(tmp_path / "evals")   # session 1's results not committed: naive does not start
+    first = subprocess.run(["bash", str(script), "naive"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert first.returncode == 2 and "long_context_passkey_flash/config.yaml is not committed" in first.stdout
     bad = subprocess.run(["bash", str(script), "nope"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("usage: ")
