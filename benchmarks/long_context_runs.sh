@@ -69,12 +69,14 @@ evaluate() {
     passkey_beside=(--beside "$EVALS/passkey_long_context_passkey_$beside.json")
     loss_beside=(--beside "$EVALS/loss_by_position_long_context_passkey_$beside.json")
   fi
+  # naive's 32K forwards take ~1 s each (~310 GB of N x N traffic a layer), 220 of them: ~5 min in
+  # all; the JSON is rewritten after each length, so a grid cut short keeps what it measured
   step "$name: passkey grid, $attention attention"
   # shellcheck disable=SC2086 (the lengths and depths are words)
-  run 420 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
+  run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
     --depths $DEPTHS --trials 20 --name "$stem" --out "$OUT" "${passkey_beside[@]}"
   step "$name: loss by position on the held-out corpus documents"
-  run 120 python3 scripts/eval_loss_by_position.py "$RUNS/$name" --attention "$attention" --bucket-tokens 1024 \
+  run 90 python3 scripts/eval_loss_by_position.py "$RUNS/$name" --attention "$attention" --bucket-tokens 1024 \
     --batches "$batches" --name "$stem" --out "$OUT" "${loss_beside[@]}"
 }
 

@@ -14,6 +14,8 @@ the device's; on a CPU only under --memory-budget-mb, which counts the live tens
 forward against that many MiB in all, as scripts/max_context.py does). The JSON then has null
 accuracy and the reason; for each length that fitted, the forward's peak memory (on a GPU, or
 under a CPU budget). Lengths past the run's trainer.seq_len are marked in the table and the plot.
+The JSON is rewritten after each length: a run stopped part-way keeps what it measured (the
+lengths it did not reach are "not run").
 --beside RESULT.json puts an earlier result of this tool (another run's grid: flash's beside
 naive's) in the heatmap as a panel to the left of this run's and in the Markdown as a second table.
 """
@@ -56,6 +58,7 @@ def score_prompt(model, ids: tuple[list[int], list[int]], device, precision: str
 
 MAX_KEY_DIGITS = 18  # keys are drawn as int64
 DOES_NOT_FIT = "does not fit"
+NOT_RUN = "not run"
 
 
 def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> list[int]:
@@ -110,9 +113,15 @@ def grid_table(result: dict) -> tuple[list[str], list[tuple]]:
     stay in the table, and lengths past the run's training length are marked with '*'."""
     trained = result.get("trained_seq_len")
     headers = ["depth \\ length", *(f"{n:,}" + ("*" if trained and n > trained else "") for n in result["lengths"])]
-    rows = [(f"{d:g}", *(DOES_NOT_FIT if a is None else f"{a:.2f}" for a in result["accuracy"][i]))
-            for i, d in enumerate(result["depths"])]
+    rows = [(f"{d:g}", *(cell_word(result, j) if a is None else f"{a:.2f}" for j, a in enumerate(accuracy)))
+            for d, accuracy in zip(result["depths"], result["accuracy"])]
     return headers, rows
+
+
+def cell_word(result: dict, j: int) -> str:
+    """What a cell without an accuracy says: the length did not fit, or (a stopped run's JSON) it
+    was never reached."""
+    return DOES_NOT_FIT if result["why_not"][j] else NOT_RUN
 
 
 def grid_markdown(result: dict) -> str:
@@ -124,6 +133,8 @@ def grid_markdown(result: dict) -> str:
     for n, why in zip(result["lengths"], result["why_not"]):
         if why:
             notes.append(f"{n:,} tokens: does not fit ({why})")
+    if result.get("measured", len(result["lengths"])) < len(result["lengths"]):
+        notes.append(f"stopped after {result['measured']} of {len(result['lengths'])} lengths")
     peaks = [f"{n:,}: {human_bytes(p)}" for n, p in zip(result["lengths"], result["peak_memory_bytes"]) if p]
     if peaks:
         notes.append("peak memory of one forward: " + ", ".join(peaks))
@@ -140,8 +151,8 @@ def draw_grid(ax, fig, result: dict) -> None:
     ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     for (i, j), a in np.ndenumerate(accuracy):
-        ax.text(j, i, "does not\nfit" if np.isnan(a) else f"{a:.2f}", ha="center", va="center",
-                fontsize=6 if np.isnan(a) else 8)
+        ax.text(j, i, cell_word(result, j).replace(" ", "\n", 1) if np.isnan(a) else f"{a:.2f}", ha="center",
+                va="center", fontsize=6 if np.isnan(a) else 8)
     beyond = [j for j, n in enumerate(lengths) if n > result["trained_seq_len"]]
     if beyond:
         ax.axvline(beyond[0] - 0.5, color="k", ls="--", lw=1)
@@ -180,32 +191,30 @@ def main(argv: list[str]) -> None:
     model, cfg, tokenizer, device, path = load_for_eval(args)
     meter = memory_meter(args, model, device)
     lengths = prompt_lengths(args.lengths, tokenizer, args.key_digits, cfg)
-    rng = np.random.default_rng(args.seed)
-    accuracy = [[None] * len(lengths) for _ in args.depths]
-    why_not, peaks = [None] * len(lengths), [None] * len(lengths)
-    for j, length in enumerate(lengths):
-        cells = [(i, passkey_ids(tokenizer, length, depth, random_key(rng, args.key_digits)))
-                 for i, depth in enumerate(args.depths) for _ in range(args.trials)]
-        hits, why_not[j], peaks[j] = length_column(model, [ids for _, ids in cells], meter, device,
-                                                   cfg.trainer.precision, int(cfg.model.max_seq_len))
-        if hits is not None:
-            for i in range(len(args.depths)):
-                accuracy[i][j] = float(np.mean([h for (row, _), h in zip(cells, hits) if row == i]))
-
     name = run_name(args, path)
     result = {
         "name": name, "checkpoint": str(path), "lengths": lengths, "depths": args.depths, "trials": args.trials,
-        "key_digits": args.key_digits, "seed": args.seed, "accuracy": accuracy, "why_not": why_not,
-        "peak_memory_bytes": peaks, "trained_seq_len": int(cfg.trainer.seq_len),
-        "tokenizer": tokenizer.fingerprint, "attention": cfg.attention.name, "model": cfg.model.name,
-        "environment": environment(device),
+        "key_digits": args.key_digits, "seed": args.seed, "accuracy": [[None] * len(lengths) for _ in args.depths],
+        "why_not": [None] * len(lengths), "peak_memory_bytes": [None] * len(lengths), "measured": 0,
+        "trained_seq_len": int(cfg.trainer.seq_len), "tokenizer": tokenizer.fingerprint,
+        "attention": cfg.attention.name, "model": cfg.model.name, "environment": environment(device),
     }
     if beside is not None:
         result["beside"] = beside
+    stem = args.out_dir / f"passkey_{name}"
+    rng = np.random.default_rng(args.seed)
+    for j, length in enumerate(lengths):
+        cells = [(i, passkey_ids(tokenizer, length, depth, random_key(rng, args.key_digits)))
+                 for i, depth in enumerate(args.depths) for _ in range(args.trials)]
+        hits, result["why_not"][j], result["peak_memory_bytes"][j] = length_column(
+            model, [ids for _, ids in cells], meter, device, cfg.trainer.precision, int(cfg.model.max_seq_len))
+        if hits is not None:
+            for i in range(len(args.depths)):
+                result["accuracy"][i][j] = float(np.mean([h for (row, _), h in zip(cells, hits) if row == i]))
+        result["measured"] = j + 1
+        write_json(stem.with_suffix(".json"), result)   # after each length: a stopped run keeps what it measured
     headers, rows = grid_table(result)
     print_table(f"passkey accuracy: {name}", headers, rows)
-    stem = args.out_dir / f"passkey_{name}"
-    write_json(stem.with_suffix(".json"), result)
     text = f"# Passkey retrieval: {name}\n\n" + grid_markdown(result)
     if beside is not None:
         text += f"\n## Beside it: {beside['name']}\n\n" + grid_markdown(beside)
