@@ -139,3 +139,12 @@ def test_loss_curves_beside_each_other_must_share_their_held_out_tokens(trained,
     (tmp_path / "grid.json").write_text(json.dumps({"name": "x", "lengths": [128]}))
     with pytest.raises(ValueError, match=r"not a result of eval_loss_by_position.py \(it has no buckets, validation"):
         eval_loss_by_position.main(common + ["--name", "c", "--beside", str(tmp_path / "grid.json")])
+
+
+def test_a_grid_cut_short_says_not_run_not_does_not_fit():
+    result = {"name": "t", "attention": "naive", "model": "tiny", "trials": 2, "trained_seq_len": 256,
+              "lengths": [128, 512, 1024], "depths": [0.0], "accuracy": [[1.0, None, None]],
+              "why_not": [None, "out of memory under --memory-budget-mb", None], "peak_memory_bytes": [1, None, None],
+              "measured": 2}
+    assert eval_passkey.grid_table(result)[1] == [("0", "1.00", "does not fit", "not run")]
+    assert "stopped after 2 of 3 lengths" in eval_passkey.grid_markdown(result)
