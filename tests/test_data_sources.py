@@ -80,6 +80,23 @@ def test_passkey_documents_hold_the_key_at_the_chosen_depth(tmp_path):
     assert prompt.endswith("The secret key is") and answer == " 12345" and abs(len(prompt) - 2000) < 100
 
 
+def test_passkey_prompts_are_sized_by_filler_counted_within_a_run():
+    """A tokenizer that merges across filler sentences (here: words split on spaces, the trailing
+    space of a sentence alone one more 'token') gets prompts of the asked length, and the source's
+    fingerprint says its texts differ from those sized a sentence alone; bytes keep both."""
+    from types import SimpleNamespace
+
+    from data.sources.passkey import PasskeySource
+    from data.tokenizer import ByteTokenizer
+
+    words = SimpleNamespace(encode=lambda text: text.split(" "))
+    prompt, answer = passkey_prompt(5000, 0.3, "12345", lambda s: len(words.encode(s)))
+    assert abs(len(words.encode(prompt)) - 5000) <= 10
+    source = PasskeySource(4, 600, None, 5, 0)
+    assert source.for_tokenizer(ByteTokenizer()).fingerprint == source.fingerprint
+    assert source.for_tokenizer(words).fingerprint == source.fingerprint + "-runs"
+
+
 def test_stdlib_min_doc_bytes_keeps_the_longest_documents():
     from data.sources.stdlib import StdlibSource
 
