@@ -6,10 +6,9 @@
 # 2K-32K tokens x key depths 0-100%, and loss by position on the held-out corpus documents.
 # What they are and why so sized: docs/long-context.md ("A model that uses its long context").
 #
-# On the GPU machine, from the checkout's root, results under $OUT. hydra-core, omegaconf and
-# datasets are not on its image: carry them as wheels in .whl/ and begin each call with
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-# and set FLASHTRAIN_COMMIT=<the commit> (the copy there has no git history to ask).
+# On the GPU machine, from the checkout's root, results under $OUT, with hydra-core, omegaconf and
+# datasets installed there (pip from wheels brought along, where the machine has no package index),
+# and FLASHTRAIN_COMMIT=<the commit> set where the copy there has no git history to ask.
 #
 # The runs live in runs/long-context/ (git-ignored), which a machine keeps between calls only while
 # it stays warm, 30 s after a call: make each call of a session right after the last, on one machine
