@@ -149,5 +149,6 @@ def dropout_mask(rng: torch.Tensor, dropout_p: float, batch: int, heads: int, n_
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The sinks' gradient: -sum over batch and rows of exp(sink - L) Delta, Delta = rowsum(dO * O),
     from out, dout (B, Nq, H, D) and lse (B, H, Nq) of the attention (its L includes the sinks)."""
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)                     # (B, H, Nq)
-    return -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+    acc = torch.promote_types(lse.dtype, torch.float32)                              # float64 stays float64
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)                       # (B, H, Nq)
+    return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
