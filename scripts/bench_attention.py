@@ -399,14 +399,15 @@ TRAINING_BACKENDS = ("ours", "ours-auto", "ours-gluon", "ours-atomic", "sdpa-def
 SUSTAINED_S = 20.0
 
 
-def fused_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, heads_first: bool, device):
+def fused_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, heads_first: bool, device,
+                 dtype: torch.dtype = torch.bfloat16):
     """q, k, v as strided views of one fused QKV projection output (the leaf that gets the
     gradient), exactly as the model hands them to attention; dout contiguous in (B, N, H, D)."""
     width = (heads + 2 * kv_heads) * head_dim
-    qkv = torch.randn(batch, seq_len, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    qkv = torch.randn(batch, seq_len, width, device=device, dtype=dtype, requires_grad=True)
     q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in
                qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
-    dout = torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=torch.bfloat16)
+    dout = torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=dtype)
     if heads_first:
         q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
     return qkv, (q, k, v), dout
