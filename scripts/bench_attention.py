@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -58,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import (add_out_argument, console, device_slug, draw_safely, environment, error_text, human_bytes,
-                     kernel_timer, markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
+                     kernel_bench_device, kernel_timer, markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
                      save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
 from _memory import is_oom, peak_meter, release_memory
 
@@ -747,13 +746,7 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         raise ValueError(f"--attention: unknown {', '.join(unknown)}; valid: {', '.join(BACKENDS)}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        if mode != "smoke":
-            raise ValueError("no CUDA device: real attention figures need a GPU; use --smoke for a CPU "
-                             "plumbing check")
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # our kernel runs on the CPU only interpreted
-        torch.set_num_threads(1)  # tiny shapes: OpenMP threads only wait on each other
+    device = kernel_bench_device(mode == "smoke", "attention figures")
     if mode == "training":
         def ints(text: str, what: str) -> tuple[int, ...]:
             try:

@@ -19,13 +19,12 @@ Results: <out>/attention_scores_<gpu>.json (with date, GPU, versions, commit) an
 """
 from __future__ import annotations
 
-import os
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import (add_out_argument, console, device_slug, environment, error_text, kernel_timer, markdown_table,
-                     print_table, run_cli, tuning_note, write_json, write_text)
+from _common import (add_out_argument, console, device_slug, environment, error_text, kernel_bench_device, kernel_timer,
+                     markdown_table, print_table, run_cli, tuning_note, write_json, write_text)
 
 SHAPE = (4, 4096, 12, 12, 64)          # B, T, H, Hkv, D: gpt2-small at 4K, 16K tokens a batch
 SMOKE_SHAPE = (1, 64, 2, 1, 16)
@@ -113,12 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="CPU-sized shapes that only check the plumbing")
     add_out_argument(parser, "bench_attention_scores")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        if not args.smoke:
-            raise ValueError("no CUDA device: real figures need a GPU; use --smoke for a CPU plumbing check")
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        torch.set_num_threads(1)
+    device = kernel_bench_device(args.smoke)
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the interpreter's bf16 is not the GPU's
     bench, timing = kernel_timer(device, cpu_calls=1)
