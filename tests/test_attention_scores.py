@@ -60,7 +60,7 @@ def check(q, k, v, do, causal, sinks=None, dropout_p=0.0, **kw):
         kw = dict(kw, dropout_p=dropout_p, dropout_mask=mask)
     else:
         ours = run(flash_attention, q, k, v, do, causal, sinks, **kw)
-    kw.pop("deterministic", None)
+    kw = {name: value for name, value in kw.items() if name not in ("deterministic", "kernel")}   # ours only
     plain = run(attention_reference, q, k, v, do, causal, sinks, **kw)
     exact = run(attention_reference, *(t.double() for t in (q, k, v, do)), causal,
                 None if sinks is None else sinks.double(), **kw)
@@ -233,7 +233,15 @@ def test_bad_score_options_are_refused(options, match):
         flash_attention(q, k, v, **options)
 
 
-# ---- GPU only: compile ----------------------------------------------------------------------
+# ---- GPU only: the Gluon backward, compile ---------------------------------------------------
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sinks_through_the_gluon_backward(head_dim):
+    """The plan keeps the Gluon backward for sinks (it needs only the LSE, which includes them)."""
+    q, k, v, do = make_inputs(2, 1024, 1024, 8, 2, head_dim, torch.bfloat16)
+    check(q, k, v, do, True, sinks=heads(8), kernel=("triton", "gluon"))
+
 
 @requires_cuda
 def test_torch_compile_fullgraph_traces_every_option():
