@@ -357,7 +357,7 @@ def _signature(q, k, v, causal, softmax_scale, mask, window, deterministic, kern
                                              and (sinks is None or isinstance(sinks, torch.Tensor))):
         return None
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0   # TMA reads only 16-byte aligned bases
-    sink = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device)
+    sink = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device, sinks.data_ptr() % 16 == 0)
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             k.device, v.device, aligned, causal, softmax_scale, mask, window, deterministic, kernel, dropout_p,
             softcap, sink)
