@@ -23,8 +23,8 @@ from tests.trainrun import REPO, cache_dir, run_in_process, tiny_overrides  # no
 
 sys.path.insert(0, str(REPO / "scripts"))
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-GPU_TOOLS = {"bench_attention", "bench_document_mask", "bench_generation", "bench_parallel", "bench_ring_attention",
-             "check_gpu_resume", "profile_step"}   # without --smoke (where they have it) they refuse on a CPU
+GPU_TOOLS = {"bench_attention", "bench_attention_scores", "bench_document_mask", "bench_generation", "bench_parallel",
+             "bench_ring_attention", "check_gpu_resume", "profile_step"}   # without --smoke (where they have it) they refuse on a CPU
 # The documented tool commands not run here, with the reason: minutes on a CPU (each tool's own
 # test runs it at a smaller size), or a write into the committed benchmarks/.
 NOT_RUN = {
