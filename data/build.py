@@ -1,13 +1,16 @@
 """`build_data`: config -> tokenizer + token cache + train sampler + validation batches."""
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from data.cache import CACHE_VERSION, TokenCache, load_or_build
 from data.sampler import ValidationWindows, WindowSampler
-from data.sources import build_source
+from data.sources import build_source, tokenizer_corpus, train_only_keys
 from data.stream import TokenStream, split_corpus
 from data.tokenizer import build_tokenizer
 
@@ -32,6 +35,17 @@ class DataBundle:
             raise ValueError("no validation split: data.val_fraction is 0")
         return self.validation.batches(batch_size, n_batches, return_doc_ids)
 
+    def validation_digest(self) -> str:
+        """A short sha256 of the held-out token ids and the tokenizer: equal for two runs exactly
+        when they would be evaluated on the same held-out tokens (another corpus, split or tokenizer
+        changes it; a mix's synthetic documents, never held out, do not)."""
+        if self.validation is None:
+            raise ValueError("no validation split: data.val_fraction is 0")
+        stream = self.validation.stream
+        h = hashlib.sha256(self.tokenizer.fingerprint.encode())
+        h.update(np.ascontiguousarray(stream.read(0, stream.n_tokens)).tobytes())
+        return h.hexdigest()[:16]
+
 
 def build_data(cfg, data: dict, cache_dir: Path, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
                progress: bool | None = None) -> DataBundle:
@@ -42,12 +56,14 @@ def build_data(cfg, data: dict, cache_dir: Path, seq_len: int, seed: int, rank: 
     every caller uses, does both before this is called."""
     progress = rank == 0 if progress is None else progress
     source = build_source(cfg.data, cache_dir)
-    tokenizer = build_tokenizer(cfg.tokenizer, source, cache_dir, progress)
+    tokenizer = build_tokenizer(cfg.tokenizer, tokenizer_corpus(source), cache_dir, progress)
     source = source.for_tokenizer(tokenizer)
     cache = load_or_build(cache_dir, source, tokenizer, verify=data["verify_cache"], progress=progress)
 
     val_fraction = data["val_fraction"]
-    offsets, is_val, val_split = split_corpus(cache.offsets, cache.keys, val_fraction)
+    keep = train_only_keys(source)
+    train_only = None if keep is None else np.isin(cache.keys, keep)
+    offsets, is_val, val_split = split_corpus(cache.offsets, cache.keys, val_fraction, train_only)
     if val_split == "tokens" and rank == 0:
         log.info("%s has %d document(s), too few to hold out whole ones for data.val_fraction=%g: validation is "
                  "the last %d of its %d tokens", source.fingerprint, cache.n_docs, val_fraction,

@@ -73,6 +73,24 @@ def check_lse(q, lse) -> None:
                          f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
 
 
+def check_scores(q, dropout_p, softcap, sinks) -> tuple[float, float]:
+    """(dropout_p, softcap) as the kernels take them (softcap 0.0: none), after checking the three
+    score options of q (B, Nq, H, D): dropout_p in [0, 1), softcap None or a positive finite number,
+    sinks None or a floating (H,) tensor on q's device."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point or tuple(sinks.shape) != (q.shape[2],):
+            raise ValueError(f"sinks must be a floating tensor of shape (heads,) = ({q.shape[2]},), got "
+                             f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    return float(dropout_p), float(softcap or 0.0)
+
+
 def check_flag(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")

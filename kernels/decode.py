@@ -18,6 +18,8 @@ The new queries are the last `n_q` of the `cache_len` valid keys, causal among t
 (bottom-right, as flash_attention's causal Nq != Nk), with an optional sliding window.
 Scores and sums are float32 whatever the input dtype. Decoding reads every cached key once
 per step and does a few FLOPs per byte, so the products are plain broadcasts, not tl.dot.
+Soft-capping and sinks (kernels/scores.py) are the training kernels': the split kernel caps its
+scores, and the merge starts every row from its head's sink (m = sink, l = 1) as the forward does.
 
 `decode_reference` is the same function in plain PyTorch (the naive entry and the test oracle);
 `decode_mask` is its mask, also what SDPA's decode entry in model/attention.py uses.
@@ -30,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_inputs, softmax_scale_for
+from kernels.checks import check_inputs, check_scores, softmax_scale_for
 from kernels.masks import check_masks
+from kernels.scores import softcap_scores
 from kernels.tiles import LN2, LOG2E
 
 SPLIT = 256          # keys per split program: 16 splits per head at a 4K cache, 128 at 32K
@@ -39,13 +42,16 @@ SPLIT = 256          # keys per split program: 16 splits per head at a 4K cache,
 
 @triton.jit
 def _split_keys(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                n, cols, lo, hi, live, n_valid, scale, HEAD_DIM: tl.constexpr):
+                n, cols, lo, hi, live, n_valid, scale, HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold the keys n into every row's running max m, sum l and weighted sum of values (the
     forward's online softmax; row r sees keys [lo_r, hi_r), keys past n_valid load as zeros)."""
     in_cache = (n < n_valid)[:, None] & (cols < HEAD_DIM)[None, :]
     k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kn + cols[None, :] * stride_kd,
                 mask=in_cache, other=0.0).to(tl.float32)
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale           # (BLOCK_R, BLOCK_N), log2 domain
+    if SOFTCAP > 0:   # capped, in the log2 domain
+        s, _ = softcap_scores(tl.sum(q[:, None, :] * k[None, :, :], axis=2), scale, SOFTCAP)
+    else:
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale       # (BLOCK_R, BLOCK_N), log2 domain
     seen = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & live[:, None]
     s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -81,9 +87,10 @@ def flash_decode_split_kernel(
         stride_vb, stride_vn, stride_vh, stride_vd,
         n_q, n_heads, n_kv_heads, n_splits, window, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, SPLIT_N: tl.constexpr, WINDOW: tl.constexpr):
+        BLOCK_D: tl.constexpr, SPLIT_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """Rows r = t * GROUP + i: new query t of query head kv_head * GROUP + i. PartO is
-    (B, n_q, H, n_splits, HEAD_DIM) and PartLse (B, n_q, H, n_splits), both float32, contiguous."""
+    (B, n_q, H, n_splits, HEAD_DIM) and PartLse (B, n_q, H, n_splits), both float32, contiguous.
+    SOFTCAP > 0: the scores are capped at it."""
     split = tl.program_id(0)
     pid = tl.program_id(1)
     b = (pid // n_kv_heads).to(tl.int64)
@@ -117,24 +124,29 @@ def flash_decode_split_kernel(
     v_base = V + b * stride_vb + kv_head * stride_vh
     for start in range(start_lo, end, BLOCK_N):
         acc, l_i, m_i = _split_keys(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                    start + keys, cols, lo, hi, live, n_valid, scale, HEAD_DIM)
+                                    start + keys, cols, lo, hi, live, n_valid, scale, HEAD_DIM, SOFTCAP)
     _split_epilogue(PartO, PartLse, acc, l_i, m_i, b, t, head, split, n_q, n_heads, n_splits, live, cols, HEAD_DIM)
 
 
 @triton.jit
-def flash_decode_merge_kernel(PartO, PartLse, Out, stride_ob, stride_ot, stride_oh, stride_od,
+def flash_decode_merge_kernel(PartO, PartLse, Out, Sinks, stride_ob, stride_ot, stride_oh, stride_od,
                               n_q, n_heads, n_splits,
                               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (sequence, new query, head): the splits' outputs weighted by their share
-    of the softmax mass, merged in a fixed order (BLOCK_S splits at a time, online)."""
+    of the softmax mass, merged in a fixed order (BLOCK_S splits at a time, online). Sinks (H,)
+    float32: every row starts from its head's sink, a split of weight 1 and no value (None: none)."""
     pid = tl.program_id(0).to(tl.int64)
     head = pid % n_heads
     t = (pid // n_heads) % n_q
     b = pid // (n_heads * n_q)
     cols = tl.arange(0, BLOCK_D)
     splits = tl.arange(0, BLOCK_S)
-    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    l = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    if Sinks is None:
+        m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+        l = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    else:
+        m = tl.load(Sinks + head).to(tl.float32)
+        l = tl.full([], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for first in range(0, n_splits, BLOCK_S):
         s = first + splits
@@ -165,15 +177,16 @@ def _check_decode(q, k, v, cache_len, window) -> None:
         raise ValueError(f"{q.shape[1]} new queries do not fit a cache of {k.shape[1]} keys")
 
 
-def flash_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):
+def flash_decode(q, k, v, cache_len, softmax_scale=None, *, window=None, softcap=None, sinks=None):
     """Attention of the n_q newest tokens over a KV cache buffer, split over its keys.
 
     q (B, n_q, H, D); k, v (B, N, Hkv, D), the cache's whole buffers (any strides), of which
     the first `cache_len` keys are valid (a one-element integer tensor on q's device, read only
     by the kernels: keep it in [n_q, N]); the queries are the last n_q of those keys, causal
-    among themselves. window=W: each query sees its last W keys. Returns (B, n_q, H, D) in q's
-    dtype. Not differentiable (inference only)."""
+    among themselves. window=W: each query sees its last W keys. softcap and sinks as in
+    kernels.flash_attention. Returns (B, n_q, H, D) in q's dtype. Not differentiable (inference only)."""
     _check_decode(q, k, v, cache_len, window)
+    _, softcap = check_scores(q, 0.0, softcap, sinks)
     B, n_q, H, D = q.shape
     n_keys, h_kv = k.shape[1], k.shape[2]
     group = H // h_kv
@@ -189,9 +202,9 @@ def flash_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):
         q, k, v, part_o, part_lse, cache_len, *q.stride(), *k.stride(), *v.stride(),
         n_q, H, h_kv, n_splits, window or 0, scale * LOG2E.value,
         GROUP=group, HEAD_DIM=D, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT_N=SPLIT,
-        WINDOW=window is not None, num_warps=4)
+        WINDOW=window is not None, SOFTCAP=softcap, num_warps=4)
     flash_decode_merge_kernel[(B * n_q * H,)](
-        part_o, part_lse, out, *out.stride(), n_q, H, n_splits,
+        part_o, part_lse, out, None if sinks is None else sinks.float(), *out.stride(), n_q, H, n_splits,
         HEAD_DIM=D, BLOCK_S=min(32, triton.next_power_of_2(n_splits)), BLOCK_D=block_d, num_warps=1)
     return out
 
@@ -207,7 +220,7 @@ def decode_mask(n_q: int, n_keys: int, cache_len: torch.Tensor, window: int | No
     return mask
 
 
-def decode_reference(q, k, v, cache_len, softmax_scale=None, *, window=None):
+def decode_reference(q, k, v, cache_len, softmax_scale=None, *, window=None, softcap=None, sinks=None):
     """flash_decode in plain PyTorch: the scores over the whole buffer, the invalid keys masked.
     Computes in the inputs' dtype (float64 inputs: an exact oracle)."""
     check_masks(q, k, True, None, window)
@@ -216,5 +229,11 @@ def decode_reference(q, k, v, cache_len, softmax_scale=None, *, window=None):
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~decode_mask(q.shape[1], k.shape[1], cache_len, window), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2)
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]   # the sink has no value
+    return torch.matmul(probs, vh).transpose(1, 2)

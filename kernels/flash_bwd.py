@@ -31,12 +31,19 @@ run unmasked; the causal diagonal and ragged edges are masked. With documents or
 window, the dQ kernel visits the forward's key range, and the dK/dV kernel the query
 tiles that see any of its keys (from its first and last key: `query_ranges`); the
 other tiles are skipped, so the backward's cost follows the mask as the forward's does.
+
+Score options (kernels/scores.py), recomputed per tile like P: soft-capping recomputes the capped
+scores and multiplies dS by the cap's derivative 1 - tanh^2; dropout regenerates the forward's mask
+from the call's seed, so that dP is 0 where a probability was dropped and scaled by 1 / (1 - p)
+where kept, and dV sums only the kept probabilities (scaled in the epilogue). Delta = rowsum(dO * O)
+still holds with both. Sinks change nothing here: P = exp(S - L) with the sink inside L.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from kernels.scores import dropout_keep, dropout_seed_of, softcap_scores
 from kernels.tiles import (LOG2E, key_ranges, load_tile, mask_row, query_program, query_ranges, row_key_bounds, stage_range,
                            store_tile, tile_offsets, visible)
 from kernels.tuning import (bwd_kv_configs, bwd_kv_dq_configs, bwd_kv_dq_prune, bwd_kv_prune, bwd_q_configs,
@@ -87,10 +94,10 @@ def _lse_log2(lse):
 @triton.jit
 def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs, dq_offs,
                  stride_qn, stride_don, stride_dqn,
-                 start_m, rows_m, offs_n, offs_d, n_q, n_k, window, qk_scale, sm_scale,
+                 start_m, rows_m, start_n, offs_n, offs_d, n_q, n_k, window, qk_scale, sm_scale, seed, offset, bh,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  DOCS: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-                 DQ_ATOMIC: tl.constexpr):
+                 DQ_ATOMIC: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr):
     """Add queries [start_m, start_m + BLOCK_M)'s contribution to this program's dK, dV
     (and with DQ_ATOMIC, this key tile's share of their dQ, atomically, into float32 dQ).
 
@@ -107,15 +114,26 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_o
         lse = tl.load(Lse_bh + offs_m)
         delta = tl.load(Delta_bh + offs_m)
     lse = _lse_log2(lse)
-    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale       # (BLOCK_N, BLOCK_M)
+    if SOFTCAP > 0:  # the capped scores, and u whose 1 - u^2 is the cap's derivative (kernels/scores.py)
+        s_t, u_t = softcap_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, SOFTCAP)
+    else:
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale   # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t - lse[None, :])
     if MASK:  # query i sees keys [lo_i, hi_i), within [0, n_k); rows past n_q see none
         row_lo, row_hi = row_key_bounds(offs_m, n_q, n_k, Docs_b, window, CAUSAL, WINDOW, DOCS)
         seen = (offs_m[None, :] < n_q) & (offs_n[:, None] >= row_lo[None, :]) & (offs_n[:, None] < row_hi[None, :])
         p_t = tl.where(seen, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+    if DROPOUT_P > 0:  # the forward's mask, transposed; dV's 1 / (1 - p) is applied in the epilogue
+        keep_t = tl.trans(dropout_keep(seed, offset, bh, offs_m, start_n, offs_n.shape[0], DROPOUT_P).to(tl.int8)) != 0
+        dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    if DROPOUT_P > 0:  # dL/dP of a dropped probability is 0, of a kept one scaled by 1 / (1 - p)
+        dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - DROPOUT_P)), 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP > 0:
+        ds_t = ds_t * (1.0 - u_t * u_t)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     if DQ_ATOMIC:  # keys past n_k never reach here unmasked (see _bwd_kv_program)
         dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * sm_scale
@@ -149,10 +167,11 @@ def _bwd_kv_epilogue(dK, dV, b, h_kv, sdk, sdv, dk, dv, sm_scale, start_n, rows_
 @triton.jit
 def _bwd_kv_program(
     Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dQ, sq, sk, sv, sdo, sdk, sdv, sdq,
-    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
+    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window, Rng,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOCS: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr,
 ):
     """One (key tile, batch x KV head) program of the dK/dV kernels (both kernels below). sq .. sdq:
     each tensor's strides (batch, sequence, head, head dim) as one tuple."""
@@ -172,6 +191,7 @@ def _bwd_kv_program(
     dq_offs = tile_offsets(rows_m, offs_d, sdq[1], sdq[3])
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    seed, offset = dropout_seed_of(Rng, DROPOUT_P)
 
     # Query tiles that see any of these keys: masked, unmasked, masked (`stage_range`); others skipped.
     # A ragged last key tile's keys past n_k load as zeros and only make rows of dK/dV never stored,
@@ -191,18 +211,21 @@ def _bwd_kv_program(
             first, end = stage_range(stage, lo, mid_lo, mid_hi, hi)
             for start_m in range(first, end, BLOCK_M):
                 dk, dv = _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_offs, do_offs,
-                                      dq_offs, sq[1], sdo[1], sdq[1], start_m, rows_m, offs_n, offs_d,
-                                      n_q, n_k, window, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW,
-                                      stage != 1, PRECISION, DQ_ATOMIC)
+                                      dq_offs, sq[1], sdo[1], sdq[1], start_m, rows_m, start_n, offs_n, offs_d,
+                                      n_q, n_k, window, qk_scale, sm_scale, seed, offset, b * n_heads + h,
+                                      HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW,
+                                      stage != 1, PRECISION, DQ_ATOMIC, SOFTCAP, DROPOUT_P)
 
+    if DROPOUT_P > 0:
+        dv = dv * (1.0 / (1.0 - DROPOUT_P))
     _bwd_kv_epilogue(dK, dV, b, h_kv, sdk, sdv, dk, dv, sm_scale, start_n, rows_n, offs_d, n_k, HEAD_DIM)
 
 
-@triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
+@triton.autotune(configs=bwd_kv_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "SOFTCAP", "DROPOUT_P", "seq_bucket"],
                  prune_configs_by=bwd_kv_prune(), **persistent())
 @triton.jit
 def flash_bwd_kv_kernel(
-    Q, K, V, dOut, Lse, Delta, Docs, dK, dV,
+    Q, K, V, dOut, Lse, Delta, Docs, Rng, dK, dV,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -211,26 +234,27 @@ def flash_bwd_kv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DOCS: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Grid: (cdiv(n_k, BLOCK_N), B * Hkv). qk_scale = sm_scale * log2(e). Deterministic:
-    reads the Delta that flash_bwd_q_kernel stored, writes dK and dV only."""
+    reads the Delta that flash_bwd_q_kernel stored, writes dK and dV only. SOFTCAP, DROPOUT_P and
+    Rng as in the forward (kernels/flash_fwd.py); sinks need nothing here (kernels/scores.py)."""
     # DQ_ATOMIC=False: the program never touches dQ, so dK and its strides fill dQ's slots.
     sdk = (stride_dkb, stride_dkn, stride_dkh, stride_dkd)
     _bwd_kv_program(Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dK,  # dK in dQ's slot
                     (stride_qb, stride_qn, stride_qh, stride_qd), (stride_kb, stride_kn, stride_kh, stride_kd),
                     (stride_vb, stride_vn, stride_vh, stride_vd), (stride_dob, stride_don, stride_doh, stride_dod),
                     sdk, (stride_dvb, stride_dvn, stride_dvh, stride_dvd), sdk,  # dK's strides in dQ's slot
-                    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
-                    HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, False)
+                    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window, Rng,
+                    HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, False, SOFTCAP, DROPOUT_P)
 
 
-@triton.autotune(configs=bwd_kv_dq_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
+@triton.autotune(configs=bwd_kv_dq_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "SOFTCAP", "DROPOUT_P", "seq_bucket"],
                  prune_configs_by=bwd_kv_dq_prune(), reset_to_zero=["dQ"], **persistent())
 @triton.jit
 def flash_bwd_kv_dq_kernel(
-    Q, K, V, dOut, Lse, Delta, Docs, dK, dV, dQ,
+    Q, K, V, dOut, Lse, Delta, Docs, Rng, dK, dV, dQ,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -240,8 +264,8 @@ def flash_bwd_kv_dq_kernel(
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DOCS: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """The whole backward in one pass over the key tiles: dK, dV as flash_bwd_kv_kernel, and
     dQ (float32, zeroed by the caller; the autotuner re-zeroes it between its trial runs)
@@ -252,8 +276,8 @@ def flash_bwd_kv_dq_kernel(
                     (stride_vb, stride_vn, stride_vh, stride_vd), (stride_dob, stride_don, stride_doh, stride_dod),
                     (stride_dkb, stride_dkn, stride_dkh, stride_dkd), (stride_dvb, stride_dvn, stride_dvh, stride_dvd),
                     (stride_dqb, stride_dqn, stride_dqh, stride_dqd),
-                    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window,
-                    HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, True)
+                    n_heads, n_kv_heads, kv_group, n_q, n_k, qk_scale, sm_scale, window, Rng,
+                    HEAD_DIM, BLOCK_D, CAUSAL, DOCS, WINDOW, PRECISION, BLOCK_N, BLOCK_M, True, SOFTCAP, DROPOUT_P)
 
 
 @triton.jit
@@ -271,25 +295,34 @@ def _delta_and_lse(Out, Lse, Delta, b, h, n_heads, stride_ob, stride_on, stride_
 
 @triton.jit
 def _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+                start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, offs_m,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+                SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr):
     """Add keys [start_n, start_n + BLOCK_N)'s contribution to this program's dQ."""
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if SOFTCAP > 0:  # as in the forward, with u for the cap's derivative 1 - u^2
+        s, u = softcap_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, SOFTCAP)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.math.exp2(s - lse[:, None])
     if MASK:  # as in the forward
         p = tl.where(visible(start_n + offs_n, row_lo, row_hi), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if DROPOUT_P > 0:  # the forward's mask: dL/dP is 0 where dropped, scaled by 1 / (1 - p) where kept
+        keep = dropout_keep(seed, offset, bh, offs_m, start_n, offs_n.shape[0], DROPOUT_P)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - DROPOUT_P)), 0.0)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP > 0:
+        ds = ds * (1.0 - u * u)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
-@triton.autotune(configs=bwd_q_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"],
+@triton.autotune(configs=bwd_q_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "SOFTCAP", "DROPOUT_P", "seq_bucket"],
                  prune_configs_by=bwd_q_prune(), **persistent())
 @triton.jit
 def flash_bwd_q_kernel(
-    Q, K, V, Out, dOut, Lse, Delta, Docs, dQ,
+    Q, K, V, Out, dOut, Lse, Delta, Docs, Rng, dQ,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -298,8 +331,8 @@ def flash_bwd_q_kernel(
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     n_heads, kv_group, n_q, n_k, qk_scale, sm_scale, seq_bucket, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DOCS: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H). Also stores Delta = rowsum(O * dO) of its rows, for
     flash_bwd_kv_kernel launched after it (one launch fewer than a separate Delta kernel)."""
@@ -318,6 +351,7 @@ def flash_bwd_q_kernel(
     delta, lse = _delta_and_lse(Out, Lse, Delta, b, h, n_heads, stride_ob, stride_on, stride_oh, stride_od,
                                 do, start_m, rows_m, offs_m, offs_d, n_q, HEAD_DIM, BLOCK_D)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    seed, offset = dropout_seed_of(Rng, DROPOUT_P)
     K_bh = K + b * stride_kb + h_kv * stride_kh
     V_bh = V + b * stride_vb + h_kv * stride_vh
     k_offs = tile_offsets(offs_n, offs_d, stride_kn, stride_kd)
@@ -330,8 +364,8 @@ def flash_bwd_q_kernel(
         first, end = stage_range(stage, lo, mid_lo, mid_hi, hi)
         for start_n in range(first, end, BLOCK_N):
             dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                             start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                             HEAD_DIM, BLOCK_D, stage != 1, PRECISION)
+                             start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset,
+                             b * n_heads + h, offs_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P)
 
     store_tile(dQ + b * stride_dqb + h * stride_dqh, start_m, stride_dqn,
                tile_offsets(rows_m, offs_d, stride_dqn, stride_dqd), rows_m, n_q, offs_d, dq * sm_scale, HEAD_DIM)

@@ -31,12 +31,18 @@ Details that matter for speed and exactness:
 - GQA: query head h reads KV head h // (H / Hkv); K and V are never repeated;
 - all offsets that can exceed 2^31 (batch and sequence strides at 1M tokens) are
   scalars formed in int64 (kernels/tiles.py), so long sequences index correctly.
+
+What a call may do to its scores besides masking them (kernels/scores.py): soft-capping bends each
+S through c tanh(S / c) before the max is taken; sinks start every row's (m, l) at (sink, 1)
+instead of (-inf, 0); dropout zeroes the dropped entries of P after l has summed them all (the
+normaliser is the undropped softmax's) and scales O by 1 / (1 - p) at the end.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from kernels.scores import dropout_keep, dropout_seed_of, sink_start, softcap_scores
 from kernels.tiles import (LN2, key_ranges, load_tile, mask_row, query_program, row_key_bounds, stage_range, store_tile, tile_offsets,
                            visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
@@ -44,17 +50,22 @@ from kernels.tuning import fwd_configs, fwd_prune, persistent
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-              start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+              start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, offs_m,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+              SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of a query tile."""
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; scaled below
+    scale = qk_scale
+    if SOFTCAP > 0:  # c tanh(scale s / c), already in the log2 domain (kernels/scores.py)
+        s, _ = softcap_scores(s, qk_scale, SOFTCAP)
+        scale = 1.0
     if MASK:  # row i sees keys [row_lo_i, row_hi_i), which lies within [0, n_k)
         s = tl.where(visible(start_n + offs_n, row_lo, row_hi), s, float("-inf"))
     # The running max lives in the scaled log2 domain. Scaling the row max (qk_scale > 0,
     # and rounding is monotonic, so this is exactly the max of the scaled scores) rather
     # than the whole tile leaves one fused multiply-add per score for P below.
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     m_shift = m_new
     if MASK:
         # A row that has seen only masked keys keeps m = -inf (so its first visible key
@@ -62,8 +73,10 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
         # exp2(-inf - -inf) never produces NaN. Its P, l and acc stay exactly 0.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_shift)
-    p = tl.math.exp2(s * qk_scale - m_shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p = tl.math.exp2(s * scale - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums every probability, dropped or not
+    if DROPOUT_P > 0:  # the dropped ones leave O; 1 / (1 - p) scales it at the end
+        p = tl.where(dropout_keep(seed, offset, bh, offs_m, start_n, offs_n.shape[0], DROPOUT_P), p, 0.0)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -84,23 +97,26 @@ def _fwd_epilogue(Out, Lse, b, h, n_heads, stride_ob, stride_on, stride_oh, stri
     tl.store(Lse + (b * n_heads + h) * n_q + offs_m, lse, mask=offs_m < n_q)
 
 
-@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "seq_bucket"], prune_configs_by=fwd_prune(),
-                 **persistent())
+@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "SOFTCAP", "DROPOUT_P", "seq_bucket"],
+                 prune_configs_by=fwd_prune(), **persistent())
 @triton.jit
 def flash_fwd_kernel(
-    Q, K, V, Out, Lse, Docs,
+    Q, K, V, Out, Lse, Docs, Rng, Sinks,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
     n_heads, kv_group, n_q, n_k, qk_scale, seq_bucket, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DOCS: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOCS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e).
     Docs: (B, 2, N) int32 document bounds when DOCS (any pointer otherwise); window is
-    read when WINDOW."""
+    read when WINDOW. kernels/scores.py: SOFTCAP > 0 caps the scores at it; Sinks (H,) float32
+    holds each head's sink logit (None: no sinks); DROPOUT_P > 0 drops probabilities, Rng holding
+    the call's seed and offset (None without dropout). Without the three, the code is the plain
+    kernel's: None arguments and the constexprs compile to nothing."""
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     # torch.compile passes Python floats as fp64; keep every score in fp32.
@@ -117,9 +133,10 @@ def flash_fwd_kernel(
     k_offs = tile_offsets(offs_n, offs_d, stride_kn, stride_kd)
     v_offs = tile_offsets(offs_n, offs_d, stride_vn, stride_vd)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = sink_start(Sinks, h, BLOCK_M)   # (-inf, 0), or the sink as every row's first score
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    seed, offset = dropout_seed_of(Rng, DROPOUT_P)
+    bh = b * n_heads + h
 
     # Key tiles: masked, unmasked, masked (`stage_range`); the rest lie wholly outside every
     # row's view (other documents, past the window, causal) and are never loaded.
@@ -129,8 +146,10 @@ def flash_fwd_kernel(
         first, end = stage_range(stage, lo, mid_lo, mid_hi, hi)
         for start_n in range(first, end, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                                      start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale,
-                                      HEAD_DIM, BLOCK_D, stage != 1, PRECISION)
+                                      start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh,
+                                      offs_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P)
 
+    if DROPOUT_P > 0:
+        acc = acc * (1.0 / (1.0 - DROPOUT_P))
     _fwd_epilogue(Out, Lse, b, h, n_heads, stride_ob, stride_on, stride_oh, stride_od,
                   acc, l_i, m_i, start_m, rows_m, offs_m, offs_d, n_q, HEAD_DIM)

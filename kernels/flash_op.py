@@ -31,13 +31,14 @@ import torch
 import triton
 
 from kernels import plan as plans
-from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, softmax_scale_for
+from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, check_scores, softmax_scale_for
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import flash_fwd_kernel
 from kernels.gluon.backward import launch_backward as gluon_backward
 from kernels.gluon.forward import gluon_attention_forward
 from kernels.launch import launch
 from kernels.masks import bounds_buffer, check_masks
+from kernels.scores import dropout_seed, sink_grad
 from kernels.tiles import LOG2E
 from kernels.tuning import pinned, seq_bucket, tunes
 
@@ -52,10 +53,13 @@ def _no_wrap(kernel):
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(head_dim: int, causal: bool, docs: bool, window: bool, dtype: torch.dtype) -> dict:
-    """The Triton kernels' shared constexprs. float32 inputs get true fp32 products (no tf32)."""
+def _constexprs(head_dim: int, causal: bool, docs: bool, window: bool, dtype: torch.dtype, softcap: float = 0.0,
+                dropout_p: float = 0.0) -> dict:
+    """The Triton kernels' shared constexprs. float32 inputs get true fp32 products (no tf32).
+    softcap and dropout_p: 0.0 for none (kernels/scores.py)."""
     return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal, DOCS=docs,
-                WINDOW=window, PRECISION="ieee" if dtype == torch.float32 else "tf32")
+                WINDOW=window, PRECISION="ieee" if dtype == torch.float32 else "tf32", SOFTCAP=float(softcap),
+                DROPOUT_P=float(dropout_p))
 
 
 _TUNED: dict = {}   # (kernel, length band, constexprs, dtype, device) -> the tuned tile's launch keywords
@@ -97,12 +101,14 @@ def _launch(kernel, table: str, grid, args, consts: dict, length: int, dtype, de
 
 
 def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None, window: int = 0, wrap=_no_wrap,
-                    cache=None, key=()):
+                    cache=None, key=(), *, softcap: float = 0.0, dropout_p: float = 0.0, rng=None, sinks=None):
+    """rng: the call's dropout seed and offset (kernels/scores.py), with dropout_p > 0; sinks: (H,)
+    float32 or None. A None rng or sinks is a constexpr of the kernels: their code is left out."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
-    consts = _constexprs(D, causal, doc_bounds is not None, window > 0, q.dtype)
+    consts = _constexprs(D, causal, doc_bounds is not None, window > 0, q.dtype, softcap, dropout_p)
     length = max(n_q, n_k)
 
     def grid(meta):
@@ -110,24 +116,25 @@ def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None
 
     docs = lse if doc_bounds is None else doc_bounds   # DOCS=False never reads Docs: lse fills the slot
     _launch(flash_fwd_kernel, "fwd", grid, (
-        q, k, v, out, lse, docs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        q, k, v, out, lse, docs, rng, sinks, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value, seq_bucket(length), window),
         consts, length, q.dtype, q.device, wrap, cache, key)
     return out, lse
 
 
 def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, doc_bounds=None, window: int = 0,
-                     deterministic: bool = True, wrap=_no_wrap, cache=None, key=()):
+                     deterministic: bool = True, wrap=_no_wrap, cache=None, key=(), *, softcap: float = 0.0,
+                     dropout_p: float = 0.0, rng=None):
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    consts = _constexprs(D, causal, doc_bounds is not None, window > 0, q.dtype)
+    consts = _constexprs(D, causal, doc_bounds is not None, window > 0, q.dtype, softcap, dropout_p)
     length = max(n_q, n_k)
     bucket = seq_bucket(length)
     delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
     docs = delta if doc_bounds is None else doc_bounds   # DOCS=False never reads Docs: delta fills the slot
     dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)
     dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=v.device)
-    inputs = (q, k, v, dout, lse, delta, docs, dk, dv)
+    inputs = (q, k, v, dout, lse, delta, docs, rng, dk, dv)
     qkv_strides = (*q.stride(), *k.stride(), *v.stride())
     strides = (*qkv_strides, *dout.stride(), *dk.stride(), *dv.stride())
     sizes = (H, h_kv, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value, softmax_scale, bucket, window)
@@ -145,7 +152,7 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
             return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
 
         run(flash_bwd_q_kernel, "bwd_q", q_grid, (
-            q, k, v, out, dout, lse, delta, docs, dq, *qkv_strides, *out.stride(), *dout.stride(), *dq.stride(),
+            q, k, v, out, dout, lse, delta, docs, rng, dq, *qkv_strides, *out.stride(), *dout.stride(), *dq.stride(),
             H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value, softmax_scale, bucket, window))
         run(flash_bwd_kv_kernel, "bwd_kv", kv_grid, inputs + strides + sizes)
         return dq, dk, dv
@@ -168,23 +175,30 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
                    window: int = 0, deterministic: bool = True,
-                   backward: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+                   backward: str = "triton", softcap: float = 0.0, dropout_p: float = 0.0,
+                   rng: Optional[torch.Tensor] = None,
+                   sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out (B, Nq, H, D) and lse (B, H, Nq) float32. doc_bounds: the per-query key
     intervals (B, 2 Nq + 2 Nk + 1) int32 of kernels.masks.bounds_buffer, or None; window: keys each
     query sees, 0 for no window; deterministic and backward: the backward the autograd formula
-    runs (its variant and family; the forward is the same)."""
-    return _triton_forward(q, k, v, causal, softmax_scale, doc_bounds, window, torch.library.wrap_triton)
+    runs (its variant and family; the forward is the same). softcap (0.0: none), dropout_p with rng
+    (the call's seed and offset, kernels/scores.dropout_seed) and sinks ((H,) float32 or None): what
+    kernels/scores.py does to the scores."""
+    return _triton_forward(q, k, v, causal, softmax_scale, doc_bounds, window, torch.library.wrap_triton,
+                           softcap=softcap, dropout_p=dropout_p, rng=rng, sinks=sinks)
 
 
 @torch.library.triton_op("flashtrain::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
                    softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
-                   window: int = 0, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   window: int = 0, deterministic: bool = True, softcap: float = 0.0, dropout_p: float = 0.0,
+                   rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dq, dk, dv; dk and dv are summed over each GQA group. deterministic=False
-    accumulates dq with atomics (its last bits vary run to run)."""
+    accumulates dq with atomics (its last bits vary run to run). softcap, dropout_p and rng as
+    the forward's (the sinks' gradient is the autograd formula's, from out and lse)."""
     return _triton_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds, window, deterministic,
-                            torch.library.wrap_triton)
+                            torch.library.wrap_triton, softcap=softcap, dropout_p=dropout_p, rng=rng)
 
 
 # ---- the Gluon family --------------------------------------------------------------------------
@@ -192,15 +206,18 @@ def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 @torch.library.custom_op("flashtrain::gluon_attn_fwd", mutates_args=())
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                    doc_bounds: Optional[torch.Tensor] = None, window: int = 0, deterministic: bool = True,
-                   backward: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+                   backward: str = "triton", softcap: float = 0.0, dropout_p: float = 0.0,
+                   rng: Optional[torch.Tensor] = None,
+                   sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward as one opaque op: out (B, Nq, H, D), lse (B, H, Nq) float32. Same
-    arguments as flash_attn_fwd; the plan gives it no mask (doc_bounds None, window 0)."""
-    return gluon_attention_forward(q, k, v, causal, softmax_scale)
+    arguments as flash_attn_fwd; the plan gives it no mask (doc_bounds None, window 0) and no
+    score option (kernels/plan.py)."""
+    return _gluon_forward(q, k, v, causal, softmax_scale, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
 
 
 @gluon_attn_fwd.register_fake
 def _gluon_attn_fwd_fake(q, k, v, causal, softmax_scale, doc_bounds=None, window=0, deterministic=True,
-                         backward="triton"):
+                         backward="triton", softcap=0.0, dropout_p=0.0, rng=None, sinks=None):
     B, n_q, H, D = q.shape
     return q.new_empty((B, n_q, H, D)), q.new_empty((B, H, n_q), dtype=torch.float32)
 
@@ -208,23 +225,29 @@ def _gluon_attn_fwd_fake(q, k, v, causal, softmax_scale, doc_bounds=None, window
 @torch.library.custom_op("flashtrain::gluon_attn_bwd", mutates_args=())
 def gluon_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
-                   window: int = 0, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   window: int = 0, deterministic: bool = True, softcap: float = 0.0, dropout_p: float = 0.0,
+                   rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Gluon backward as one opaque op: dq, dk, dv (dk, dv summed over each GQA group)."""
-    return _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds, window, deterministic)
+    return _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds, window, deterministic,
+                           softcap=softcap, dropout_p=dropout_p)
 
 
 @gluon_attn_bwd.register_fake
 def _gluon_attn_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=None, window=0,
-                         deterministic=True):
+                         deterministic=True, softcap=0.0, dropout_p=0.0, rng=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _gluon_forward(q, k, v, causal, softmax_scale, doc_bounds=None, window=0, cache=None, key=()):
+def _gluon_forward(q, k, v, causal, softmax_scale, doc_bounds=None, window=0, cache=None, key=(), *, softcap=0.0,
+                   dropout_p=0.0, rng=None, sinks=None):
+    assert not (softcap or dropout_p or sinks is not None), "the plan runs score options on the Triton forward"
     return gluon_attention_forward(q, k, v, causal, softmax_scale, cache=cache)
 
 
 def _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=None, window=0, deterministic=True,
-                    cache=None, key=()):
+                    cache=None, key=(), *, softcap=0.0, dropout_p=0.0, rng=None):
+    # sinks need nothing here: lse includes them (kernels/scores.py)
+    assert not (softcap or dropout_p), "the plan runs dropout and soft-capping on the Triton backward"
     return gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, cache=cache, key=key)
 
 
@@ -233,10 +256,11 @@ def _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=N
 @dataclass(frozen=True)
 class Family:
     """One kernel family's launches: eager (plain functions) and traced (registered ops).
-    forward(q, k, v, causal, scale, doc_bounds, window[, cache, key]) -> out, lse;
-    backward(dout, q, k, v, out, lse, causal, scale, doc_bounds, window, deterministic[, cache, key]) -> dq, dk, dv;
-    eager, `cache` (the call signature's compiled kernels, kernels/launch.py) and `key` (what else fixes
-    the launches' specialisation) may be given."""
+    forward(q, k, v, causal, scale, doc_bounds, window[, cache, key], *, softcap, dropout_p, rng, sinks) -> out, lse;
+    backward(dout, q, k, v, out, lse, causal, scale, doc_bounds, window, deterministic[, cache, key], *, softcap,
+    dropout_p, rng) -> dq, dk, dv; eager, `cache` (the call signature's compiled kernels, kernels/launch.py) and
+    `key` (what else fixes the launches' specialisation) may be given. The ops take the same arguments
+    positionally, without cache and key."""
     forward: Callable
     backward: Callable
     forward_op: Callable
@@ -250,20 +274,23 @@ FAMILIES = {
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, doc_bounds, window, deterministic, backward = inputs
+    q, k, v, causal, softmax_scale, doc_bounds, window, deterministic, backward, softcap, dropout_p, rng, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, doc_bounds)
+    ctx.save_for_backward(q, k, v, out, lse, doc_bounds, rng, sinks)
     ctx.causal, ctx.softmax_scale, ctx.window = causal, softmax_scale, window
-    ctx.deterministic, ctx.backward = deterministic, backward
+    ctx.deterministic, ctx.backward, ctx.softcap, ctx.dropout_p = deterministic, backward, softcap, dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    """The registered forward ops' autograd formula: the plan's backward, as its family's op."""
-    q, k, v, out, lse, doc_bounds = ctx.saved_tensors
+    """The registered forward ops' autograd formula: the plan's backward, as its family's op, and
+    the sinks' gradient (kernels/scores.py)."""
+    q, k, v, out, lse, doc_bounds, rng, sinks = ctx.saved_tensors
     dq, dk, dv = FAMILIES[ctx.backward].backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                                    doc_bounds, ctx.window, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None
+                                                    doc_bounds, ctx.window, ctx.deterministic, ctx.softcap,
+                                                    ctx.dropout_p, rng)
+    dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
 
 
 for _family in FAMILIES.values():
@@ -274,24 +301,27 @@ class _EagerFlashAttention(torch.autograd.Function):
     """The plan's launches and the same saved tensors as the ops above, without their dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call, doc_bounds):
+    def forward(ctx, q, k, v, call, doc_bounds, rng, sinks):
         out, lse = FAMILIES[call.plan.forward.family].forward(q, k, v, call.causal, call.scale, doc_bounds,
-                                                              call.window, cache=call.launches)
-        ctx.save_for_backward(q, k, v, out, lse, doc_bounds)
+                                                              call.window, cache=call.launches, softcap=call.softcap,
+                                                              dropout_p=call.dropout_p, rng=rng, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, doc_bounds, rng, sinks)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, doc_bounds = ctx.saved_tensors
+        q, k, v, out, lse, doc_bounds, rng, sinks = ctx.saved_tensors
         call = ctx.call
         # autograd's dout: its layout joins the call signature in fixing the launches' specialisation
         key = (dout.stride(), dout.data_ptr() % 16 == 0)
         dq, dk, dv = FAMILIES[call.plan.backward.family].backward(dout, q, k, v, out, lse, call.causal, call.scale,
                                                                   doc_bounds, call.window, call.plan.deterministic,
-                                                                  cache=call.launches, key=key)
-        return dq, dk, dv, None, None
+                                                                  cache=call.launches, key=key, softcap=call.softcap,
+                                                                  dropout_p=call.dropout_p, rng=rng)
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[6] else None
+        return dq, dk, dv, None, None, None, dsinks
 
 
 @dataclass(frozen=True)
@@ -302,6 +332,8 @@ class _Call:
     causal: bool
     scale: float
     window: int
+    dropout_p: float = 0.0
+    softcap: float = 0.0     # 0.0: none
     launches: dict = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -317,29 +349,35 @@ def _mask_kind(document_ids, window, key_bounds) -> str:
     return "window" if window is not None else "none"
 
 
-def _signature(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel):
+def _signature(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel, dropout_p, softcap, sinks):
     """What a call's checks and plan depend on, or None where it cannot be formed cheaply (inputs
     that are not tensors, traced calls: both take the full path)."""
     if torch.compiler.is_compiling() or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-                                             and isinstance(v, torch.Tensor)):
+                                             and isinstance(v, torch.Tensor)
+                                             and (sinks is None or isinstance(sinks, torch.Tensor))):
         return None
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0   # TMA reads only 16-byte aligned bases
+    sink = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device, sinks.data_ptr() % 16 == 0)
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, aligned, causal, softmax_scale, mask, window, deterministic, kernel)
+            k.device, v.device, aligned, causal, softmax_scale, mask, window, deterministic, kernel, dropout_p,
+            softcap, sink)
 
 
-def _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel) -> _Call:
+def _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel, dropout_p=0.0, softcap=None,
+               sinks=None) -> _Call:
     """Check the inputs and make the call's plan (the masks are checked by the caller)."""
     check_inputs(q, k, v)
+    dropout_p, softcap = check_scores(q, dropout_p, softcap, sinks)
     setting = plans.call_setting(q, k, v, bool(causal), mask, check_flag(deterministic, "deterministic"),
-                                 plans.check_choice(kernel))
+                                 plans.check_choice(kernel), dropout_p > 0, softcap > 0, sinks is not None)
     plan = (plans.make_plan if torch.compiler.is_compiling() else plans.plan_kernels)(setting)
     return _Call(plan, bool(causal), softmax_scale_for(softmax_scale, q.shape[-1]),
-                 _window(window, k.shape[1]))
+                 _window(window, k.shape[1]), dropout_p, softcap)
 
 
 def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *,
-                    document_ids=None, window=None, key_bounds=None, deterministic=True, kernel="auto"):
+                    document_ids=None, window=None, key_bounds=None, deterministic=True, kernel="auto",
+                    dropout_p=0.0, softcap=None, sinks=None):
     """Exact softmax(scale * Q K^T) V by tiling; same contract as kernels.reference.
 
     q (B, Nq, H, D); k, v (B, Nk, Hkv, D) with H % Hkv == 0; any strides.
@@ -369,15 +407,23 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     kernel: which kernels run, "auto" | "triton" | "gluon" for both directions or a
     (forward, backward) pair of those words; the call's kernel plan (kernels/plan.py) says what
     each word means here, and "gluon" where it cannot run is a ValueError saying why.
+    What the call does to its scores besides masking them (kernels/scores.py), forward and backward:
+    dropout_p: drop each attention probability with this probability, scaling the kept ones by
+    1 / (1 - dropout_p); the mask is drawn from a seed taken from torch's generator on q's device,
+    once per call (pass it in training only). lse stays the undropped softmax's.
+    softcap=c: every score s becomes c * tanh(s / c) before the softmax.
+    sinks: (H,) logits, one per query head, each joining its rows' softmax denominator without a
+    value (differentiable; lse includes it; a row that sees no key gets zeros and lse = its sink).
     """
     mask = _mask_kind(document_ids, window, key_bounds)
-    key = _signature(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel)
+    key = _signature(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel, dropout_p, softcap, sinks)
     try:
         call = _CALLS.get(key) if key is not None else None
     except TypeError:   # an unhashable option (a list for kernel, say): the full path says what is wrong
         key = call = None
     if call is None:
-        call = _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel)
+        call = _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel, dropout_p, softcap,
+                          sinks)
         if key is not None:
             if len(_CALLS) >= MAX_CALLS:
                 _CALLS.clear()
@@ -385,20 +431,23 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     if mask != "none":
         check_masks(q, k, causal, document_ids, window, key_bounds)
     doc_bounds = bounds_buffer(document_ids, key_bounds, k.shape[1]) if mask in ("documents", "key_bounds") else None
+    rng = dropout_seed(q.device) if call.dropout_p else None
+    sinks = None if sinks is None else sinks.float()   # the kernels read float32 (an fp32 parameter: itself)
     if not torch.compiler.is_compiling():
-        out, lse = _EagerFlashAttention.apply(q, k, v, call, doc_bounds)
+        out, lse = _EagerFlashAttention.apply(q, k, v, call, doc_bounds, rng, sinks)
     else:
         plan = call.plan
         out, lse = FAMILIES[plan.forward.family].forward_op(q, k, v, call.causal, call.scale, doc_bounds,
-                                                           call.window, plan.deterministic, plan.backward.family)
+                                                           call.window, plan.deterministic, plan.backward.family,
+                                                           call.softcap, call.dropout_p, rng, sinks)
     return (out, lse) if return_lse else out
 
 
 def kernel_plan(q, k, v, causal=False, *, document_ids=None, window=None, key_bounds=None, deterministic=True,
-                kernel="auto") -> plans.KernelPlan:
+                kernel="auto", dropout_p=0.0, softcap=None, sinks=None) -> plans.KernelPlan:
     """The kernel plan flash_attention follows for these arguments (kernels/plan.py), without running it."""
     return _plan_call(q, k, v, causal, None, _mask_kind(document_ids, window, key_bounds), window, deterministic,
-                      kernel).plan
+                      kernel, dropout_p, softcap, sinks).plan
 
 
 def _window(window, n_k: int) -> int:
@@ -407,23 +456,25 @@ def _window(window, n_k: int) -> int:
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, deterministic=True, *,
-                             document_ids=None, window=None, key_bounds=None, kernel="auto"):
+                             document_ids=None, window=None, key_bounds=None, kernel="auto", softcap=None):
     """dq, dk, dv of flash_attention from a given output `out` and log-sum-exp `lse`.
 
     The backward kernels only need P = exp(S - lse) and rowsum(dO * O), so `out` and
     `lse` may come from attention over a longer key set than `k`, `v` (a ring's merged
     result): the gradients are then this key block's exact share, to be summed over
     blocks. Same layouts as flash_attention; lse (B, H, Nq) float32; dk, dv are summed
-    over each GQA group and shaped like k, v. deterministic, kernel and the masks
+    over each GQA group and shaped like k, v. deterministic, kernel, softcap and the masks
     (document_ids, window, key_bounds) as in flash_attention: the block's own mask; the plan's
-    backward runs.
+    backward runs. Sinks need no argument (their share is in lse; their gradient is
+    kernels.scores.sink_grad of the merged out and lse); dropout has none (its mask is the forward's).
     """
     mask = _mask_kind(document_ids, window, key_bounds)
-    call = _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel)
+    call = _plan_call(q, k, v, causal, softmax_scale, mask, window, deterministic, kernel, softcap=softcap)
     check_masks(q, k, causal, document_ids, window, key_bounds)
     check_like_q(q, dout=dout, out=out)
     check_lse(q, lse)
     family = FAMILIES[call.plan.backward.family]
     launch = family.backward_op if torch.compiler.is_compiling() else family.backward
     return launch(dout, q, k, v, out, lse.contiguous(), call.causal, call.scale,
-                  bounds_buffer(document_ids, key_bounds, k.shape[1]), call.window, call.plan.deterministic)
+                  bounds_buffer(document_ids, key_bounds, k.shape[1]), call.window, call.plan.deterministic,
+                  softcap=call.softcap)

@@ -13,7 +13,10 @@ kernels/flash_op.py's FAMILIES) with its variant and, where it is fixed, its til
 - family "gluon": kernels/gluon/, the Hopper kernels; fixed tiles per head dim.
 
 What decides it is a `Setting`: the GPU architecture, dtype, head dim, causal, the kind of mask,
-the length, whether TMA can read q, k and v, determinism, and the user's word for each direction:
+the length, whether TMA can read q, k and v, determinism, what the call does to its scores besides
+masking them (attention dropout, soft-capping, sinks: kernels/scores.py; the Gluon kernels compute
+none of them, except that their backward serves sinks, which it needs only the LSE for), and the
+user's word for each direction:
 "triton" or "gluon" (run that family, or refuse in one line why it cannot), "auto" (the Gluon
 kernel where it runs and was measured faster on the H200, from the lengths in GLUON_FROM; the
 Triton kernel elsewhere). `plan_kernels(setting)` is cached: a training run asks it once per
@@ -52,7 +55,8 @@ GLUON_FROM = {
 class Setting:
     """What decides a plan. arch: "sm_XY" of the CUDA device, None elsewhere; mask: one of MASKS;
     length: the longer of the query and key lengths; tma: TMA can read q, k and v; forward and
-    backward: the user's word (CHOICES) for each direction."""
+    backward: the user's word (CHOICES) for each direction; dropout, softcap, sinks: whether the
+    call drops attention probabilities, soft-caps its scores, has attention sinks."""
     arch: str | None
     dtype: torch.dtype
     head_dim: int
@@ -63,6 +67,9 @@ class Setting:
     deterministic: bool
     forward: str = "auto"
     backward: str = "auto"
+    dropout: bool = False
+    softcap: bool = False
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,13 +121,21 @@ plan_kernels = functools.lru_cache(maxsize=None)(make_plan)
 
 def _direction(s: Setting, direction: str) -> Direction:
     choice = s.forward if direction == "forward" else s.backward
-    refused = gluon.refusal(s.arch, s.dtype, s.head_dim, s.mask, s.tma)
+    refused = gluon.refusal(s.arch, s.dtype, s.head_dim, s.mask, s.tma) or _scores_refusal(s, direction)
     if choice == "gluon" and refused:
         raise ValueError(f"kernel='gluon' cannot run the {direction} of this call: {refused} (kernel='triton' can)")
     measured = s.length >= GLUON_FROM.get((direction, s.head_dim, s.causal), float("inf"))
     if choice == "gluon" or (choice == "auto" and refused is None and measured):
         return _gluon(s, direction)
     return _triton(s, direction)
+
+
+def _scores_refusal(s: Setting, direction: str) -> str | None:
+    """What the Gluon kernels do not compute (kernels/scores.py): dropout and soft-capping in either
+    direction, sinks in the forward (the backward takes the sinks in through the forward's LSE)."""
+    missing = [what for what, on in (("attention dropout", s.dropout), ("logit soft-capping", s.softcap),
+                                     ("attention sinks", s.sinks and direction == "forward")) if on]
+    return f"it implements no {' or '.join(missing)}" if missing else None
 
 
 def _triton(s: Setting, direction: str) -> Direction:
@@ -149,12 +164,13 @@ def _gluon(s: Setting, direction: str) -> Direction:
     return Direction("gluon", "deterministic" if s.deterministic else "atomic", backward.tiles(s.head_dim))
 
 
-def call_setting(q, k, v, causal: bool, mask: str, deterministic: bool, choice: tuple[str, str]) -> Setting:
+def call_setting(q, k, v, causal: bool, mask: str, deterministic: bool, choice: tuple[str, str],
+                 dropout: bool = False, softcap: bool = False, sinks: bool = False) -> Setting:
     """The Setting of one call on checked inputs (kernels.checks.check_inputs)."""
     arch = arch_of(q.device)
     tma = arch == gluon.ARCH and not any(gluon.tma_refusal(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
     return Setting(arch, q.dtype, q.shape[-1], causal, mask, max(q.shape[1], k.shape[1]), tma, deterministic,
-                   *choice)
+                   *choice, dropout, softcap, sinks)
 
 
 @torch.compiler.assume_constant_result

@@ -1,11 +1,13 @@
 """Attention implementations by name: the one switch between naive, SDPA and our kernel.
 
 Every entry has the signature of `kernels.flash_attention`:
-``fn(q, k, v, causal=False, softmax_scale=None, *, document_ids=None, window=None) -> out``
+``fn(q, k, v, causal=False, softmax_scale=None, *, document_ids=None, window=None, dropout_p=0.0) -> out``
 with q (B, Nq, H, D) and k, v (B, Nk, Hkv, D), H % Hkv == 0 (grouped-query attention),
-any strides, causal masks aligned bottom-right when Nq != Nk, and the same document
-mask and sliding window (kernels/masks.py). The model calls them through this registry
-only, so comparing implementations is a one-word config change.
+any strides, causal masks aligned bottom-right when Nq != Nk, the same document
+mask and sliding window (kernels/masks.py), and dropout on the attention probabilities. Soft-capping
+and sinks (`softcap=`, `sinks=`, kernels/scores.py) are the keywords of the entries SCORE_OPTIONS
+lists. The model calls them through this registry only, so comparing implementations is a one-word
+config change.
 """
 from __future__ import annotations
 
@@ -62,17 +64,18 @@ ATTENTION: dict[str, AttentionFn] = {
 }
 
 
-# The entries that drop attention probabilities (a `dropout_p` keyword): the others compute exact
-# attention, and our kernel has no dropout in its tiles.
-ATTENTION_DROPOUT = ("sdpa",)
+# What each entry computes besides masked attention and dropout: soft-capped scores (`softcap`) and
+# attention sinks (`sinks`), ours and the reference; SDPA has neither.
+SCORE_OPTIONS: dict[str, tuple[str, ...]] = {"naive": ("softcap", "sinks"), "sdpa": (), "flash": ("softcap", "sinks")}
 
 
-def check_attention_dropout(name: str, attention_dropout: float) -> None:
-    """Refuse to train with attention dropout through an entry that would ignore it."""
-    if attention_dropout and name not in ATTENTION_DROPOUT:
-        raise ValueError(f"model.attention_dropout={attention_dropout} needs attention={' or '.join(ATTENTION_DROPOUT)} "
-                         f"to train (attention={name} computes attention without dropout); "
-                         f"set model.attention_dropout=0 to train with {name}")
+def check_score_options(name: str, softcap: float | None, sinks: bool) -> None:
+    """Refuse, in one line, a model whose soft-capping or sinks attention `name` does not compute."""
+    able = " or ".join(n for n, options in SCORE_OPTIONS.items() if options)
+    for key, option, value, what in (("model.attention_softcap", "softcap", softcap, "logit soft-capping"),
+                                     ("model.attention_sinks", "sinks", "true" if sinks else None, "attention sinks")):
+        if value is not None and option not in SCORE_OPTIONS[_check_name(name)]:
+            raise ValueError(f"{key}={value} needs attention={able} (attention={name} has no {what})")
 
 
 def sdpa_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):
@@ -86,7 +89,8 @@ def sdpa_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):
 
 
 # Each implementation's decode step over a static KV cache (model/kv_cache.py: StaticKVCache):
-# fn(q, k_buffer, v_buffer, cache_len, softmax_scale=None, *, window=None), the new queries being
+# fn(q, k_buffer, v_buffer, cache_len, softmax_scale=None, *, window=None) (and the SCORE_OPTIONS
+# keywords of the entries that have them), the new queries being
 # the last of the `cache_len` valid keys (a one-element device tensor), so a step's shapes never
 # change and it can be replayed from a CUDA graph. Ours is split over the keys (kernels/decode.py).
 DECODE: dict[str, AttentionFn] = {
@@ -130,13 +134,13 @@ def get_decode_attention(name: str) -> AttentionFn:
     return DECODE[_check_name(name)]
 
 
-def resolve_attention(name: str, device, attention_dropout: float = 0.0) -> str:
+def resolve_attention(name: str, device, score_options: bool = False) -> str:
     """Turn the config's attention name into a registered one: 'auto' means our flash
-    kernel on CUDA and SDPA elsewhere, or when training drops attention probabilities
-    (`attention_dropout` > 0, which only SDPA does); any other name must be registered as given."""
+    kernel on CUDA and SDPA elsewhere, or naive elsewhere when the model soft-caps its scores or
+    has sinks (`score_options`: SDPA has neither); any other name must be registered as given."""
     on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "flash" if on_cuda and not attention_dropout else "sdpa"
+        name = "flash" if on_cuda else "naive" if score_options else "sdpa"
     if name == "flash" and not on_cuda and not INTERPRET:
         raise ValueError(f"attention=flash needs a CUDA device (got device={device}); use attention=sdpa "
                          "or naive on CPU, or set TRITON_INTERPRET=1 to run the kernel in Triton's interpreter, "

@@ -70,7 +70,9 @@ class GPTConfig:
     tie_embeddings: bool = True
     bias: bool = False
     dropout: float = ranged(0.0, ge=0, lt=1)          # embeddings' sum and each residual branch's output
-    attention_dropout: float = ranged(0.0, ge=0, lt=1)  # attention probabilities (SDPA's dropout_p): attention=sdpa
+    attention_dropout: float = ranged(0.0, ge=0, lt=1)  # attention probabilities (SDPA's dropout_p), in training
+    attention_softcap: Optional[float] = ranged(None, gt=0)  # c: every score s -> c tanh(s / c) (Gemma 2); flash, naive
+    attention_sinks: bool = False                     # a learned logit per head in each softmax's denominator (gpt-oss)
     init_std: float = ranged(0.02, gt=0)
     init_from: Optional[str] = None                   # a Hugging Face folder to start from (training/interop/huggingface.py reads it)
     activation_checkpointing: Checkpointing = Checkpointing.none

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.masks import document_bounds
-from model.attention import ATTENTION_DROPOUT, check_attention_dropout, get_attention, get_decode_attention
+from model.attention import check_score_options, get_attention, get_decode_attention
 from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.layers import Block, init_block_, init_linear_, make_norm
@@ -36,10 +36,10 @@ class GPT(nn.Module):
         super().__init__()
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"attention.window={window!r}: must be null or an integer >= 1")
+        check_score_options(attention, config.attention_softcap, config.attention_sinks)
         self.config = config
         self.attention_name = attention
-        # Attention dropout acts in training only, so evals and generation may use any backend.
-        self.drops_attention = config.attention_dropout > 0 and attention in ATTENTION_DROPOUT
+        self.drops_attention = config.attention_dropout > 0   # in training only (forward passes self.training)
         self.window = window   # each query sees the last `window` keys (Mistral's sliding window)
         # model.reset_positions from the document ids (model.context_parallel swaps in its own: there
         # a rank's ids are its tokens' document starts, as the documents may begin on another rank)
@@ -100,10 +100,7 @@ class GPT(nn.Module):
         return self.head_loss(x, targets, reduction)
 
     def _check_call(self, document_ids: torch.Tensor | None, cache: KVCache | None) -> None:
-        """What forward refuses before any work: attention dropout the backend cannot do (in
-        training only) and a packed window decoded through a KV cache."""
-        if self.training:
-            check_attention_dropout(self.attention_name, self.config.attention_dropout)
+        """What forward refuses before any work: a packed window decoded through a KV cache."""
         if document_ids is not None and cache is not None:
             raise ValueError("document_ids cannot be used with a KV cache: generation decodes one document "
                              "(split a packed prompt into its documents)")

@@ -73,8 +73,8 @@ class CausalSelfAttention(nn.Module):
 
     q, k and v are strided views into the projection's output, handed to the attention
     function as they are (it accepts any strides); only RoPE makes new q and k tensors.
-    Attention probabilities are dropped out (`model.attention_dropout`) only through SDPA:
-    our kernels compute exact attention.
+    With `model.attention_sinks`, `sinks` holds one learned logit per query head (starting at 0)
+    that joins each of its rows' softmax denominators; `model.attention_softcap` caps the scores.
     """
 
     def __init__(self, config: GPTConfig, attention: AttentionFn):
@@ -83,7 +83,14 @@ class CausalSelfAttention(nn.Module):
         qkv_width = (config.n_head + 2 * config.n_kv_head) * config.head_dim
         self.qkv = nn.Linear(config.d_model, qkv_width, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
+        self.sinks = nn.Parameter(torch.zeros(config.n_head)) if config.attention_sinks else None
+        self.softcap = config.attention_softcap
         self.attention = attention
+
+    def score_options(self) -> dict:
+        """The attention call's soft cap and sinks keywords, those that are set."""
+        options = {"softcap": self.softcap, "sinks": self.sinks}
+        return {name: value for name, value in options.items() if value is not None}
 
     def project(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, d_model) -> q (B, T, H, D), k and v (B, T, Hkv, D)."""
@@ -147,12 +154,12 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.norm_mlp(x)))
 
     def attend(self, q, k, v, document_ids=None, window=None, causal=True, drop=False):
-        """The attention call; the masks are passed only when set (the ring takes none), and the
-        attention dropout only when `drop` (training through SDPA: GPT.drops_attention)."""
+        """The attention call; the masks, the soft cap and the sinks are passed only when set, and
+        the attention dropout only when `drop` (training: GPT.drops_attention)."""
         masks = {name: m for name, m in (("document_ids", document_ids), ("window", window)) if m is not None}
         if drop:
             masks["dropout_p"] = self.attention_dropout
-        return self.attn.attention(q, k, v, causal=causal, **masks)
+        return self.attn.attention(q, k, v, causal=causal, **masks, **self.attn.score_options())
 
     def _stage(self, fn, *args):
         """A per-token stage, over chunks when block_chunk_size is set."""
@@ -175,7 +182,7 @@ class Block(nn.Module):
         q, k, v = self.pre_attention(x, rope)
         k, v, valid = cache.append(layer, k, v)
         if valid is not None:
-            return self.post_attention(x, decode(q, k, v, valid, window=window))
+            return self.post_attention(x, decode(q, k, v, valid, window=window, **self.attn.score_options()))
         return self.post_attention(x, self.attend(q, k, v, window=window,
                                                   causal=q.shape[1] > 1 or window is not None))
 

@@ -32,6 +32,11 @@ only the Hkv key/value heads. The backward reruns the same blocks with the block
 given the merged (global) out and lse, which yields each block's exact share of the
 gradients; dq accumulates locally, dK/dV accumulate on a buffer that travels the ring with
 its K/V and arrives back at its owner after C hops.
+
+Soft-capping is elementwise on the scores, so every block caps its own. Sinks join the merge
+once, after the last block, as one more block of weight exp(sink) and no value; the global lse
+then includes them, so the blocks' backward needs nothing more, and each rank adds its rows'
+share of the sinks' gradient (kernels/scores.py). Attention dropout is not run in the ring.
 """
 from __future__ import annotations
 
@@ -45,13 +50,16 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from kernels import attention_reference, attention_reference_backward, flash_attention, flash_attention_backward
+from kernels.checks import check_scores
+from kernels.scores import sink_grad
 from model.cp_layout import Layout, host_to_device, zigzag_layout
 
 
 @dataclass(frozen=True)
 class BlockAttention:
-    """The per-block compute a ring runs: forward (q, k, v, causal, softmax_scale) ->
-    (out, lse) and backward (dout, q, k, v, out, lse, causal, softmax_scale) -> (dq, dk, dv)."""
+    """The per-block compute a ring runs: forward (q, k, v, causal, softmax_scale, softcap) ->
+    (out, lse) and backward (dout, q, k, v, out, lse, causal, softmax_scale, softcap) -> (dq, dk, dv),
+    with the step's mask as keywords."""
     forward: Callable
     backward: Callable
 
@@ -204,9 +212,16 @@ def _merge_(out, lse, part_out, part_lse, rows: slice) -> None:
     acc_lse.copy_(new_lse)
 
 
+def _add_sinks_(out, lse, sinks) -> None:
+    """Fold the sinks into the merged (out, lse), in place: a block of lse = sink and no value."""
+    new_lse = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    out.mul_(torch.exp(lse - new_lse).transpose(1, 2)[..., None])
+    lse.copy_(new_lse)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, steps, softmax_scale, block):
+    def forward(ctx, q, k, v, group, steps, softmax_scale, block, softcap, sinks):
         ring = _Ring(group)
         acc = torch.promote_types(q.dtype, torch.float32)
         kv = torch.stack((k, v))           # one contiguous buffer of the K/V heads to pass on
@@ -217,7 +232,7 @@ class _RingAttention(torch.autograd.Function):
             STEP_COUNTS["skipped" if step is None else step.kind] += 1
             if step is not None:
                 part_out, part_lse = block.forward(q[:, step.rows], kv[0][:, step.cols], kv[1][:, step.cols],
-                                                   causal=step.causal, softmax_scale=softmax_scale,
+                                                   causal=step.causal, softmax_scale=softmax_scale, softcap=softcap,
                                                    **step.masks(q.shape[0]))
                 if out is None:            # step 0 covers every query row
                     out, lse = part_out.to(acc), part_lse.to(acc)
@@ -226,15 +241,17 @@ class _RingAttention(torch.autograd.Function):
             if index + 1 < ring.size:
                 ring.wait(pending)
                 kv = next_kv
+        if sinks is not None:
+            _add_sinks_(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.steps, ctx.softmax_scale, ctx.block = group, steps, softmax_scale, block
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.group, ctx.steps, ctx.softmax_scale, ctx.block, ctx.softcap = group, steps, softmax_scale, block, softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         ring, block = _Ring(ctx.group), ctx.block
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -247,7 +264,8 @@ class _RingAttention(torch.autograd.Function):
                 rows, cols = step.rows, step.cols
                 dq_part, dk_part, dv_part = block.backward(
                     dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows],
-                    causal=step.causal, softmax_scale=ctx.softmax_scale, **step.masks(q.shape[0]))
+                    causal=step.causal, softmax_scale=ctx.softmax_scale, softcap=ctx.softcap,
+                    **step.masks(q.shape[0]))
                 dq[:, rows] += dq_part
             if dkv_pending is None:        # this K/V's gradient buffer starts here
                 dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
@@ -265,7 +283,8 @@ class _RingAttention(torch.autograd.Function):
         if dkv_pending is not None:
             ring.wait(dkv_pending)
             dkv = dkv_recv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None   # this rank's rows' share
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, dsinks
 
 def _check_group(group) -> None:
     if not dist.is_available() or not dist.is_initialized():
@@ -275,7 +294,7 @@ def _check_group(group) -> None:
 
 
 def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return_lse=False, block="flash", *,
-                   document_ids=None, window=None):
+                   document_ids=None, window=None, softcap=None, sinks=None, dropout_p=0.0):
     """Exact attention of this rank's queries over the whole sequence of the CP `group`.
 
     q (B, N, H, D), k and v (B, N, Hkv, D) are this rank's chunks, concatenated
@@ -287,6 +306,8 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return
       (each token's document start; they bring the layout and the steps of the batch):
       a query sees only earlier keys of its own document, wherever they are held;
     - window: each query sees only the last `window` keys (itself included).
+    softcap and sinks ((H,) logits, differentiable) as in kernels.flash_attention; dropout_p > 0 is
+    refused (the ring runs no attention dropout).
     Returns out (B, N, H, D) in q's dtype and, with return_lse, the lse over the
     whole sequence (B, H, N), float32 (float64 for float64 inputs). Every rank of the
     group must call it with the same shapes and arguments.
@@ -306,6 +327,10 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return
         raise ValueError(f"local sequence length {q.shape[1]} is odd; each rank holds two equal chunks")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (keys each query sees), got {window!r}")
+    check_scores(q, 0.0, softcap, sinks)
+    if dropout_p:
+        raise ValueError(f"ring_attention runs no attention dropout, got dropout_p={dropout_p} "
+                         "(train with model.attention_dropout=0 under context parallelism)")
     if (document_ids is not None or window is not None) and not causal:
         raise ValueError("ring_attention's document_ids and window need causal=True (each rank knows where its "
                          "queries' documents start, not where they end)")
@@ -317,7 +342,7 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, return
         steps = _window_steps(size, rank, q.shape[1], window, q.device)
     else:
         steps = causal_steps(rank, size, q.shape[1], bool(causal))
-    out, lse = _ring_apply(q, k, v, group, steps, softmax_scale, BLOCKS[block])
+    out, lse = _ring_apply(q, k, v, group, steps, softmax_scale, BLOCKS[block], softcap, sinks)
     return (out, lse) if return_lse else out
 
 

@@ -215,6 +215,19 @@ def runnable_attentions(names: list[str], device: torch.device, notes: list[str]
     return kept
 
 
+def kernel_bench_device(smoke: bool, what: str = "figures") -> torch.device:
+    """The device a kernel benchmark runs on: CUDA; on a CPU only for a --smoke plumbing check, with
+    our kernels in Triton's interpreter (switched on here, before the kernels import triton) and one
+    thread (tiny shapes: OpenMP threads only wait on each other). Refused in one line otherwise."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        if not smoke:
+            raise ValueError(f"no CUDA device: real {what} need a GPU; use --smoke for a CPU plumbing check")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        torch.set_num_threads(1)
+    return device
+
+
 def tuning_note(meta: dict[str, Any]) -> str:
     """A sentence for a result's header when our kernels ran with autotuning off."""
     if meta.get("flashtrain_autotune") == "0":

@@ -1,8 +1,11 @@
-"""What the long-context evals share: a checkpoint (file or run dir) back as a model, and
-per-token losses without a second copy of the model's loss code."""
+"""What the long-context evals share: a checkpoint (file or run dir) back as a model, per-token
+losses without a second copy of the model's loss code, an earlier result to draw beside this one,
+and a memory meter for each forward."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
@@ -51,3 +54,47 @@ def token_losses(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, 
         chunk = logits[:, s : s + LOSS_CHUNK].float()
         out[:, s : s + LOSS_CHUNK] = F.cross_entropy(chunk.transpose(1, 2), y[:, s : s + LOSS_CHUNK], reduction="none").cpu()
     return out
+
+
+def add_beside_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--beside", type=_common.existing_file("--beside"), default=None, metavar="RESULT.json",
+                        help=f"an earlier {what} of this tool (another run's) to show beside this one")
+
+
+def read_beside(path: Path | None, tool: str, keys: tuple[str, ...]) -> dict | None:
+    """The JSON an earlier run of `tool` wrote (its own `beside` left out), or None; a file that
+    is not one is a one-line ValueError before any work."""
+    if path is None:
+        return None
+    try:
+        result = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"--beside {path}: not JSON ({exc})") from None
+    missing = [k for k in ("name", *keys) if not isinstance(result, dict) or k not in result]
+    if missing:
+        raise ValueError(f"--beside {path}: not a result of {tool} (it has no {', '.join(missing)})")
+    result.pop("beside", None)
+    return result
+
+
+@contextlib.contextmanager
+def _no_meter():
+    yield argparse.Namespace(peak=None)
+
+
+def memory_meter(args: argparse.Namespace, model, device: torch.device):
+    """A factory of context managers that measure one forward's peak memory (`.peak`, bytes, the
+    weights included): the CUDA allocator's; on a CPU, with --memory-budget-mb, the live tensors
+    counted against that budget (a forward past it raises torch.OutOfMemoryError as a GPU would);
+    on a CPU without one, nothing is measured (peak None)."""
+    from _memory import allocated_bytes, peak_meter
+
+    budget = getattr(args, "memory_budget_mb", None)
+    if device.type == "cuda":
+        if budget is not None:
+            raise ValueError("--memory-budget-mb is for a CPU run: on a GPU the device's own memory is the limit")
+        return lambda: peak_meter(device)
+    if budget is None:
+        return _no_meter
+    weights = allocated_bytes(device, [*model.parameters(), *model.buffers()])
+    return lambda: peak_meter(device, weights, int(budget * 2**20))

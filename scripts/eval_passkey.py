@@ -1,51 +1,74 @@
 """Passkey retrieval accuracy of a checkpoint over a grid of prompt lengths x key depths.
 
     python scripts/eval_passkey.py runs/a --lengths 1024 4096 16384 --depths 0 0.25 0.5 0.75 1 --trials 10
+    python scripts/eval_passkey.py runs/b --attention naive --beside outputs/eval/passkey_a.json
 
 Each trial builds a prompt (data/passkey.py: filler, the key at the given depth, a question)
 with the checkpoint's tokenizer and scores it teacher-forced: the trial counts as correct when
 the model's most likely next token is right at every position of the key, which is exactly
 when greedy decoding would write the key. Writes <out>/passkey_<name>.{json,md,png}.
+
+A length the model cannot take is a "does not fit" cell, never a zero: one whose sequence is
+longer than the model's model.max_seq_len, or one whose forward pass runs out of memory (on a GPU,
+the device's; on a CPU only under --memory-budget-mb, which counts the live tensors of each
+forward against that many MiB in all, as scripts/max_context.py does). The JSON then has null
+accuracy and the reason; for each length that fitted, the forward's peak memory (on a GPU, or
+under a CPU budget). Lengths past the run's trainer.seq_len are marked in the table and the plot.
+The JSON is rewritten after each length: a run stopped part-way keeps what it measured (the
+lengths it did not reach are "not run").
+--beside RESULT.json puts an earlier result of this tool (another run's grid: flash's beside
+naive's) in the heatmap as a panel to the left of this run's and in the Markdown as a second table.
 """
 from __future__ import annotations
-
-import sys
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
-from _common import (environment, markdown_table, new_figure, print_table, require_positive, run_cli, save_figure,
-                     write_json, write_text)
-from _eval import add_checkpoint_args, load_for_eval, run_name
+from _common import (environment, human_bytes, markdown_table, new_figure, print_table, require_positive, run_cli,
+                     save_figure, write_json, write_text)
+from _eval import add_beside_argument, add_checkpoint_args, load_for_eval, memory_meter, read_beside, run_name
+from _memory import is_oom, release_memory
 
 
 @torch.no_grad()
 def passkey_correct(model, tokenizer, length: int, depth: float, key: str, device, precision: str) -> bool:
+    return bool(score_prompt(model, passkey_ids(tokenizer, length, depth, key), device, precision))
+
+
+def passkey_ids(tokenizer, length: int, depth: float, key: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of one trial."""
     from data.passkey import passkey_prompt
-    from training.process.device import autocast
 
     prompt, answer = passkey_prompt(length, depth, key, lambda text: len(tokenizer.encode(text)))
-    prompt_ids, answer_ids = tokenizer.encode(prompt), tokenizer.encode(answer)
-    ids = torch.tensor([prompt_ids + answer_ids], device=device)
+    return tokenizer.encode(prompt), tokenizer.encode(answer)
+
+
+@torch.no_grad()
+def score_prompt(model, ids: tuple[list[int], list[int]], device, precision: str) -> bool:
+    from training.process.device import autocast
+
+    prompt_ids, answer_ids = ids
+    sequence = torch.tensor([prompt_ids + answer_ids], device=device)
     with autocast(device, precision):
-        logits = model(ids[:, :-1])
+        logits = model(sequence[:, :-1])
     predicted = logits[0, len(prompt_ids) - 1 :].argmax(-1)
-    return bool((predicted == ids[0, len(prompt_ids) :]).all())
+    return bool((predicted == sequence[0, len(prompt_ids) :]).all())
 
 
 MAX_KEY_DIGITS = 18  # keys are drawn as int64
+DOES_NOT_FIT = "does not fit"
+NOT_RUN = "not run"
 
 
 def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> list[int]:
     """The lengths to test: each must hold a whole prompt (filler can shrink to nothing, the key
-    sentence and question cannot) and fit the model; the default is the powers of two from 256
-    (or the shortest prompt) below the run's seq_len, and the seq_len itself."""
+    sentence and question cannot); the default is the powers of two from 256 (or the shortest
+    prompt) below the run's seq_len, and the seq_len itself."""
     from data.passkey import passkey_prompt
 
     prompt, answer = passkey_prompt(0, 0.0, "9" * key_digits, lambda text: len(tokenizer.encode(text)))
     shortest = len(tokenizer.encode(prompt)) + len(tokenizer.encode(answer))
-    longest = int(cfg.model.max_seq_len)
     if asked is None:
         seq_len = int(cfg.trainer.seq_len)
         lengths = sorted({n for n in (2**k for k in range(31)) if max(256, shortest) <= n < seq_len} | {seq_len})
@@ -57,9 +80,88 @@ def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> 
         if n < shortest:
             raise ValueError(f"--lengths {n}: a passkey prompt with a {key_digits}-digit key needs at least "
                              f"{shortest} tokens of this tokenizer")
-        if n > longest:
-            raise ValueError(f"--lengths {n}: longer than the model's max_seq_len={longest}")
     return asked
+
+
+def length_column(model, trials: list[tuple[list[int], list[int]]], meter, device, precision: str,
+                  max_seq_len: int) -> tuple[list[bool] | None, str | None, int | None]:
+    """(hits, None, peak bytes) for one length's trials, or (None, why, None) when the length does
+    not fit: a sequence past model.max_seq_len, or a forward that ran out of memory (the column
+    stops at the first; memory does not depend on where the key sits)."""
+    longest = max(len(p) + len(a) - 1 for p, a in trials)
+    if longest > max_seq_len:
+        return None, f"{longest:,} tokens exceed model.max_seq_len={max_seq_len:,}", None
+    hits, peak, why = [], None, None
+    for ids in trials:
+        try:
+            with meter() as m:
+                hits.append(score_prompt(model, ids, device, precision))
+            peak = max(peak or 0, m.peak) if m.peak is not None else peak
+        except Exception as exc:  # noqa: BLE001 (only running out of memory is a result; the rest re-raised)
+            if not is_oom(exc):
+                raise
+            why = f"out of memory on the {_common.device_name(device)}" if device.type == "cuda" else \
+                "out of memory under --memory-budget-mb"
+        if why is not None:
+            break
+    release_memory(device)   # the exception, and the tensors its frames held, are gone by now
+    return (None, why, None) if why else (hits, None, peak)
+
+
+def grid_table(result: dict) -> tuple[list[str], list[tuple]]:
+    """(headers, rows) of a result's grid: depths down, lengths across; 'does not fit' columns
+    stay in the table, and lengths past the run's training length are marked with '*'."""
+    trained = result.get("trained_seq_len")
+    headers = ["depth \\ length", *(f"{n:,}" + ("*" if trained and n > trained else "") for n in result["lengths"])]
+    rows = [(f"{d:g}", *(cell_word(result, j) if a is None else f"{a:.2f}" for j, a in enumerate(accuracy)))
+            for d, accuracy in zip(result["depths"], result["accuracy"])]
+    return headers, rows
+
+
+def cell_word(result: dict, j: int) -> str:
+    """What a cell without an accuracy says: the length did not fit, or (a stopped run's JSON) it
+    was never reached."""
+    return DOES_NOT_FIT if result["why_not"][j] else NOT_RUN
+
+
+def grid_markdown(result: dict) -> str:
+    headers, rows = grid_table(result)
+    notes = [f"{result['name']}: {result['attention']} attention, {result['model']}, trained at "
+             f"{result['trained_seq_len']:,} tokens, {result['trials']} trials per cell"]
+    if any(n > result["trained_seq_len"] for n in result["lengths"]):
+        notes.append("* longer than the run's training length")
+    for n, why in zip(result["lengths"], result["why_not"]):
+        if why:
+            notes.append(f"{n:,} tokens: does not fit ({why})")
+    if result.get("measured", len(result["lengths"])) < len(result["lengths"]):
+        notes.append(f"stopped after {result['measured']} of {len(result['lengths'])} lengths")
+    peaks = [f"{n:,}: {human_bytes(p)}" for n, p in zip(result["lengths"], result["peak_memory_bytes"]) if p]
+    if peaks:
+        notes.append("peak memory of one forward: " + ", ".join(peaks))
+    return "\n".join(f"{line}." for line in notes) + "\n\n" + markdown_table(headers, rows)
+
+
+def draw_grid(ax, fig, result: dict) -> None:
+    """One heatmap: accuracy per cell, grey 'does not fit' columns, a dashed line where the lengths
+    pass the run's training length."""
+    accuracy = np.array([[np.nan if a is None else a for a in row] for row in result["accuracy"]], dtype=float)
+    lengths, depths = result["lengths"], result["depths"]
+    cmap = __import__("matplotlib").colormaps["RdYlGn"].with_extremes(bad="0.85")
+    image = ax.imshow(np.ma.masked_invalid(accuracy), vmin=0, vmax=1, cmap=cmap, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    for (i, j), a in np.ndenumerate(accuracy):
+        ax.text(j, i, cell_word(result, j).replace(" ", "\n", 1) if np.isnan(a) else f"{a:.2f}", ha="center",
+                va="center", fontsize=6 if np.isnan(a) else 8)
+    beyond = [j for j, n in enumerate(lengths) if n > result["trained_seq_len"]]
+    if beyond:
+        ax.axvline(beyond[0] - 0.5, color="k", ls="--", lw=1)
+    ax.set_xlabel(f"prompt length (tokens); dashed: past the {result['trained_seq_len']:,} it trained at"
+                  if beyond else "prompt length (tokens)", fontsize=8)
+    ax.set_ylabel("key depth")
+    ax.set_title(f"{result['name']}: {result['attention']}, {result['model']}, trained at "
+                 f"{result['trained_seq_len']:,}", fontsize=9)
+    fig.colorbar(image, ax=ax, label="accuracy")
 
 
 def main(argv: list[str]) -> None:
@@ -71,49 +173,57 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--key-digits", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-budget-mb", type=float, default=None,
+                        help="CPU only: MiB in all (the weights included) a forward's live tensors may take")
+    add_beside_argument(parser, "passkey grid")
     args = parser.parse_args(argv)
     require_positive(args, "lengths", "trials", "key_digits")
     if args.key_digits > MAX_KEY_DIGITS:
         raise ValueError(f"--key-digits {args.key_digits}: at most {MAX_KEY_DIGITS}")
     if any(not 0 <= d <= 1 for d in args.depths):
         raise ValueError(f"--depths {args.depths}: each depth must be in [0, 1]")
+    if args.memory_budget_mb is not None and not args.memory_budget_mb > 0:
+        raise ValueError(f"--memory-budget-mb {args.memory_budget_mb:g}: must be a number > 0")
+    beside = read_beside(args.beside, "eval_passkey.py", ("lengths", "depths", "accuracy", "why_not", "trained_seq_len"))
 
     from data.passkey import random_key
 
     model, cfg, tokenizer, device, path = load_for_eval(args)
+    meter = memory_meter(args, model, device)
     lengths = prompt_lengths(args.lengths, tokenizer, args.key_digits, cfg)
-    rng = np.random.default_rng(args.seed)
-    accuracy = np.zeros((len(args.depths), len(lengths)))
-    for j, length in enumerate(lengths):
-        for i, depth in enumerate(args.depths):
-            keys = [random_key(rng, args.key_digits) for _ in range(args.trials)]
-            hits = [passkey_correct(model, tokenizer, length, depth, k, device, cfg.trainer.precision) for k in keys]
-            accuracy[i, j] = np.mean(hits)
-
     name = run_name(args, path)
-    headers = ["depth \\ length", *(f"{n:,}" for n in lengths)]
-    rows = [(f"{d:g}", *(f"{a:.2f}" for a in accuracy[i])) for i, d in enumerate(args.depths)]
-    print_table(f"passkey accuracy: {name}", headers, rows)
+    result = {
+        "name": name, "checkpoint": str(path), "lengths": lengths, "depths": args.depths, "trials": args.trials,
+        "key_digits": args.key_digits, "seed": args.seed, "accuracy": [[None] * len(lengths) for _ in args.depths],
+        "why_not": [None] * len(lengths), "peak_memory_bytes": [None] * len(lengths), "measured": 0,
+        "trained_seq_len": int(cfg.trainer.seq_len), "tokenizer": tokenizer.fingerprint,
+        "attention": cfg.attention.name, "model": cfg.model.name, "environment": environment(device),
+    }
+    if beside is not None:
+        result["beside"] = beside
     stem = args.out_dir / f"passkey_{name}"
-    write_json(stem.with_suffix(".json"), {
-        "checkpoint": str(path), "lengths": lengths, "depths": args.depths, "trials": args.trials,
-        "key_digits": args.key_digits, "seed": args.seed, "accuracy": accuracy.tolist(),
-        "tokenizer": tokenizer.fingerprint, "attention": cfg.attention.name, "model": cfg.model.name,
-        "environment": environment(device),
-    })
-    write_text(stem.with_suffix(".md"), f"Passkey accuracy, {name}, {args.trials} trials per cell\n\n"
-               + markdown_table(headers, rows))
-    fig, axes = new_figure(figsize=(1.2 * len(lengths) + 2, 0.6 * len(args.depths) + 1.5))
-    ax = axes[0][0]
-    image = ax.imshow(accuracy, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
-    ax.set_yticks(range(len(args.depths)), [f"{d:g}" for d in args.depths])
-    for (i, j), a in np.ndenumerate(accuracy):
-        ax.text(j, i, f"{a:.1f}", ha="center", va="center", fontsize=8)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("key depth")
-    ax.set_title(f"{name}: passkey retrieval ({cfg.model.name})", fontsize=9)
-    fig.colorbar(image, ax=ax, label="accuracy")
+    rng = np.random.default_rng(args.seed)
+    for j, length in enumerate(lengths):
+        cells = [(i, passkey_ids(tokenizer, length, depth, random_key(rng, args.key_digits)))
+                 for i, depth in enumerate(args.depths) for _ in range(args.trials)]
+        hits, result["why_not"][j], result["peak_memory_bytes"][j] = length_column(
+            model, [ids for _, ids in cells], meter, device, cfg.trainer.precision, int(cfg.model.max_seq_len))
+        if hits is not None:
+            for i in range(len(args.depths)):
+                result["accuracy"][i][j] = float(np.mean([h for (row, _), h in zip(cells, hits) if row == i]))
+        result["measured"] = j + 1
+        write_json(stem.with_suffix(".json"), result)   # after each length: a stopped run keeps what it measured
+    headers, rows = grid_table(result)
+    print_table(f"passkey accuracy: {name}", headers, rows)
+    text = f"# Passkey retrieval: {name}\n\n" + grid_markdown(result)
+    if beside is not None:
+        text += f"\n## Beside it: {beside['name']}\n\n" + grid_markdown(beside)
+    write_text(stem.with_suffix(".md"), text)
+    panels = ([beside] if beside is not None else []) + [result]   # the earlier result on the left
+    width = sum(1.2 * len(r["lengths"]) + 2.5 for r in panels)
+    fig, axes = new_figure(1, len(panels), figsize=(width, 0.6 * max(len(r["depths"]) for r in panels) + 1.8))
+    for ax, panel in zip(axes[0], panels):
+        draw_grid(ax, fig, panel)
     save_figure(fig, stem.with_suffix(".png"))
     print(f"wrote {stem}.{{json,md,png}}")
 

@@ -67,13 +67,14 @@ def test_naive_is_the_reference_itself():
 
 def test_resolve_auto_picks_sdpa_on_cpu():
     assert resolve_attention("auto", "cpu") == "sdpa"
+    assert resolve_attention("auto", "cpu", score_options=True) == "naive"   # SDPA has no soft-capping, no sinks
     assert resolve_attention("naive", torch.device("cpu")) == "naive"
 
 
 def test_resolve_auto_on_cuda_wants_flash():
     assert ATTENTION["flash"] is flash_attention
     assert resolve_attention("auto", "cuda") == "flash"
-    assert resolve_attention("auto", "cuda", attention_dropout=0.2) == "sdpa"   # our kernel has no dropout
+    assert resolve_attention("auto", "cuda", score_options=True) == "flash"
 
 
 def test_sdpa_attention_dropout_drops_probabilities_unbiasedly():
@@ -96,14 +97,16 @@ def test_flash_on_cpu_without_interpreter_is_refused_up_front(monkeypatch):
     assert "TRITON_INTERPRET=1" in str(refused.value) and "about a minute per step" in str(refused.value)
 
 
-def test_flash_in_the_model_matches_naive():
+@pytest.mark.parametrize("options", [{}, {"attention_softcap": 0.02, "attention_sinks": True}], ids=["plain", "scores"])
+def test_flash_in_the_model_matches_naive(options):
     """The registry's flash entry inside a real GPT, with either backward: same loss and
-    gradients as naive (float32; on CPU through Triton's interpreter)."""
+    gradients as naive (float32; on CPU through Triton's interpreter); with a soft cap that bends
+    the initial scores and sinks, the sinks' gradients included."""
     from omegaconf import OmegaConf
     from training.builders import build_model   # the schema's checks, then model.build_model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "model" / "tiny.yaml")
-    cfg.merge_with({"n_layer": 2, "d_model": 64, "n_head": 4, "n_kv_head": 2})
+    cfg.merge_with({"n_layer": 2, "d_model": 64, "n_head": 4, "n_kv_head": 2, **options})
     idx = torch.randint(0, 256, (2, 40), device=device)
     results = {}
     for name, deterministic in (("naive", True), ("flash", True), ("flash", False)):

@@ -103,3 +103,17 @@ def test_the_legend_covers_neither_panel(tmp_path, monkeypatch):
     assert len(legend.get_texts()) == 12
     box = legend.get_window_extent()
     assert not any(box.overlaps(ax.get_window_extent()) for ax in panels)
+
+
+def test_a_gpu_run_s_memory_peak_is_a_column(tmp_path):
+    """CUDA runs log the allocator's peak in each row: the table shows the largest; CPU runs add no column."""
+    from training.run.records import RunRecord, comparison
+
+    gpu = RunRecord(tmp_path / "gpu", {"attention.name": "flash"},
+                    [{"step": s, "tokens": 10 * s, "loss": 2.0, "tokens_per_s": 100.0, "peak_memory_bytes": p}
+                     for s, p in ((1, 2**30), (2, 3 * 2**30))])
+    cpu = RunRecord(tmp_path / "cpu", {"attention.name": "naive"},
+                    [{"step": 1, "tokens": 10, "loss": 2.0, "tokens_per_s": 10.0}])
+    headers, rows = comparison([gpu, cpu])
+    assert headers[-1] == "peak memory" and [r[-1] for r in rows] == ["3.0 GiB", "-"]
+    assert "peak memory" not in comparison([cpu])[0]

@@ -1,5 +1,6 @@
 """The data tools in scripts/: stats, loader benchmark, loss by position, passkey grid."""
 import json
+import re
 import sys
 
 import pytest
@@ -97,3 +98,53 @@ def test_passkey_scoring_matches_greedy_decoding():
         model = Oracle(corrupt)
         model.full = torch.tensor(tok.encode(prompt + answer))
         assert eval_passkey.passkey_correct(model, tok, 200, 0.5, "24680", torch.device("cpu"), "fp32") is expect
+
+
+def test_passkey_lengths_that_do_not_fit_are_not_zeros(trained, tmp_path):
+    """A length past the CPU budget is a 'does not fit' column with its reason; the others are measured,
+    with their forward's peak memory."""
+    run_dir, _ = trained
+    eval_passkey.main([str(run_dir), "--device", "cpu", "--lengths", "128", "2048", "--depths", "0", "1",
+                       "--trials", "1", "--attention", "naive", "--memory-budget-mb", "4", "--out", str(tmp_path),
+                       "--name", "t"])
+    result = json.loads((tmp_path / "passkey_t.json").read_text())
+    assert result["why_not"] == [None, "out of memory under --memory-budget-mb"]
+    assert [row[1] for row in result["accuracy"]] == [None, None] and result["peak_memory_bytes"][0] > 0
+    md = (tmp_path / "passkey_t.md").read_text()
+    assert re.search(r"^\| 0 \| [01]\.00 \| does not fit \|$", md, re.M) and "2,048*" in md
+
+
+def test_a_length_past_the_position_table_does_not_fit():
+    import torch
+
+    from _eval import memory_meter
+
+    meter = memory_meter(__import__("argparse").Namespace(memory_budget_mb=None), None, torch.device("cpu"))
+    hits, why, peak = eval_passkey.length_column(None, [([1] * 12, [2, 3])], meter, torch.device("cpu"), "fp32", 10)
+    assert (hits, peak) == (None, None) and why == "13 tokens exceed model.max_seq_len=10"
+
+
+def test_loss_curves_beside_each_other_must_share_their_held_out_tokens(trained, tmp_path):
+    run_dir, _ = trained
+    common = [str(run_dir), "--device", "cpu", "--batches", "2", "--out", str(tmp_path)]
+    eval_loss_by_position.main(common + ["--name", "a", "--bucket-tokens", "16"])
+    eval_loss_by_position.main(common + ["--name", "b", "--seq-len", "32", "--bucket-tokens", "16",
+                                         "--beside", str(tmp_path / "loss_by_position_a.json")])
+    b = json.loads((tmp_path / "loss_by_position_b.json").read_text())
+    assert b["beside"]["name"] == "a" and len(b["beside"]["buckets"]) == 4 and len(b["buckets"]) == 2
+    other = json.loads((tmp_path / "loss_by_position_a.json").read_text()) | {"validation": "0" * 16}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="was evaluated on other held-out tokens"):
+        eval_loss_by_position.main(common + ["--name", "c", "--beside", str(tmp_path / "other.json")])
+    (tmp_path / "grid.json").write_text(json.dumps({"name": "x", "lengths": [128]}))
+    with pytest.raises(ValueError, match=r"not a result of eval_loss_by_position.py \(it has no buckets, validation"):
+        eval_loss_by_position.main(common + ["--name", "c", "--beside", str(tmp_path / "grid.json")])
+
+
+def test_a_grid_cut_short_says_not_run_not_does_not_fit():
+    result = {"name": "t", "attention": "naive", "model": "tiny", "trials": 2, "trained_seq_len": 256,
+              "lengths": [128, 512, 1024], "depths": [0.0], "accuracy": [[1.0, None, None]],
+              "why_not": [None, "out of memory under --memory-budget-mb", None], "peak_memory_bytes": [1, None, None],
+              "measured": 2}
+    assert eval_passkey.grid_table(result)[1] == [("0", "1.00", "does not fit", "not run")]
+    assert "stopped after 2 of 3 lengths" in eval_passkey.grid_markdown(result)

@@ -80,6 +80,64 @@ def test_passkey_documents_hold_the_key_at_the_chosen_depth(tmp_path):
     assert prompt.endswith("The secret key is") and answer == " 12345" and abs(len(prompt) - 2000) < 100
 
 
+def test_passkey_prompts_are_sized_by_filler_counted_within_a_run():
+    """A tokenizer that merges across filler sentences (here: words split on spaces, the trailing
+    space of a sentence alone one more 'token') gets prompts of the asked length, and the source's
+    fingerprint says its texts differ from those sized a sentence alone; bytes keep both."""
+    from types import SimpleNamespace
+
+    from data.sources.passkey import PasskeySource
+    from data.tokenizer import ByteTokenizer
+
+    words = SimpleNamespace(encode=lambda text: text.split(" "))
+    prompt, answer = passkey_prompt(5000, 0.3, "12345", lambda s: len(words.encode(s)))
+    assert abs(len(words.encode(prompt)) - 5000) <= 10
+    source = PasskeySource(4, 600, None, 5, 0)
+    assert source.for_tokenizer(ByteTokenizer()).fingerprint == source.fingerprint
+    assert source.for_tokenizer(words).fingerprint == source.fingerprint + "-runs"
+
+
+def test_stdlib_min_doc_bytes_keeps_the_longest_documents():
+    from data.sources.stdlib import StdlibSource
+
+    whole, longest = StdlibSource(include_tests=False), StdlibSource(include_tests=False, min_doc_bytes=100_000)
+    assert 0 < longest.num_documents < whole.num_documents
+    assert all(d.size >= 100_000 for d in longest._docs) and longest.fingerprint != whole.fingerprint
+    with pytest.raises(ValueError, match=r"data.min_doc_bytes=1000000000: no document .* is that long \(the longest has"):
+        StdlibSource(include_tests=False, min_doc_bytes=10**9)
+
+
+MIX = {"name": "stdlib-passkey", "min_doc_bytes": 100_000, "max_bytes": 2_000_000, "val_fraction": 0.2,
+       "passkey": {"num_docs": 6, "length": 600, "depths": None, "key_digits": 5, "seed": 0}}
+OTHER_PASSKEYS = {"passkey": {"num_docs": 4, "length": 300, "depths": None, "key_digits": 5, "seed": 0}}
+
+
+def test_stdlib_passkey_holds_out_corpus_documents_only(tmp_path):
+    """The mix's validation is the corpus's own (the same held-out tokens as the corpus alone), and
+    every passkey document is in training."""
+    mix = bundle_for(tmp_path, MIX, seq_len=512)
+    corpus = bundle_for(tmp_path, {k: v for k, v in MIX.items() if k != "passkey"} | {"name": "stdlib"}, seq_len=512)
+    assert mix.val_split == "documents" and mix.validation_digest() == corpus.validation_digest()
+    held_out = mix.tokenizer.decode(mix.validation.stream.read(0, mix.val_tokens).tolist())
+    assert "secret key" not in held_out
+    passkeys = [d for d in documents(mix) if d.startswith(("The river", "Remember"))]
+    assert len(passkeys) == 6 and mix.train_tokens == mix.cache.n_tokens - mix.val_tokens
+    other = bundle_for(tmp_path, MIX | OTHER_PASSKEYS, seq_len=512)
+    assert other.fingerprint != mix.fingerprint and other.validation_digest() == mix.validation_digest()
+
+
+def test_stdlib_passkey_trains_its_bpe_on_the_corpus_alone(tmp_path):
+    bpe = {"name": "bpe", "vocab_size": 300, "min_frequency": 2, "train_max_bytes": 300_000}
+    one = bundle_for(tmp_path, MIX, seq_len=512, tokenizer=bpe)
+    two = bundle_for(tmp_path, MIX | OTHER_PASSKEYS, seq_len=512, tokenizer=bpe)
+    assert one.tokenizer.path == two.tokenizer.path and "-stdlib-" in one.tokenizer.path.parent.name
+
+
+def test_stdlib_passkey_with_too_few_corpus_documents_says_so(tmp_path):
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.2: the corpus's 1 document\(s\) cannot be split"):
+        bundle_for(tmp_path, MIX | {"max_bytes": 1})
+
+
 def test_cache_is_reused_and_keyed_by_content(tmp_path, corpus):
     data = {"name": "files", "paths": [str(corpus / "txt")]}
     first = bundle_for(tmp_path, data)

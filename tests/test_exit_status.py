@@ -29,7 +29,8 @@ HYDRA_ERRORS = [
     (["model=gpt2small"], "error: In 'train': Could not find 'model/gpt2small'; Available options in 'model': "
                           "gpt-1b, gpt2-medium, gpt2-small, tiny"),
     (["experiment=cpu-smal"], "error: In 'train': Could not find 'experiment/cpu-smal'; Available options in "
-                              "'experiment': cpu-small, gpt2-small-4k, long-context-flash, passkey, shakespeare-char"),
+                              "'experiment': cpu-small, gpt2-small-4k, long-context-flash, long-context-passkey, "
+                              "long-context-passkey-cpu, long-context-passkey-naive, passkey, shakespeare-char"),
     (["data=files", "data.paths=[~/corpus]"], "error: LexerNoViableAltException: data.paths=[~/corpus]; ^; a value "
      "holding ~, spaces or other special characters goes in quotes, e.g. 'data.paths=[\"~/corpus\"]'"),
 ]

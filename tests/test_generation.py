@@ -66,6 +66,24 @@ def test_static_cache_decoding_equals_the_eager_cache(attention, dtype, tol, cha
     torch.testing.assert_close(static_logits, eager_logits, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("attention,dtype,tol", [("naive", torch.float64, 1e-10), ("flash", torch.float32, 2e-5)])
+def test_soft_capped_models_with_sinks_decode_as_they_recompute(attention, dtype, tol):
+    """model.attention_softcap and model.attention_sinks through the eager cache (the attention entry)
+    and the static one (its decode entry: kernels/decode.py for flash): the tokens and logits of
+    recomputing the whole sequence each step."""
+    model = tiny(attention, dtype, attention_softcap=0.02, attention_sinks=True)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.sinks.normal_()
+    prompt = tokens(model, 2, 7)
+    steps = 4 if attention == "flash" else 10
+    full_logits, full = run(model, prompt, steps, use_cache=False)
+    for mode in ("eager", "static"):
+        logits, generated = run(model, prompt, steps, use_cache=True, mode=mode)
+        assert torch.equal(generated, full), mode
+        torch.testing.assert_close(logits, full_logits, rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])
 def test_static_cache_keeps_a_sliding_window(attention):
     torch.manual_seed(0)

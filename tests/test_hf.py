@@ -26,7 +26,9 @@ LLAMA_OPTIONS = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2)
 
 def ours(**options):
     torch.manual_seed(0)
-    model = build_model(dict(name="t", n_layer=2, n_head=4, d_model=64, max_seq_len=64, **options), 257, "sdpa")
+    scores = {"attention_softcap", "attention_sinks"} & options.keys()   # what SDPA cannot compute
+    model = build_model(dict(name="t", n_layer=2, n_head=4, d_model=64, max_seq_len=64, **options), 257,
+                        "naive" if scores else "sdpa")
     with torch.no_grad():   # biases and norm weights away from their 0 / 1 init, so a mix-up shows
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -60,6 +62,8 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, options, arch)
     (dict(LLAMA_OPTIONS, mlp="gelu"), "model.mlp='gelu' does not map"),
     (dict(GPT2_OPTIONS, norm="rmsnorm"), "model.norm='rmsnorm' does not map .* GPT-2, which needs norm=layernorm"),
     (dict(GPT2_OPTIONS, n_kv_head=2), "model.n_kv_head=2 does not map"),
+    (dict(LLAMA_OPTIONS, attention_softcap=30.0), "model.attention_softcap=30.0 does not map .* do not cap attention"),
+    (dict(GPT2_OPTIONS, attention_sinks=True), "model.attention_sinks=True does not map .* have no attention sinks"),
 ])
 def test_unmappable_options_are_refused_before_writing(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):

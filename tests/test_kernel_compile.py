@@ -20,22 +20,28 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = r"""
 import json, sys
 sys.path.insert(0, "scripts/kernel_dev")
-from kernel_report import compile_for_hopper as compile_kernel
+from kernel_report import compile_for_hopper as compile_kernel, score_args
 from kernels.flash_fwd import flash_fwd_kernel
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 
-def compile_for_hopper(kernel, constexprs, warps, stages, pointers=None):
+def compile_for_hopper(kernel, constexprs, warps, stages, pointers=None, scores=()):
     # Inductor's signature: every int an unspecialised i32, Python floats fp64
+    constexprs = dict(constexprs, **score_args(kernel, scores))
     compiled = compile_kernel(kernel, constexprs, warps, stages, values=None, pointers=pointers)
     return "wgmma.mma_async" in compiled.asm["ptx"]
 
 results = {}
-# plain causal, and the document mask with a sliding window (the most index math)
-for tag, masks in (("", dict(DOCS=False, WINDOW=False)), ("_masked", dict(DOCS=True, WINDOW=True))):
+# plain causal; the document mask with a sliding window (the most index math); and those with every
+# score option (kernels/scores.py: dropout, soft-capping, sinks)
+for tag, masks, scores in (("", dict(DOCS=False, WINDOW=False), ()), ("_masked", dict(DOCS=True, WINDOW=True), ()),
+                           ("_scores", dict(DOCS=True, WINDOW=True), ("dropout", "softcap", "sinks"))):
     common = dict(HEAD_DIM=96, BLOCK_D=128, CAUSAL=True, PRECISION="tf32", **masks)
-    results["fwd" + tag] = compile_for_hopper(flash_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64), 8, 3)
-    results["bwd_kv" + tag] = compile_for_hopper(flash_bwd_kv_kernel, dict(common, BLOCK_N=128, BLOCK_M=32), 8, 3)
-    results["bwd_q" + tag] = compile_for_hopper(flash_bwd_q_kernel, dict(common, BLOCK_M=128, BLOCK_N=32), 8, 3)
+    results["fwd" + tag] = compile_for_hopper(flash_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64), 8, 3,
+                                              scores=scores)
+    results["bwd_kv" + tag] = compile_for_hopper(flash_bwd_kv_kernel, dict(common, BLOCK_N=128, BLOCK_M=32), 8, 3,
+                                                 scores=scores)
+    results["bwd_q" + tag] = compile_for_hopper(flash_bwd_q_kernel, dict(common, BLOCK_M=128, BLOCK_N=32), 8, 3,
+                                                scores=scores)
 results["delta"] = compile_for_hopper(flash_bwd_delta_kernel, dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_M=64), 4, 1)
 print(json.dumps(results))
 """
@@ -55,15 +61,17 @@ def test_kernels_compile_for_sm90_with_inductor_signature():
     uses_wgmma = compile_in_subprocess(SCRIPT)
     # the three matmul kernels must reach Hopper's tensor-core instructions
     assert uses_wgmma == {"fwd": True, "bwd_kv": True, "bwd_q": True, "fwd_masked": True, "bwd_kv_masked": True,
-                          "bwd_q_masked": True, "delta": False}, uses_wgmma
+                          "bwd_q_masked": True, "fwd_scores": True, "bwd_kv_scores": True, "bwd_q_scores": True,
+                          "delta": False}, uses_wgmma
 
 
 ATOMIC_SCRIPT = SCRIPT.split("results = {}")[0] + r"""
 from kernels.flash_bwd import flash_bwd_kv_dq_kernel
 results = {}
-for tag, masks in (("", dict(DOCS=False, WINDOW=False)), ("_masked", dict(DOCS=True, WINDOW=True))):
+for tag, masks, scores in (("", dict(DOCS=False, WINDOW=False), ()), ("_masked", dict(DOCS=True, WINDOW=True), ()),
+                           ("_scores", dict(DOCS=True, WINDOW=True), ("dropout", "softcap"))):
     consts = dict(HEAD_DIM=96, BLOCK_D=128, CAUSAL=True, PRECISION="tf32", BLOCK_N=128, BLOCK_M=32, **masks)
-    results["bwd_kv_dq" + tag] = compile_for_hopper(flash_bwd_kv_dq_kernel, consts, 8, 3, {"dQ": "*fp32"})
+    results["bwd_kv_dq" + tag] = compile_for_hopper(flash_bwd_kv_dq_kernel, consts, 8, 3, {"dQ": "*fp32"}, scores)
 print(json.dumps(results))
 """
 
@@ -71,7 +79,8 @@ print(json.dumps(results))
 @pytest.mark.slow
 def test_atomic_backward_compiles_for_sm90_with_inductor_signature():
     """The dK/dV kernel that adds dQ with float32 atomics (deterministic=False), plain and masked."""
-    assert compile_in_subprocess(ATOMIC_SCRIPT) == {"bwd_kv_dq": True, "bwd_kv_dq_masked": True}
+    assert compile_in_subprocess(ATOMIC_SCRIPT) == {"bwd_kv_dq": True, "bwd_kv_dq_masked": True,
+                                                    "bwd_kv_dq_scores": True}
 
 
 @pytest.mark.slow
@@ -128,11 +137,12 @@ sys.path.insert(0, "scripts/kernel_dev")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernel_report import ptxas_report
+from kernel_report import ptxas_report, score_args
 from kernels.decode import flash_decode_merge_kernel, flash_decode_split_kernel
 
 def compile_for_hopper(kernel, pointers, floats, constexprs, warps):
-    # Inductor-style: every int an unspecialised i32, floats as given
+    # Inductor-style: every int an unspecialised i32, floats as given; the score options off unless given
+    constexprs = {**score_args(kernel), **constexprs}
     signature = {name: "constexpr" if name in constexprs else pointers.get(name) or ("fp64" if name in floats else "i32")
                  for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
@@ -184,12 +194,15 @@ q = torch.randn(2, 256, 8, 64, dtype=torch.float16)
 k, v = torch.randn(2, 256, 2, 64, dtype=torch.float16), torch.randn(2, 256, 2, 64, dtype=torch.float16)
 out, lse, do = torch.empty_like(q), torch.empty(2, 8, 256), torch.randn_like(q)
 docs = bounds_buffer(torch.repeat_interleave(torch.arange(2), 128)[None].expand(2, -1).contiguous(), None, 256)
+scores = dict(softcap=30.0, dropout_p=0.1, rng=torch.zeros(2, dtype=torch.int64))   # kernels/scores.py
 results = {}
-for tag, bounds, window in (("", None, 0), ("_masked", docs, 17)):
+for tag, bounds, window, options in (("", None, 0, {}), ("_masked", docs, 17, {}), ("_scores", docs, 17, scores)):
     launches.clear()
-    flash_op._triton_forward(q, k, v, True, 0.125, bounds, window, Recorder)
+    flash_op._triton_forward(q, k, v, True, 0.125, bounds, window, Recorder, **options,
+                             sinks=torch.zeros(8) if options else None)
     for deterministic in (True, False):
-        flash_op._triton_backward(do, q, k, v, out, lse, True, 0.125, bounds, window, deterministic, Recorder)
+        flash_op._triton_backward(do, q, k, v, out, lse, True, 0.125, bounds, window, deterministic, Recorder,
+                                  **options)
     for kernel, args, consts in launches:
         fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
         kwargs = {**dict(zip(fn.arg_names, args)), **consts,
@@ -210,9 +223,10 @@ def test_inductor_sees_each_kernel_write_only_its_outputs():
     uses is filled with another tensor (Docs with the LSE when there is no mask), so an input taken
     for written gives wrong results, not an error: a helper that returned a pointer into Docs once
     made the compiled dK/dV wrong on the GPU while eager was exact. This runs that analysis on the
-    CPU, for every launch of the forward and both backwards, with and without masks."""
+    CPU, for every launch of the forward and both backwards, with and without masks, and with the
+    score options (kernels/scores.py), whose seed and sinks are inputs only."""
     outputs = {"flash_fwd_kernel": ["Lse", "Out"], "flash_bwd_delta_kernel": ["Delta"],
                "flash_bwd_q_kernel": ["Delta", "dQ"], "flash_bwd_kv_kernel": ["dK", "dV"],
                "flash_bwd_kv_dq_kernel": ["dK", "dQ", "dV"]}
     written = compile_in_subprocess(MUTATION_SCRIPT)
-    assert written == {name + tag: outs for name, outs in outputs.items() for tag in ("", "_masked")}
+    assert written == {name + tag: outs for name, outs in outputs.items() for tag in ("", "_masked", "_scores")}

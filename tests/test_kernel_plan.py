@@ -75,6 +75,31 @@ def test_settings_the_gluon_kernels_refuse(changes, match):
     assert (plan.forward.family, plan.backward.family) == ("triton", "triton")
 
 
+@pytest.mark.parametrize("changes, directions, match", [
+    (dict(dropout=True), ("forward", "backward"), "it implements no attention dropout"),
+    (dict(softcap=True), ("forward", "backward"), "it implements no logit soft-capping"),
+    (dict(sinks=True), ("forward",), "it implements no attention sinks"),
+    (dict(dropout=True, softcap=True, sinks=True), ("forward",),
+     "it implements no attention dropout or logit soft-capping or attention sinks"),
+])
+def test_score_options_the_gluon_kernels_refuse(changes, directions, match):
+    """The Gluon kernels have no dropout, soft-capping or sinks (kernels/scores.py): 'gluon' is refused
+    in one line naming it, and 'auto' runs Triton there even where Gluon was measured faster."""
+    for direction in directions:
+        with pytest.raises(ValueError, match=f"cannot run the {direction} of this call: {match} "
+                                             r"\(kernel='triton' can\)"):
+            plan_kernels(setting(**changes, **{direction: "gluon"}))
+        plan = plan_kernels(setting(**changes, length=1 << 20))
+        assert getattr(plan, direction).family == "triton"
+
+
+def test_sinks_keep_the_gluon_backward():
+    """The backward takes the sinks in through the forward's LSE, so Gluon's serves them."""
+    plan = plan_kernels(setting(sinks=True, length=1 << 20))
+    assert (plan.forward.family, plan.backward.family) == ("triton", "gluon")
+    assert plan_kernels(setting(sinks=True, backward="gluon")).backward.family == "gluon"
+
+
 @pytest.mark.parametrize("head_dim, causal, length, want", [
     (128, True, 1024, "gluon"), (128, True, 16384, "gluon"), (128, False, 4096, "triton"), (128, False, 16384, "gluon"),
     (64, True, 1024, "triton"), (64, True, 4096, "triton"), (64, True, 16384, "gluon"), (64, False, 16384, "gluon"),
@@ -205,7 +230,10 @@ TINY = {64: ["model=tiny", "model.n_layer=1", "model.d_model=128", "model.n_head
 @pytest.mark.skipif(HAS_CUDA, reason="fakes a Hopper on the CPU")
 @pytest.mark.parametrize("words", [["attention.kernel=auto"], ["attention.kernel=triton"], ["attention.kernel=gluon"],
                                    ["attention.forward_kernel=gluon", "attention.backward_kernel=triton"],
-                                   ["attention.kernel=gluon", "attention.deterministic=false"]],
+                                   ["attention.kernel=gluon", "attention.deterministic=false"],
+                                   ["attention.kernel=auto", "model.attention_sinks=true"],
+                                   ["attention.kernel=auto", "model.attention_dropout=0.1",
+                                    "model.attention_softcap=30"]],
                          ids=lambda w: ",".join(x.split(".")[-1] for x in w))
 @pytest.mark.parametrize("head_dim, length", [(64, 256), (64, 16384), (128, 1024)])
 def test_the_kernels_that_launch_are_the_plans(monkeypatch, launches, words, head_dim, length):

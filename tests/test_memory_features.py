@@ -10,12 +10,14 @@ from model.losses import chunked_linear_cross_entropy
 TINY = dict(name="t", n_layer=2, n_head=4, n_kv_head=2, d_model=32, vocab_size=None, max_seq_len=64)
 
 
-def loss_and_grads(attention="sdpa", seed=0, **changes):
-    """Loss and parameter gradients of a float64 tiny model built from `seed` (weights and data)."""
+def loss_and_grads(attention="sdpa", seed=0, dtype=torch.float64, **changes):
+    """Loss and parameter gradients of a float64 tiny model built from `seed` (weights and data);
+    float32 for our kernel (on a CPU in Triton's interpreter)."""
+    device = "cuda" if attention == "flash" and torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
-    model = build_model({**TINY, **changes}, vocab_size=50, attention=attention).double().train()
-    idx = torch.randint(0, 50, (2, 24))
-    targets = torch.randint(0, 50, (2, 24))
+    model = build_model({**TINY, **changes}, vocab_size=50, attention=attention).to(device, dtype).train()
+    idx = torch.randint(0, 50, (2, 24), device=device)
+    targets = torch.randint(0, 50, (2, 24), device=device)
     targets[1, :7] = -100
     torch.manual_seed(seed + 1)    # same dropout masks in every variant
     loss = model(idx, targets)
@@ -44,6 +46,16 @@ def test_activation_checkpointing_replays_dropout(mode):
     plain = loss_and_grads(dropout=0.2, pos_emb="learned", norm="layernorm", mlp="gelu", bias=True)
     assert_same(plain, loss_and_grads(dropout=0.2, pos_emb="learned", norm="layernorm", mlp="gelu",
                                       bias=True, activation_checkpointing=mode))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_replays_attention_dropout_in_our_kernel(mode):
+    """Full checkpointing reruns the attention forward in the backward: its dropout seed is drawn
+    again from the replayed generator, so its mask, and the loss and gradients, are the plain
+    model's; selective keeps the seed the forward drew."""
+    plain = loss_and_grads("flash", dtype=torch.float32, attention_dropout=0.3)
+    assert_same(plain, loss_and_grads("flash", dtype=torch.float32, attention_dropout=0.3,
+                                      activation_checkpointing=mode))
 
 
 def _saved_activation_bytes(mode, seq_len=256):

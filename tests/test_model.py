@@ -57,20 +57,55 @@ def test_causal_future_tokens_do_not_change_past_outputs(pos_emb, attention):
     assert (a[:, 9] - b[:, 9]).abs().max() > 1e-4    # the changed position itself does see it
 
 
-def test_attention_dropout_acts_in_training_through_sdpa_only():
-    idx = torch.randint(0, 50, (2, 16))
-    exact, dropping = tiny(dropout=0.0).double(), tiny(attention_dropout=0.3).double()
+@pytest.mark.parametrize("attention", ["naive", "sdpa", "flash"])
+def test_attention_dropout_acts_in_training_only(attention):
+    """Every attention drops probabilities in training (flash: in its tiles; float32 in Triton's
+    interpreter on a CPU) and none in eval mode."""
+    device, dtype = ("cuda" if torch.cuda.is_available() else "cpu", torch.float32) if attention == "flash" \
+        else ("cpu", torch.float64)
+    idx = torch.randint(0, 50, (2, 16), device=device)
+    torch.manual_seed(0)
+    exact = build_model(TINY, vocab_size=50, attention=attention).to(device, dtype)
+    torch.manual_seed(0)
+    dropping = build_model({**TINY, "attention_dropout": 0.3}, vocab_size=50, attention=attention).to(device, dtype)
     dropping.eval()
     torch.testing.assert_close(dropping(idx), exact(idx), rtol=0, atol=0)   # no dropout in eval mode
     dropping.train()
     a, b = dropping(idx), dropping(idx)
     assert (a - b).abs().max() > 1e-3 and (a - exact(idx)).abs().max() > 1e-3
-    naive = build_model({**TINY, "attention_dropout": 0.3}, vocab_size=50, attention="naive")
-    naive.eval()
-    naive(idx)   # evals and generation may use any attention
-    with pytest.raises(ValueError, match=r"model.attention_dropout=0.3 needs attention=sdpa to train "
-                                         r"\(attention=naive computes attention without dropout\)"):
-        naive.train()(idx)
+
+
+@pytest.mark.parametrize("options", [{"attention_softcap": 1e-3}, {"attention_sinks": True},
+                                     {"attention_softcap": 1e-3, "attention_sinks": True}], ids=str)
+def test_softcap_and_sinks_change_the_model_and_sinks_are_trained_parameters(options):
+    """A cap and sinks change the function (the initial scores are ~1e-3, so the cap bites at 1e-3;
+    sinks are 0 at the start: each row's denominator gains 1),
+    the sinks are one parameter per layer and head, trained (a gradient), and kept in state_dict."""
+    idx = torch.randint(0, 50, (2, 16))
+    torch.manual_seed(0)
+    plain = build_model(TINY, vocab_size=50, attention="naive").double()
+    torch.manual_seed(0)
+    model = build_model({**TINY, **options}, vocab_size=50, attention="naive").double()
+    model.load_state_dict(plain.state_dict(), strict=False)
+    assert (model(idx) - plain(idx)).abs().max() > 1e-4
+    sinks = [name for name in model.state_dict() if name.endswith("attn.sinks")]
+    assert len(sinks) == (TINY["n_layer"] if options.get("attention_sinks") else 0)
+    if sinks:
+        model(idx, idx).backward()
+        grads = [block.attn.sinks.grad for block in model.blocks]
+        assert all(g.shape == (TINY["n_head"],) and g.abs().max() > 0 for g in grads)
+        assert model.num_params() == plain.num_params() + TINY["n_layer"] * TINY["n_head"]
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"attention_softcap": 30.0}, r"model.attention_softcap=30.0 needs attention=naive or flash "
+                                  r"\(attention=sdpa has no logit soft-capping\)"),
+    ({"attention_sinks": True}, r"model.attention_sinks=true needs attention=naive or flash "
+                                r"\(attention=sdpa has no attention sinks\)"),
+])
+def test_sdpa_refuses_softcap_and_sinks(options, match):
+    with pytest.raises(ValueError, match=match):
+        build_model({**TINY, **options}, vocab_size=50, attention="sdpa")
 
 
 def test_naive_and_sdpa_models_agree_in_float64():

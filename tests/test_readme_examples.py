@@ -23,14 +23,16 @@ from tests.trainrun import REPO, cache_dir, run_in_process, tiny_overrides  # no
 
 sys.path.insert(0, str(REPO / "scripts"))
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-GPU_TOOLS = {"bench_attention", "bench_document_mask", "bench_generation", "bench_parallel", "bench_ring_attention",
-             "check_gpu_resume", "profile_step"}   # without --smoke (where they have it) they refuse on a CPU
+GPU_TOOLS = {"bench_attention", "bench_attention_scores", "bench_document_mask", "bench_generation", "bench_parallel",
+             "bench_ring_attention", "check_gpu_resume", "profile_step"}   # without --smoke (where they have it) they refuse on a CPU
 # The documented tool commands not run here, with the reason: minutes on a CPU (each tool's own
 # test runs it at a smaller size), or a write into the committed benchmarks/.
 NOT_RUN = {
     ("max_context", "model=gpt2-small"): "a gpt2-small model for each search, then nothing fits the CPU's budget "
                                          "(test_max_context.py checks what it says then)",
-    ("eval_passkey", ""): "about 70 s of 16K-token prompts on a CPU (test_data_scripts.py runs it smaller)",
+    ("eval_passkey", "16384"): "about 70 s of 16K-token prompts on a CPU (test_data_scripts.py runs it smaller)",
+    ("eval_loss_by_position", "--beside"): "needs runs/a's own result under outputs/eval/ first "
+                                           "(test_long_context_passkey.py runs both)",
     ("bench_ring_balance", ""): "about a minute of counting (test_bench_ring_balance.py runs it smaller)",
     ("compare_attention_losses", ""): "300 steps of flash in Triton's interpreter (test_compare_attention_losses.py)",
     ("plot_max_context", "--out benchmarks/"): "rewrites a committed figure under benchmarks/",

@@ -77,6 +77,27 @@ def test_graceful_stop_saves_then_resume_is_bit_identical(tmp_path, cache_dir, r
     assert losses(tmp_path) == reference
 
 
+# Attention dropout in our kernel (Triton's interpreter on the CPU, so a smaller model): its masks
+# come from a seed each call draws from torch's generator, whose state checkpoints keep.
+DROPOUT = {"attention": "flash", "model.attention_dropout": 0.2, "model.n_layer": 1, "model.d_model": 32,
+           "model.n_head": 2, "model.n_kv_head": 1, "trainer.seq_len": 32, "trainer.batch_size": 2,
+           "trainer.ckpt_every": 2}
+DROPOUT_STEPS = 8
+
+
+def test_sigkill_then_resume_is_bit_identical_with_attention_dropout(tmp_path, cache_dir):
+    reference_dir = tmp_path / "reference"
+    result = run_subprocess(tiny_overrides(reference_dir, cache_dir, steps=DROPOUT_STEPS, **DROPOUT))
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "killed"
+    overrides = tiny_overrides(run_dir, cache_dir, steps=DROPOUT_STEPS, resume="auto", **DROPOUT)
+    assert start_and_signal(overrides, run_dir, signal.SIGKILL, after_steps=4) == -signal.SIGKILL
+    assert 4 <= logged_steps(run_dir) < DROPOUT_STEPS
+    result = run_subprocess(overrides)
+    assert result.returncode == 0, result.stderr
+    assert losses(run_dir) == losses(reference_dir)
+
+
 def test_resume_auto_skips_truncated_and_garbage_checkpoints(tmp_path, cache_dir, caplog):
     overrides = tiny_overrides(tmp_path, cache_dir, steps=12, **{"trainer.keep_ckpts": 3})
     assert run_in_process(overrides) == 0

@@ -130,7 +130,8 @@ def _worker(rank, size, port, path):
 
 # name: model config overrides (GQA throughout; RoPE and learned positions; checkpointing;
 # "compile": the model under torch.compile, C=2 only, aot_eager: no C++ toolchain needed;
-# "documents": packed windows with the document mask, "window": attention.window)
+# "documents": packed windows with the document mask, "window": attention.window; a soft cap that
+# bends the initial scores, and sinks)
 MODEL_CASES = {
     "model-rope": {},
     "model-learned-full-ckpt": {"pos_emb": "learned", "activation_checkpointing": "full"},
@@ -139,6 +140,7 @@ MODEL_CASES = {
     "model-docs-reset-learned-full-ckpt": {"documents": True, "reset_positions": True, "pos_emb": "learned",
                                            "activation_checkpointing": "full"},
     "model-docs-window-reset-compiled": {"documents": True, "window": 5, "reset_positions": True, "compile": True},
+    "model-softcap-sinks": {"attention_softcap": 0.02, "attention_sinks": True},   # the sinks' gradient included
 }
 COMPILED_CASE_SIZES = (2,)
 VOCAB = 64

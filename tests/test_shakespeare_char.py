@@ -1,7 +1,7 @@
 """experiment=shakespeare-char on the CPU: a tiny text file through the same path the GPU run
-takes (files source, bytes tokenizer, the last 10% held out, SDPA with attention dropout, moving
-windows), then scripts/generate.py from the run's folder, and the comparison script's own
-plumbing (run --smoke, report) on our side of it."""
+takes (files source, bytes tokenizer, the last 10% held out, our kernel with attention dropout,
+in Triton's interpreter, moving windows), then scripts/generate.py from the run's folder, and the
+comparison script's own plumbing (run --smoke, report) on our side of it."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ import pytest
 
 from tests.trainrun import REPO, cache_dir, run_in_process, subprocess_env  # noqa: F401 (a fixture)
 
-# Small enough for a few CPU steps; everything else is the experiment's.
-SMALL = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.n_kv_head=2", "trainer.batch_size=4",
+# Small enough for a few CPU steps (our kernel runs in Triton's interpreter); everything else is the experiment's.
+SMALL = ["model.n_layer=1", "model.d_model=64", "model.n_head=2", "model.n_kv_head=2", "trainer.batch_size=2",
          "trainer.seq_len=64", "model.max_seq_len=64", "trainer.max_steps=6", "trainer.eval_every=3",
          "trainer.eval_batches=2", "trainer.compile=false", "trainer.progress=false", "device=cpu"]
 
@@ -40,7 +40,7 @@ def test_the_recipe_runs_on_a_local_text_file_with_nanogpts_split(run_dir, text_
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
-    assert (cfg.attention.name, cfg.model.dropout, cfg.model.attention_dropout) == ("sdpa", 0.2, 0.2)
+    assert (cfg.attention.name, cfg.model.dropout, cfg.model.attention_dropout) == ("flash", 0.2, 0.2)
     assert (cfg.model.pos_emb, cfg.model.norm, cfg.model.mlp) == ("learned", "layernorm", "gelu")   # nanoGPT's
     assert (cfg.data.windows, cfg.optim.betas, cfg.optim.warmup_steps) == ("moving", [0.9, 0.99], 100)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

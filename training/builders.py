@@ -53,7 +53,7 @@ def build_model(cfg_model, vocab_size: int, attention: str, window: int | None =
 
 def resolve_config(cfg: DictConfig) -> torch.device:
     """Validate every group and record in `cfg` what `auto` became (device, attention, precision)."""
-    from model.attention import check_attention_dropout, resolve_attention
+    from model.attention import check_score_options, resolve_attention
 
     if cfg.get("resume") == "auto" and OmegaConf.is_interpolation(cfg.run, "dir"):
         raise ValueError("resume=auto needs run.dir=<the folder of the run to continue>: without it every run "
@@ -70,24 +70,30 @@ def resolve_config(cfg: DictConfig) -> torch.device:
         attention = "flash" if device.type == "cuda" else "naive"
     with open_dict(cfg):
         cfg.device = device.type
-        cfg.attention.name = resolve_attention(attention, device, cfg.model.get("attention_dropout", 0.0))
+        cfg.attention.name = resolve_attention(attention, device, _score_options(cfg))
         cfg.trainer.precision = resolve_precision(cfg.trainer.precision, device)
         if cfg.attention.name == "flash":
             cfg.attention.plan = str(attention_plan(cfg, device))
         elif kernel_words(cfg) != ("auto", "auto"):
             raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's kernels; "
                              f"attention={cfg.attention.name} takes only attention.kernel=auto")
-    check_attention_dropout(cfg.attention.name, cfg.model.get("attention_dropout", 0.0))
+    check_score_options(cfg.attention.name, cfg.model.get("attention_softcap"), bool(cfg.model.get("attention_sinks")))
     if cfg.trainer.get("deterministic") and cfg.attention.name == "sdpa" and device.type == "cuda":
         log.info("trainer.deterministic=true with attention=sdpa: PyTorch leaves out its cuDNN backend and runs a "
                  "deterministic backward (slower than its default)")
     return device
 
 
+def _score_options(cfg: DictConfig) -> bool:
+    """Whether the model soft-caps its attention scores or has attention sinks (kernels/scores.py)."""
+    return cfg.model.get("attention_softcap") is not None or bool(cfg.model.get("attention_sinks"))
+
+
 def attention_plan(cfg: DictConfig, device: torch.device):
-    """The kernel plan (kernels/plan.py) the model's attention calls will get: what q, k, v will
-    be (the autocast dtype, head dim, causal, the mask, the length) decides it before any work, so
-    the run can log and record it; a kernel word that cannot run is the kernels' one-line ValueError."""
+    """The kernel plan (kernels/plan.py) the model's training calls will get: what q, k, v will
+    be (the autocast dtype, head dim, causal, the mask, the length, what is done to the scores)
+    decides it before any work, so the run can log and record it; a kernel word that cannot run is
+    the kernels' one-line ValueError."""
     from kernels.plan import Setting, arch_of, plan_kernels
 
     dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
@@ -102,7 +108,10 @@ def attention_plan(cfg: DictConfig, device: torch.device):
     # whenever a head's row is a multiple of 16 bytes
     tma = head_dim * dtype.itemsize % 16 == 0
     setting = Setting(arch_of(device), dtype, head_dim, True, mask, int(cfg.trainer.seq_len), tma,
-                      bool(cfg.attention.get("deterministic", True)), *kernel_words(cfg))
+                      bool(cfg.attention.get("deterministic", True)), *kernel_words(cfg),
+                      dropout=bool(cfg.model.get("attention_dropout")),
+                      softcap=cfg.model.get("attention_softcap") is not None,
+                      sinks=bool(cfg.model.get("attention_sinks")))
     return plan_kernels(setting)
 
 
@@ -134,7 +143,7 @@ def load_model_for_eval(ckpt_path: str | Path, device: str = "auto", attention: 
     state = None if weights_only else read_tensors(ckpt_path, load_checkpoint(ckpt_path), optimizer=False)
     cfg = OmegaConf.create(read_config(ckpt_path) if weights_only else state["config"])
     dev = resolve_device(device)
-    attn = resolve_attention(attention or "auto", dev)
+    attn = resolve_attention(attention or "auto", dev, _score_options(cfg))
     relocate_cache(cfg)
     path = Path(ckpt_path)
     tokenizer = load_run_tokenizer(cfg.tokenizer, [path.parent, path.parent.parent])

@@ -6,7 +6,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from data.passkey import passkey_prompt, random_key
+from data.passkey import FILLER, filler_tokens, passkey_prompt, random_key
 
 
 def utf8_length(text: str) -> int:
@@ -34,13 +34,23 @@ class PasskeySource:
                    int(cfg.get("key_digits", 5)), int(cfg.get("seed", 0)))
 
     def for_tokenizer(self, tokenizer) -> "PasskeySource":
-        """Same documents, sized in the run's tokens instead of bytes (the cache key has the tokenizer)."""
-        return PasskeySource(self.num_docs, self.length, self.depths, self.key_digits, self.seed,
-                             count_tokens=lambda text: len(tokenizer.encode(text)))
+        """Same documents, sized in the run's tokens instead of bytes (the cache key has the tokenizer).
+        Where the tokenizer merges across filler sentences (data.passkey.filler_tokens) the texts
+        differ from those built before filler was counted within a run, and the fingerprint says so,
+        so that no token cache of the old texts is taken for the new."""
+        count = lambda text: len(tokenizer.encode(text))  # noqa: E731
+        source = PasskeySource(self.num_docs, self.length, self.depths, self.key_digits, self.seed, count_tokens=count)
+        if filler_tokens(count) != count(FILLER):
+            source.fingerprint += "-runs"
+        return source
+
+    def names(self) -> list[str]:
+        """The documents' names, in order, without building their texts."""
+        return [f"passkey-{i}" for i in range(self.num_docs)]
 
     def documents(self) -> Iterator[tuple[str, str]]:
         rng = np.random.default_rng(self.seed)
-        for i in range(self.num_docs):
+        for i, name in enumerate(self.names()):
             depth = self.depths[i % len(self.depths)] if self.depths else float(rng.uniform())
             prompt, answer = passkey_prompt(self.length, depth, random_key(rng, self.key_digits), self.count_tokens)
-            yield f"passkey-{i}", f"{prompt}{answer}."
+            yield name, f"{prompt}{answer}."

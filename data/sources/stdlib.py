@@ -4,7 +4,8 @@ It is present wherever Python is, needs no network, was written by many people o
 decades, and has long documents: each top-level module or package becomes one document.
 Packages larger than MAX_DOC_BYTES are split into their sub-modules/sub-packages, and
 consecutive modules smaller than MIN_DOC_BYTES are merged, so documents span ~10K-1M bytes
-(bytes tokenizer: tokens).
+(bytes tokenizer: tokens). `min_doc_bytes` keeps only the documents of at least that many bytes
+(the corpus's longest, for long-context training), before `max_bytes` caps the total.
 """
 from __future__ import annotations
 
@@ -34,19 +35,30 @@ class _Unit:
 class StdlibSource:
     name = "stdlib"
 
-    def __init__(self, max_bytes: int | None = None, include_tests: bool = True, root: str | None = None):
+    def __init__(self, max_bytes: int | None = None, include_tests: bool = True, root: str | None = None,
+                 min_doc_bytes: int | None = None):
         self.root = Path(root or sysconfig.get_paths()["stdlib"])
         if not self.root.is_dir():
             raise ValueError(f"Python standard library folder not found: {self.root}")
         self.include_tests = include_tests
         self.max_bytes = None if max_bytes is None else int(max_bytes)
-        self._docs = _cap(_merge_small(self._units(self.root)), self.max_bytes)
+        self.min_doc_bytes = None if min_doc_bytes is None else int(min_doc_bytes)
+        docs = _merge_small(self._units(self.root))
+        if self.min_doc_bytes is not None:
+            longest = max((d.size for d in docs), default=0)
+            docs = [d for d in docs if d.size >= self.min_doc_bytes]
+            if not docs:
+                raise ValueError(f"data.min_doc_bytes={self.min_doc_bytes}: no document of the standard library under "
+                                 f"{self.root} is that long (the longest has {longest:,} bytes)")
+        self._docs = _cap(docs, self.max_bytes)
         if not self._docs:
             raise ValueError(f"no Python source files found under {self.root}")
         self.num_documents = len(self._docs)
         files = [f for doc in self._docs for f in doc.files]
         listing = hashlib.sha256(files_content_sha256(files, [str(f.relative_to(self.root)) for f in files]).encode())
         settings = f"tests={int(include_tests)},cap={self.max_bytes}"
+        if self.min_doc_bytes is not None:   # only then: the fingerprints (and caches) of whole corpora stay as they were
+            settings += f",min={self.min_doc_bytes}"
         listing.update(settings.encode())
         self.fingerprint = f"stdlib-py{platform.python_version()}-{listing.hexdigest()[:10]}"
         self.total_bytes = sum(d.size for d in self._docs)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -59,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import (add_out_argument, console, device_slug, draw_safely, environment, error_text, human_bytes,
-                     kernel_timer, markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
+                     kernel_bench_device, kernel_timer, markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
                      save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
 from _memory import is_oom, peak_meter, release_memory
 
@@ -400,14 +399,15 @@ TRAINING_BACKENDS = ("ours", "ours-auto", "ours-gluon", "ours-atomic", "sdpa-def
 SUSTAINED_S = 20.0
 
 
-def fused_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, heads_first: bool, device):
+def fused_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, heads_first: bool, device,
+                 dtype: torch.dtype = torch.bfloat16):
     """q, k, v as strided views of one fused QKV projection output (the leaf that gets the
     gradient), exactly as the model hands them to attention; dout contiguous in (B, N, H, D)."""
     width = (heads + 2 * kv_heads) * head_dim
-    qkv = torch.randn(batch, seq_len, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    qkv = torch.randn(batch, seq_len, width, device=device, dtype=dtype, requires_grad=True)
     q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in
                qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
-    dout = torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=torch.bfloat16)
+    dout = torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=dtype)
     if heads_first:
         q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
     return qkv, (q, k, v), dout
@@ -747,13 +747,7 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         raise ValueError(f"--attention: unknown {', '.join(unknown)}; valid: {', '.join(BACKENDS)}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        if mode != "smoke":
-            raise ValueError("no CUDA device: real attention figures need a GPU; use --smoke for a CPU "
-                             "plumbing check")
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # our kernel runs on the CPU only interpreted
-        torch.set_num_threads(1)  # tiny shapes: OpenMP threads only wait on each other
+    device = kernel_bench_device(mode == "smoke", "attention figures")
     if mode == "training":
         def ints(text: str, what: str) -> tuple[int, ...]:
             try:

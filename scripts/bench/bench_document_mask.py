@@ -22,7 +22,6 @@ forward 4 * H * D * pairs, forward+backward 3.5x that. Results: <out>/document_m
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -30,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import (add_out_argument, console, device_slug, environment, error_text, kernel_timer, markdown_table,
-                     print_table, run_cli, tuning_note, write_json, write_text)
+from _common import (add_out_argument, console, device_slug, environment, error_text, kernel_bench_device, kernel_timer,
+                     markdown_table, print_table, run_cli, tuning_note, write_json, write_text)
 
 CASES = ("docs-2k", "docs-mixed", "window-4k")
 HEADERS = ["case", "T", "docs", "window", "pass", "ours masked ms", "Flex ms", "ours causal ms",
@@ -199,12 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--cases={args.cases!r}: expected a comma-separated subset of {','.join(CASES)}")
     if args.length < 64:
         raise ValueError(f"--length={args.length}: at least 64 tokens")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        if not args.smoke:
-            raise ValueError("no CUDA device: real figures need a GPU; use --smoke for a CPU plumbing check")
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        torch.set_num_threads(1)
+    device = kernel_bench_device(args.smoke)
     T = 128 if args.smoke else args.length
     if args.smoke:
         heads = (2, 1, 16)

@@ -10,7 +10,9 @@ No GPU is needed: every kernel is compiled for sm_90a as scripts/kernel_dev/kern
 do (a launch's specialisation: strides of 1 constant, multiples of 16 divisible), for each kernel
 (Triton forward, dQ, dK/dV, atomic dK/dV/dQ, Delta; the Gluon forward's variants, backward and its
 prep kernel; the decode kernels), head dims 32 to 256 where the tile tables have them, causal or not,
-document masks and windows on and off, at the pinned default tile of each table. The fingerprint
+document masks and windows on and off, at the pinned default tile of each table; and at head dims 64
+and 128 the Triton kernels with the score options of kernels/scores.py on (dropout, soft-capping,
+sinks), which are off in every other config. The fingerprint
 is a hash of the PTX text without what only debuggers read: `.loc` and `.file` lines, `//`
 comments, the `.section .debug*` tail and the labels that only those sections reference. Two trees
 with the same fingerprints run the same machine code, so a refactor needs no new GPU run.
@@ -38,6 +40,10 @@ DIMS = (32, 64, 96, 128, 256)
 MASKS = ((False, False, False), (False, True, False), (True, False, False), (True, True, False),
          (True, False, True), (True, True, True))
 QUICK_DIMS = (64, 128)
+SCORE_DIMS = (64, 128)
+# The score options each kernel compiles with (sinks change only the forward: kernels/scores.py)
+SCORE_SETS = {"fwd": (("softcap",), ("dropout",), ("sinks",), ("dropout", "softcap", "sinks")),
+              **{k: (("softcap",), ("dropout",), ("dropout", "softcap")) for k in ("q", "kv", "kv_dq")}}
 QUICK_MASKS = ((False, False, False), (True, True, True))
 SHAPE = (2, 1024, 8, 2)   # B, T, H, Hkv: q, k, v views of a fused QKV projection (kernel_report.launch_values)
 DEBUG_ONLY = re.compile(r"^\s*(\.loc\b|\.file\b|//|\$L__(tmp|func_begin|func_end)\d+:)")
@@ -76,6 +82,28 @@ def triton_configs(quick: bool) -> list[tuple[str, tuple]]:
                 configs.append((name, ("triton", kernel, consts, warps, stages, dim)))
         consts = dict(HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=64)   # as kernels/flash_op.py launches it
         configs.append((f"delta d={dim}", ("triton", "delta", consts, 4, 3, dim)))
+        if not quick and dim in SCORE_DIMS:
+            configs += score_configs(dim, block_d)
+    return configs
+
+
+def score_configs(dim: int, block_d: int) -> list[tuple[str, tuple]]:
+    """The Triton kernels, causal without a mask at their pinned tile, with each score option of
+    kernels/scores.py on (and all of them): what the options compile to."""
+    from kernel_report import kernel_table, score_args
+    from kernels import tuning
+
+    configs = []
+    for kernel, scores_list in SCORE_SETS.items():
+        fn, table, names = kernel_table(kernel)
+        tile_dim = min(d for d in table if d >= block_d)
+        default = tuning._BWD_KV_CAUSAL.get(tile_dim, table[tile_dim][0]) if kernel == "kv" else table[tile_dim][0]
+        a, b, warps, stages = default
+        for scores in scores_list:
+            consts = dict(HEAD_DIM=dim, BLOCK_D=block_d, CAUSAL=True, DOCS=False, WINDOW=False, PRECISION="tf32",
+                          **{names[0]: a, names[1]: b}, **score_args(fn, scores))
+            configs.append((f"{kernel} d={dim} causal=1 docs=0 window=0 scores={'+'.join(scores)}",
+                            ("triton", kernel, consts, warps, stages, dim)))
     return configs
 
 
@@ -119,6 +147,9 @@ def _compile_decode(kernel, pointers: dict, floats: set, constexprs: dict, warps
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kernel_report import score_args
+
+    constexprs = {**score_args(kernel), **constexprs}   # the score options off
     signature = {name: "constexpr" if name in constexprs else pointers.get(name) or ("fp64" if name in floats else "i32")
                  for name in kernel.arg_names}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),

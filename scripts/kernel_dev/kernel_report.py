@@ -5,6 +5,7 @@ pipelining for every tile shape the tuner may pick.
     python scripts/kernel_dev/kernel_report.py --kernels fwd,kv --dims 128 --shape 1/16384/16/16
     python scripts/kernel_dev/kernel_report.py --unspecialized          # compiled the way test_kernel_compile checks them
     python scripts/kernel_dev/kernel_report.py --gluon                  # the Gluon Hopper forward's variants instead
+    python scripts/kernel_dev/kernel_report.py --scores dropout,softcap # with attention dropout and soft-capping on
 
 Triton compiles for sm_90a without a GPU (ptxas ships in its wheel), so what ptxas says about a
 kernel can be read before any device time is spent. A launch specialises its integer arguments: a
@@ -33,9 +34,23 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 
 from _common import add_out_argument, print_table, run_cli, write_json
 
-POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "Docs": "*i32"}   # every other pointer is the input dtype
+POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "Docs": "*i32", "Rng": "*i64", "Sinks": "*fp32"}   # others: the input dtype
 FLOATS = ("qk_scale", "sm_scale")
 KERNELS = ("fwd", "q", "kv", "kv_dq")
+SCORES = ("dropout", "softcap", "sinks")
+SCORE_ARGS = ("Rng", "Sinks", "SOFTCAP", "DROPOUT_P")
+
+
+def score_args(kernel, scores=()) -> dict:
+    """The constexprs of the score options (kernels/scores.py) of a Triton kernel, for `scores` (of
+    SCORES) on: dropout 0.1, a soft cap of 30; what is off is a zero constexpr or a None pointer,
+    which compile to the code the kernel has without the option. A pointer left out is compiled as one."""
+    names = getattr(kernel, "arg_names", None) or kernel.fn.arg_names
+    off = {"Rng": None, "Sinks": None, "SOFTCAP": 0.0, "DROPOUT_P": 0.0}
+    on = {"dropout": {"DROPOUT_P": 0.1}, "softcap": {"SOFTCAP": 30.0}, "sinks": {}}
+    drop = {"dropout": "Rng", "sinks": "Sinks"}
+    args = {**off, **{k: v for s in scores for k, v in on[s].items()}}
+    return {k: v for k, v in args.items() if k in names and k not in {drop.get(s) for s in scores}}
 
 
 def kernel_table(name: str):
@@ -74,6 +89,8 @@ def compile_for_hopper(kernel, constexprs: dict, warps: int, stages: int, values
 
     while not isinstance(kernel, JITFunction):
         kernel = kernel.fn
+    if not any(name in constexprs for name in SCORE_ARGS):   # the score options off, unless given
+        constexprs = {**constexprs, **score_args(kernel)}
     pointers = {**POINTERS, **(pointers or {})}
     signature, consts, attrs = {}, dict(constexprs), {}
     int_args = launch_values(1, 16, 1, 1, 16).keys()
@@ -168,14 +185,15 @@ def gluon_report(dims: list[int]) -> list[dict]:
 
 
 def report(kernels: list[str], dims: list[int], shape: tuple[int, int, int, int], specialize: bool,
-           limit: int | None) -> list[dict]:
+           limit: int | None, scores: tuple[str, ...] = ()) -> list[dict]:
     batch, seq_len, heads, kv_heads = shape
     rows = []
     for name in kernels:
         kernel, table, block_names = kernel_table(name)
         for dim in dims:
             values = launch_values(batch, seq_len, heads, kv_heads, dim) if specialize else None
-            consts = dict(HEAD_DIM=dim, BLOCK_D=dim, CAUSAL=True, DOCS=False, WINDOW=False, PRECISION="tf32")
+            consts = dict(HEAD_DIM=dim, BLOCK_D=dim, CAUSAL=True, DOCS=False, WINDOW=False, PRECISION="tf32",
+                          **score_args(kernel, scores))
             for a, b, warps, stages in table[dim][:limit]:
                 compiled = compile_for_hopper(kernel, dict(consts, **{block_names[0]: a, block_names[1]: b}),
                                               warps, stages, values, pointers={"dQ": "*fp32"} if name == "kv_dq" else None)
@@ -192,6 +210,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--limit", type=int, default=None, help="only the first N candidates of each list")
     parser.add_argument("--unspecialized", action="store_true", help="compile without a launch's specialisation")
     parser.add_argument("--gluon", action="store_true", help="the Gluon forward's ladder (kernels/lab/gluon_forward_ladder.py)")
+    parser.add_argument("--scores", default="", help=f"comma-separated score options to compile on, of {', '.join(SCORES)} "
+                        "(dropout 0.1, a soft cap of 30; kernels/scores.py)")
     parser.add_argument("--json", action="store_true", help="also write kernel_report.json under --out")
     add_out_argument(parser, "kernel_report")
     args = parser.parse_args(argv)
@@ -212,6 +232,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise ValueError(f"--shape {args.shape!r}: B/T/H/Hkv, positive, H a multiple of Hkv")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit {args.limit}: must be a positive integer")
+    scores = tuple(s for s in args.scores.split(",") if s)
+    if any(s not in SCORES for s in scores):
+        raise ValueError(f"--scores {args.scores!r}: choose from {', '.join(SCORES)}")
 
     import triton
 
@@ -224,14 +247,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.json:
             write_json(args.out / "kernel_report.json", {"triton": triton.__version__, "gluon": True, "rows": rows})
         return rows
-    rows = report(kernels, dims, shape, not args.unspecialized, args.limit)
-    print_table(f"sm_90a, triton {triton.__version__}, {'unspecialised' if args.unspecialized else 'launch of ' + args.shape}",
+    rows = report(kernels, dims, shape, not args.unspecialized, args.limit, scores)
+    print_table(f"sm_90a, triton {triton.__version__}, {'unspecialised' if args.unspecialized else 'launch of ' + args.shape}"
+                + (f", with {' and '.join(scores)}" if scores else ""),
                 ["kernel", "D", "tile", "warps", "stages", "registers", "spill B", "cp.async", "sync loads", "C7515"],
                 [[r["kernel"], r["head_dim"], f"{r.get('BLOCK_M')} q x {r.get('BLOCK_N')} k", r["warps"], r["stages"],
                   r["registers"], r["spill_bytes"], r["async_copies"], r["sync_loads"], r["wgmma_serialized"]] for r in rows])
     if args.json:
         write_json(args.out / "kernel_report.json", {"triton": triton.__version__, "shape": args.shape,
-                                                     "specialized": not args.unspecialized, "rows": rows})
+                                                     "specialized": not args.unspecialized, "scores": list(scores),
+                                                     "rows": rows})
     return rows
 
 

@@ -91,16 +91,27 @@ def check_fields(cls: type, node, prefix: str = "") -> DictConfig:
         if isinstance(exc, ValidationError):
             raise ValueError(bad_value(key, exc.value, exc.object_type or cls, key.rsplit(".", 1)[-1])) from None
         raise ValueError(f"unknown config key '{key}'") from None
+    _check_ranges(cls, typed, node, prefix)
+    return typed
+
+
+def _check_ranges(cls: type, typed, node, prefix: str) -> None:
+    """Each field's declared range, for the keys `node` sets; a node of a nested class (a mix's
+    `data.passkey`) is checked the same way."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.name not in node:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            _check_ranges(hints[f.name], typed[f.name], node[f.name], f"{prefix}{f.name}.")
+            continue
         bounds = f.metadata.get("range")
-        if bounds is None or f.name not in node:
+        if bounds is None:
             continue
         value, expected = typed[f.name], expectation(hints[f.name], f.metadata)
         _require(value is None or not isinstance(value, float) or math.isfinite(value), f"{prefix}{f.name}", value,
                  expected.replace("a number", "a finite number"))
         _require(value is None or _in_range(value, bounds), f"{prefix}{f.name}", value, expected)
-    return typed
 
 
 def check_group(group: str, node) -> dict:

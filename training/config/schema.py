@@ -70,6 +70,7 @@ class DataConfig:
 class StdlibData(DataConfig):
     max_bytes: Optional[int] = ranged(None, ge=1)
     include_tests: bool = True
+    min_doc_bytes: Optional[int] = ranged(None, ge=1)
 
 
 @dataclass
@@ -94,12 +95,23 @@ class HfData(DataConfig):
 
 
 @dataclass
-class PasskeyData(DataConfig):
+class PasskeyDocs:
+    """The passkey documents' keys: data=passkey's, and data=stdlib-passkey's `passkey` node."""
     num_docs: int = ranged(2000, ge=2)
     length: int = ranged(1024, ge=1)
     depths: Optional[List[float]] = None
     key_digits: int = ranged(5, ge=1)
     seed: int = 0
+
+
+@dataclass
+class PasskeyData(DataConfig, PasskeyDocs):
+    pass
+
+
+@dataclass
+class StdlibPasskeyData(StdlibData):
+    passkey: PasskeyDocs = field(default_factory=PasskeyDocs)
 
 
 @dataclass
@@ -234,7 +246,8 @@ class ProfileStepConfig(MaxContextConfig):
 
 # Per-option classes of the groups whose options differ in keys, by the option's `name`.
 OPTIONS: dict[str, dict[str, type]] = {
-    "data": {"stdlib": StdlibData, "files": FilesData, "hf": HfData, "passkey": PasskeyData},
+    "data": {"stdlib": StdlibData, "files": FilesData, "hf": HfData, "passkey": PasskeyData,
+             "stdlib-passkey": StdlibPasskeyData},
     "tokenizer": {"bytes": BytesTokenizer, "bpe": BpeTokenizer, "pretrained": PretrainedTokenizer},
     "logger": {"none": NoLogger, "wandb": WandbLogger},
 }

@@ -40,6 +40,10 @@ def _refuse(option: str, value, why: str):
 
 def hf_architecture(c: GPTConfig) -> str:
     """'gpt2' or 'llama' for a model whose options map exactly; ValueError naming the one that does not."""
+    if c.attention_softcap is not None:
+        _refuse("model.attention_softcap", c.attention_softcap, "gpt2 and llama do not cap attention scores")
+    if c.attention_sinks:
+        _refuse("model.attention_sinks", c.attention_sinks, "gpt2 and llama have no attention sinks")
     if c.pos_emb == "learned":
         why = "learned positions export as GPT-2, which needs"
         if c.norm != "layernorm":

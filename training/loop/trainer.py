@@ -240,6 +240,8 @@ class Trainer:
                "tokens": self.tokens, "tokens_per_s": meter.rate(), "grad_norm": grad_norm.item()}
         if self._peak:
             row["mfu"] = mfu(row["tokens_per_s"], self._flops_per_token, self._peak, self.plan.world_size)
+        if self.device.type == "cuda":   # the allocator's peak since the process began (this rank's)
+            row["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if evaluate:
             row["val_loss"] = self.val_loss = self.evaluate()
         if self.plan.is_main:

@@ -60,6 +60,12 @@ class RunRecord:
         return best["val_loss"], best["step"]
 
     @property
+    def peak_memory(self) -> int | None:
+        """The largest GPU memory peak the rows logged (bytes; None for a CPU run)."""
+        peaks = [r["peak_memory_bytes"] for r in self.rows if r.get("peak_memory_bytes") is not None]
+        return max(peaks) if peaks else None
+
+    @property
     def tokens_per_s(self) -> float | None:
         """Median over the logged rows after the first (which includes compilation and warm-up)."""
         rates = [r["tokens_per_s"] for r in self.rows[1:] or self.rows if r.get("tokens_per_s")]
@@ -150,16 +156,20 @@ def run_label(run: RunRecord, keys: list[str]) -> str:
 
 def comparison(runs: list[RunRecord], root: Path | None = None) -> tuple[list[str], list[list[str]]]:
     """(headers, rows): each run's differing config values, steps, tokens, final and best losses,
-    tokens/s. Run names are relative to `root` where given."""
+    tokens/s, and the GPU memory peak where a run logged one. Run names are relative to `root`
+    where given."""
     keys = differing_keys(runs)
-    headers = ["run", *keys, "steps", "tokens", "train loss", "val loss", "best val (step)", "tokens/s"]
+    memory = any(run.peak_memory is not None for run in runs)
+    headers = ["run", *keys, "steps", "tokens", "train loss", "val loss", "best val (step)", "tokens/s",
+               *(["peak memory"] if memory else [])]
     rows = []
     for run in runs:
         name = str(run.path.relative_to(root)) if root and run.path.is_relative_to(root) else str(run.path)
         best = run.best_val
         rows.append([name, *(short(run.config.get(k)) for k in keys), f"{run.steps:,}", f"{run.tokens:,}",
                      _loss(run.final_loss), _loss(run.final_val), f"{best[0]:.4f} ({best[1]:,})" if best else "-",
-                     f"{run.tokens_per_s:,.0f}" if run.tokens_per_s else "-"])
+                     f"{run.tokens_per_s:,.0f}" if run.tokens_per_s else "-",
+                     *([f"{run.peak_memory / 2**30:.1f} GiB" if run.peak_memory is not None else "-"] if memory else [])])
     return headers, rows
 
 

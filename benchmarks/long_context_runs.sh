@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The H200 runs behind benchmarks/evals/*long_context_passkey*: experiment=long-context-passkey
+# (gpt2-small trained at 32,768 tokens through our kernel) and experiment=long-context-passkey-naive
+# (the same recipe with naive attention at 11,264 tokens, for as many tokens), each trained over
+# device calls of under 10 minutes with resume=auto, then evaluated: the passkey grid over
+# 2K-32K tokens x key depths 0-100%, and loss by position on the held-out corpus documents.
+# What they are and why so sized: docs/long-context.md ("A model that uses its long context").
+#
+# On the GPU machine, from the checkout's root, results under $OUT, with hydra-core, omegaconf and
+# datasets installed there (pip from wheels brought along, where the machine has no package index),
+# and FLASHTRAIN_COMMIT=<the commit> set where the copy there has no git history to ask.
+#
+# The runs live in runs/long-context/ (git-ignored), which a machine keeps between calls only while
+# it stays warm, 30 s after a call: make each call of a session right after the last, on one machine
+# (a machine is held 30 minutes at most). Session 1, flash, ~15 minutes of device time:
+#   bash benchmarks/long_context_runs.sh flash            # ~9.5 min: BPE, token cache, then training until stopped (SIGTERM: a checkpoint)
+#   bash benchmarks/long_context_runs.sh flash continue   # at once: finishes the run ('continue' refuses to start over)
+#   bash benchmarks/long_context_runs.sh flash-eval       # ~1 min: passkey grid and loss by position, final checkpoint
+# then commit $OUT's files under benchmarks/evals/, the run's config.yaml and metrics.jsonl (each
+# training call returns them) in benchmarks/evals/long_context_passkey_flash/.
+# Session 2, naive: `naive` (which first checks that its BPE is the committed flash run's),
+# `naive continue` ... and `naive-eval`, which draws session 1's committed flash results beside
+# naive's, committed the same way. Its 64.9M tokens need ~55 min at the
+# committed 19,870 tokens/s, more than a machine is held: see docs/long-context.md for what a
+# session can do (NAIVE_STEPS=N trains N steps instead of the preset's 1,920, from its first call on).
+# Last, on any machine (CPU): `bash benchmarks/long_context_runs.sh compare`, both runs' tokens/s
+# and peak memory in benchmarks/evals/long_context_passkey_h200.{md,json,png}.
+set -u
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
+OUT=${OUT:-outputs/long_context_runs}
+mkdir -p "$OUT"
+LOG=$OUT/long_context_runs.log
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-570} ))
+RUNS=runs/long-context
+EVALS=${EVALS:-benchmarks/evals}   # where the committed results are (read by naive-eval and compare)
+LENGTHS="2048 4096 8192 16384 32768"
+DEPTHS="0 0.1 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 1"
+step() { echo "=== $(date +%T) $*" | tee -a "$LOG"; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
+# run SECONDS CMD...: CMD under a timeout of SECONDS, or of what is left before the deadline
+run() { local want=$1 have; have=$(left); shift
+        (( have < want )) && want=$have; (( want > 5 )) || { step "skipped: no time left"; return 1; }
+        timeout --preserve-status -s TERM -k 30 "$want" "$@" >>"$LOG" 2>&1; local rc=$?; echo "    exit $rc" | tee -a "$LOG"; return $rc; }
+
+# train NAME EXPERIMENT [continue] [OVERRIDES...]: start or continue runs/long-context/NAME until it
+# is done or the call's time is nearly up (SIGTERM: train.py saves a checkpoint and exits 143);
+# its config.yaml and metrics.jsonl go back under $OUT either way.
+train() {
+  local name=$1 experiment=$2 dir=$RUNS/$1; shift 2
+  if [[ "${1:-}" == continue ]]; then
+    shift
+    [[ -f $dir/config.yaml ]] || { step "error: no run in $dir: this machine is not the one that trained it (it went back after 30 s idle); start over with '$name'"; exit 2; }
+  fi
+  step "$name: train.py experiment=$experiment run.dir=$dir resume=auto $*"
+  run $(( $(left) - 20 )) python3 train.py "experiment=$experiment" "run.dir=$dir" resume=auto logger=none \
+    trainer.progress=false "$@"
+  mkdir -p "$OUT/long_context_passkey_$name"
+  cp "$dir/config.yaml" "$dir/metrics.jsonl" "$OUT/long_context_passkey_$name/" 2>>"$LOG"
+  tail -n 2 "$dir/metrics.jsonl" >>"$LOG" 2>&1
+}
+
+# evaluate NAME ATTENTION BATCHES [BESIDE]: the passkey grid and loss by position of NAME's newest
+# checkpoint, with attention ATTENTION; BESIDE: the committed results of the other run to draw beside.
+evaluate() {
+  local name=$1 attention=$2 batches=$3 beside=${4:-} stem=long_context_passkey_$1
+  local passkey_beside=() loss_beside=()
+  if [[ -n $beside ]]; then
+    passkey_beside=(--beside "$EVALS/passkey_long_context_passkey_$beside.json")
+    loss_beside=(--beside "$EVALS/loss_by_position_long_context_passkey_$beside.json")
+  fi
+  # naive's 32K forwards take ~1 s each (~310 GB of N x N traffic a layer), 220 of them: ~5 min in
+  # all; the JSON is rewritten after each length, so a grid cut short keeps what it measured
+  step "$name: passkey grid, $attention attention"
+  # shellcheck disable=SC2086 (the lengths and depths are words)
+  run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
+    --depths $DEPTHS --trials 20 --name "$stem" --out "$OUT" "${passkey_beside[@]}"
+  step "$name: loss by position on the held-out corpus documents"
+  run 90 python3 scripts/eval_loss_by_position.py "$RUNS/$name" --attention "$attention" --bucket-tokens 1024 \
+    --batches "$batches" --name "$stem" --out "$OUT" "${loss_beside[@]}"
+}
+
+# Before naive's first call: its BPE must be flash's (trained on the same corpus documents, so it
+# should be), or the two runs' losses per token would not compare. data_stats.py builds the BPE and
+# token cache training then reuses, and names the tokenizer by its file's hash, as the flash run's
+# committed config.yaml does.
+same_tokenizer_as_flash() {
+  local flash=$EVALS/long_context_passkey_flash/config.yaml
+  [[ -f $flash ]] || { step "error: $flash is not committed: session 1 (flash) comes first"; exit 2; }
+  step "naive: the BPE and token cache, checked against flash's tokenizer"
+  run 240 python3 scripts/data_stats.py experiment=long-context-passkey-naive --json "$OUT/naive_data.json" || exit 2
+  python3 - "$flash" "$OUT/naive_data.json" <<'PY' 2>&1 | tee -a "$LOG"; (( PIPESTATUS[0] == 0 )) || exit 2
+import json, sys, yaml
+flash = yaml.safe_load(open(sys.argv[1]))["run"]["data_fingerprint"].split("/")[1]
+naive = json.load(open(sys.argv[2]))["fingerprint"].split("/")[1]
+print(f"    tokenizer: flash {flash}, naive {naive}")
+sys.exit(0 if flash == naive else "error: naive's BPE is not flash's: its losses would not compare with flash's")
+PY
+}
+
+case "${1:-}" in
+flash) shift; train flash long-context-passkey "$@" ;;
+naive)
+  shift
+  [[ "${1:-}" == continue ]] || same_tokenizer_as_flash
+  train naive long-context-passkey-naive "$@" ${NAIVE_STEPS:+trainer.max_steps=$NAIVE_STEPS} ;;
+# 12 windows of 32,768 and 35 of 11,264 tokens: the same ~393K held-out tokens for both
+flash-eval) evaluate flash flash 12 ;;
+naive-eval) evaluate naive naive 35 flash ;;
+compare)
+  step "tokens/s and peak memory of both runs"
+  python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
+    --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
+  ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | compare" >&2; exit 2 ;;
+esac
+step done

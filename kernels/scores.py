@@ -1,0 +1,154 @@
+"""What the Triton kernels do to a tile's scores besides masking them: logit soft-capping, attention
+sinks and attention dropout, forward and backward.
+
+Soft-capping (Gemma 2). Each score s = scale * q.k becomes t = c tanh(s / c) before the softmax,
+so no logit leaves (-c, c). The kernels' softmax runs in base 2, so `softcap_scores` returns
+t log2(e) directly, with u = tanh(s / c): the backward needs dt/ds = 1 - u^2, and multiplies the
+score gradient dS by it before dQ and dK are formed from it. Triton has no tanh that both compiles
+for the GPU and runs in its CPU interpreter; `tanh` below is Cephes' single-precision one (an odd
+polynomial below 0.625, 1 - 2 / (e^2x + 1) above, both a few ulp).
+
+Sinks (gpt-oss). One learnable logit per head joins every row's softmax denominator and carries
+no value: P_ij = exp(s_ij) / (exp(sink) + sum_k exp(s_ik)). In the online softmax that is the
+state every row starts from (running max m = sink, running sum l = 1: `sink_start`), so the row's
+log-sum-exp L includes the sink, and a row that sees no key gets O = 0 and L = sink. The backward
+needs nothing more: P = exp(S - L) recomputed from that L is already the sink-aware probability,
+and Delta = rowsum(dO * O) = sum_j P_ij dP_ij still holds, since the sink adds no value to O. The
+sink's own gradient is -sum_i exp(sink - L_i) Delta_i over the rows of its head: a reduction over
+(batch, row) done in PyTorch (kernels/flash_op.py), deterministic and a few microseconds long.
+
+Dropout. A kept probability is scaled by 1 / (1 - p), a dropped one is 0, on P after the
+softmax (as SDPA and FlashAttention-2 do: the normaliser L is the undropped one). Nothing of
+size N x N is stored: the mask is a function of the score's coordinates, drawn from Philox
+(Salmon et al. 2011, the counter-based generator of cuRAND and of Triton's tl.rand), so the
+forward and both backward kernels regenerate the same mask for any tile shape. For score
+(i, j) of head h of batch row b, one Philox4x32 call with
+
+    key     = the call's 64-bit seed
+    counter = (j // 8, i, b * H + h, the call's offset)
+
+gives 128 bits for the 8 keys 8(j // 8) ... 8(j // 8) + 7; key j takes bits [16 (j % 2), 16 (j % 2) + 16)
+of word (j // 2) % 4, and is kept iff those 16 bits, read as an integer, are below
+round((1 - p) 2^16) (so the kept probability is within 2^-17 of 1 - p). Seven rounds, as
+FlashAttention-2 uses (Philox4x32-7 passes the BigCrush battery; ten is cuRAND's margin).
+The seed and offset are two int64 drawn per call from torch's generator on q's device
+(`dropout_seed`): the backward reads the same two numbers, a resumed run that restored the
+generator draws the same ones, and torch.compile traces the draw. `dropout_mask` launches the
+same function over a whole (B, H, Nq, Nk) grid: what the tests compare the kernels against.
+With every option off, the kernels compile to the code they had without them: the options are
+constexprs (SOFTCAP, DROPOUT_P) and None arguments (Rng, Sinks), which Triton leaves out.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tiles import LOG2E
+
+KEYS_PER_CALL = 8     # 16 random bits per score from one Philox4x32 call
+PHILOX_ROUNDS = tl.constexpr(7)
+
+
+# ---- soft-capping ------------------------------------------------------------------------------
+
+@triton.jit
+def tanh(x):
+    """tanh in float32 to a few ulp (Cephes' tanhf: the polynomial keeps small |x| relatively exact)."""
+    a = tl.abs(x)
+    # |x| >= 0.625: no cancellation; e^2x stops at 2^64 (tanh is 1.0 in float32 long before)
+    big = 1.0 - 2.0 / (tl.math.exp2(tl.minimum(a * (2 * LOG2E), 64.0)) + 1.0)
+    z = x * x
+    small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+             - 3.33332819422e-1) * z * x + x
+    return tl.where(a < 0.625, small, tl.where(x < 0, -big, big))
+
+
+@triton.jit
+def softcap_scores(dots, qk_scale, SOFTCAP: tl.constexpr):
+    """(c tanh(s / c) log2(e), u = tanh(s / c)) of raw products `dots` = q.k, where s = scale q.k and
+    qk_scale = scale log2(e), c = SOFTCAP: the capped scores in the kernels' base-2 domain, and the
+    tanh whose 1 - u^2 is the cap's derivative."""
+    u = tanh(dots * (qk_scale / (SOFTCAP * LOG2E)))
+    return u * (SOFTCAP * LOG2E), u
+
+
+# ---- sinks -------------------------------------------------------------------------------------
+
+@triton.jit
+def sink_start(Sinks, h, BLOCK_M: tl.constexpr):
+    """The online softmax's starting (m, l) of BLOCK_M rows of head h: (-inf, 0) without sinks
+    (Sinks None), (sink log2(e), 1) with them, the sink counted as one more score of every row."""
+    if Sinks is None:
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        m = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h) * LOG2E
+        l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    return m, l
+
+
+# ---- dropout -----------------------------------------------------------------------------------
+
+@triton.jit
+def dropout_seed_of(Rng, DROPOUT_P: tl.constexpr):
+    """The call's (seed, offset) from Rng (two int64 drawn by `dropout_seed`); (0, 0) without dropout."""
+    seed = 0
+    offset = 0
+    if DROPOUT_P > 0:
+        seed = tl.load(Rng)
+        offset = tl.load(Rng + 1).to(tl.uint32)
+    return seed, offset
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, rows, start_n, BLOCK_N: tl.constexpr, DROPOUT_P: tl.constexpr):
+    """(len(rows), BLOCK_N) booleans: whether score (row, start_n + c) of head bh (b * H + h) is kept.
+    start_n is a multiple of 8 (the key tiles' starts are multiples of BLOCK_N >= 16)."""
+    tl.static_assert(BLOCK_N % 8 == 0, "a Philox call gives the bits of 8 consecutive keys")
+    KEEP: tl.constexpr = int((1.0 - DROPOUT_P) * 65536 + 0.5)
+    zero = (rows[:, None] * 0 + tl.arange(0, BLOCK_N // 8)[None, :] * 0).to(tl.uint32, bitcast=True)
+    groups = zero + (start_n // 8 + tl.arange(0, BLOCK_N // 8))[None, :].to(tl.uint32, bitcast=True)
+    queries = zero + rows[:, None].to(tl.uint32, bitcast=True)
+    w0, w1, w2, w3 = tl.philox(seed, groups, queries, zero + bh.to(tl.uint32), zero + offset, PHILOX_ROUNDS)
+    words = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))    # key pair 4g + w: word w
+    bits = tl.interleave(words & 0xFFFF, words >> 16)                       # key 8g + 2w + half
+    return bits < KEEP
+
+
+@triton.jit
+def dropout_mask_kernel(Rng, Mask, n_heads, n_q, n_k, DROPOUT_P: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Mask (B, H, n_q, n_k) int8: 1 where the kernels keep a score. Grid (cdiv(n_q, BLOCK_M),
+    cdiv(n_k, BLOCK_N), B * H)."""
+    seed, offset = dropout_seed_of(Rng, DROPOUT_P)
+    bh = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_n = tl.program_id(1) * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    keep = dropout_keep(seed, offset, bh, rows, start_n, BLOCK_N, DROPOUT_P)
+    ptrs = Mask + bh.to(tl.int64) * n_q * n_k + rows[:, None].to(tl.int64) * n_k + cols[None, :]
+    tl.store(ptrs, keep.to(tl.int8), mask=(rows < n_q)[:, None] & (cols < n_k)[None, :])
+
+
+def dropout_seed(device) -> torch.Tensor:
+    """A call's (seed, offset): two int64 from torch's default generator of `device`."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+
+
+def dropout_mask(rng: torch.Tensor, dropout_p: float, batch: int, heads: int, n_q: int, n_k: int) -> torch.Tensor:
+    """(B, H, Nq, Nk) bool: the scores a call with this `rng` (`dropout_seed`) and `dropout_p` keeps,
+    as its kernels regenerate them. For tests and checks (it materialises the N x N mask)."""
+    mask = torch.empty((batch, heads, n_q, n_k), dtype=torch.int8, device=rng.device)
+    block = 32
+    dropout_mask_kernel[(triton.cdiv(n_q, block), triton.cdiv(n_k, block), batch * heads)](
+        rng, mask, heads, n_q, n_k, DROPOUT_P=float(dropout_p), BLOCK_M=block, BLOCK_N=block)
+    return mask.bool()
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient: -sum over batch and rows of exp(sink - L) Delta, Delta = rowsum(dO * O),
+    from out, dout (B, Nq, H, D) and lse (B, H, Nq) of the attention (its L includes the sinks)."""
+    acc = torch.promote_types(lse.dtype, torch.float32)                              # float64 stays float64
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)                       # (B, H, Nq)
+    return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)

@@ -1,0 +1,271 @@
+"""Soft-capping, sinks and attention dropout in the Triton kernels (kernels/scores.py), forward and
+backward, against the float64 reference.
+
+The error contract is test_flash_attention.py's: at most 2x as far from the float64 answer as the
+plain formula in the same dtype, NaN never passes, uninitialised memory is poisoned. Dropout is
+compared given the kernels' own mask: the test takes the seed the call drew (by replaying torch's
+generator) and regenerates the mask for every (batch, head, query, key) with kernels.scores.
+dropout_mask, which the reference then applies. The mask's statistics are checked on their own:
+the kept fraction within a few standard deviations of 1 - p, per key position in a Philox word too,
+and the same seed gives the same mask, another seed another one. On a CPU the kernels run in
+Triton's interpreter at tiny shapes; on CUDA the same cases run in bfloat16/float16, larger.
+"""
+import contextlib
+import math
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, requires_cuda
+from kernels import attention_reference, flash_attention
+from kernels.decode import decode_reference, flash_decode
+from kernels.scores import dropout_mask, dropout_seed
+from test_document_mask import ids_from_lengths, lengths
+from test_flash_attention import (DEVICE, DTYPES, assert_as_exact_as_plain, make_inputs,  # noqa: F401
+                                  poison_uninitialised_memory, strided_leaf)
+
+SCALE = 8 if HAS_CUDA else 1   # GPU cases are the CPU ones with every length x8
+DETERMINISTIC = pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+
+
+@contextlib.contextmanager
+def replayed_generator():
+    """Runs the body with torch's generator of DEVICE as it is now, then puts it back: the next draw
+    repeats the body's first (the dropout seed of the call inside it)."""
+    cuda = DEVICE == "cuda"
+    state = torch.cuda.get_rng_state() if cuda else torch.get_rng_state()
+    yield
+    (torch.cuda.set_rng_state if cuda else torch.set_rng_state)(state)
+
+
+def run(fn, q, k, v, do, causal, sinks=None, **kw):
+    """out, lse and the gradients of q, k, v (and of the sinks, when given) of fn."""
+    q, k, v = (strided_leaf(t.detach()) for t in (q, k, v))
+    leaves = (q, k, v)
+    if sinks is not None:
+        sinks = sinks.detach().clone().requires_grad_()
+        leaves += (sinks,)
+        kw["sinks"] = sinks
+    out, lse = fn(q, k, v, causal=causal, return_lse=True, **kw)
+    return (out, lse, *torch.autograd.grad(out, leaves, do))
+
+
+def check(q, k, v, do, causal, sinks=None, dropout_p=0.0, **kw):
+    """Ours against the float64 reference, as exact as the plain formula in q's dtype; with dropout,
+    given the mask our call drew."""
+    if dropout_p:
+        with replayed_generator():
+            ours = run(flash_attention, q, k, v, do, causal, sinks, dropout_p=dropout_p, **kw)
+        mask = dropout_mask(dropout_seed(q.device), dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        kw = dict(kw, dropout_p=dropout_p, dropout_mask=mask)
+    else:
+        ours = run(flash_attention, q, k, v, do, causal, sinks, **kw)
+    kw = {name: value for name, value in kw.items() if name not in ("deterministic", "kernel")}   # ours only
+    plain = run(attention_reference, q, k, v, do, causal, sinks, **kw)
+    exact = run(attention_reference, *(t.double() for t in (q, k, v, do)), causal,
+                None if sinks is None else sinks.double(), **kw)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, mine, p, ref in zip(names, ours, plain, exact):
+        assert_as_exact_as_plain(name, mine, p, ref, do, v)
+    if sinks is not None:
+        check_sink_grad(ours, plain, exact, do, sinks)
+    return ours
+
+
+def check_sink_grad(ours, plain, exact, do, sinks):
+    """The sinks' gradient comes from Delta = rowsum(dO * O) of the stored output, the identity every
+    FlashAttention backward uses (kernels/scores.py), so it carries that output's rounding, which the
+    plain formula's does not: in float32 it is negligible and the bound is 2x the plain formula's
+    error; in 16-bit dtypes the bound adds what the rounding of our own output (held to 2x by the
+    out check) costs the identity, evaluated in float64."""
+    mine, base = rel(ours[5], exact[5]), rel(plain[5], exact[5])
+    out, lse = ours[0].double(), exact[1]
+    identity = -(torch.exp(sinks.double()[None, :, None] - lse) * (do.double() * out).sum(-1).transpose(1, 2)).sum((0, 2))
+    rounding = rel(identity, exact[5]) if ours[0].dtype != torch.float32 else 0.0
+    assert mine <= 2 * base + rounding + 1e-6, f"dsinks: rel err {mine:.3g} > 2 x plain {base:.3g} + rounding {rounding:.3g}"
+
+
+def rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def heads(H, dtype=torch.float32):
+    """A sink logit per head, around the scores' own size."""
+    g = torch.Generator().manual_seed(H)
+    return torch.randn(H, generator=g).to(DEVICE, torch.float32)
+
+
+# (B, n_q, n_k, H, H_kv, D): Nq == Nk with GQA, Nq < Nk, Nq > Nk (causal rows that see no key)
+SHAPES = [(2, 40 * SCALE, 40 * SCALE, 4, 2, 32), (1, 24 * SCALE, 56 * SCALE, 2, 1, 16),
+          (1, 56 * SCALE, 24 * SCALE, 2, 2, 16)]
+IDS = lambda s: "B{}_q{}_k{}_H{}_kv{}_D{}".format(*s)  # noqa: E731
+
+
+# ---- soft-capping and sinks -----------------------------------------------------------------
+
+def cases(shapes):
+    """(dtype, shape, causal, deterministic): every shape, causal or not, in the first dtype with the
+    deterministic backward; the first shape, causal, with the atomic backward (it shares the tile
+    code) and in the second dtype (CI time: the interpreter runs these)."""
+    first, second = DTYPES
+    det = [(first, shape, causal, True) for shape in shapes for causal in (False, True)]
+    return det + [(first, shapes[0], True, False), (second, shapes[0], True, True)]
+
+
+CASE_IDS = lambda c: f"{c[0]}-{IDS(c[1])}-{'causal' if c[2] else 'full'}-{'det' if c[3] else 'atomic'}"  # noqa: E731
+
+
+@pytest.mark.parametrize("case", cases(SHAPES[:2]), ids=CASE_IDS)
+def test_softcap_matches_float64_reference(case):
+    """Scores of about +-4 against a cap of 2: most of them are bent well away from s."""
+    dtype, shape, causal, deterministic = case
+    q, k, v, do = make_inputs(*shape, dtype, scale=1.5)
+    check(q, k, v, do, causal, softcap=2.0, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("case", cases(SHAPES[::2]), ids=CASE_IDS)
+def test_sinks_match_float64_reference(case):
+    """out, lse and every gradient, the sinks' included; rows that see no key get O = 0, L = sink."""
+    dtype, shape, causal, deterministic = case
+    q, k, v, do = make_inputs(*shape, dtype)
+    out, lse, *_ = check(q, k, v, do, causal, sinks=heads(shape[3]), deterministic=deterministic)
+    if causal and shape[1] > shape[2]:
+        blind = shape[1] - shape[2]   # the first rows see no key
+        assert torch.equal(out[:, :blind], torch.zeros_like(out[:, :blind]))
+        torch.testing.assert_close(lse[:, :, :blind], heads(shape[3])[None, :, None].expand_as(lse[:, :, :blind]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softcap_and_sinks_with_documents_and_a_window(dtype):
+    ids = ids_from_lengths(lengths(5, 40, 1, 24), lengths(70))
+    q, k, v, do = make_inputs(2, ids.shape[1], ids.shape[1], 4, 2, 16, dtype, scale=1.5)
+    check(q, k, v, do, True, sinks=heads(4), softcap=3.0, document_ids=ids, window=20 * SCALE)
+
+
+def test_a_large_cap_is_plain_attention_and_a_small_one_flattens_the_softmax():
+    q, k, v, _ = make_inputs(1, 40, 40, 2, 2, 32, DTYPES[0])
+    torch.testing.assert_close(flash_attention(q, k, v, causal=True, softcap=1e4), flash_attention(q, k, v, causal=True),
+                               atol=2e-3, rtol=0)
+    _, lse = flash_attention(q, k, v, causal=True, softcap=0.01, return_lse=True)   # every |score| < 0.01
+    want = torch.log(torch.arange(1, 41, device=DEVICE, dtype=torch.float32)).expand_as(lse)   # L ~ log(i + 1)
+    torch.testing.assert_close(lse, want, atol=0.011, rtol=0)
+
+
+# ---- dropout --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", cases(SHAPES[:1]), ids=CASE_IDS)
+def test_dropout_matches_float64_reference_given_the_kernels_mask(case):
+    dtype, shape, causal, deterministic = case
+    check(*make_inputs(*shape, dtype), causal, dropout_p=0.3, deterministic=deterministic)
+
+
+@DETERMINISTIC
+def test_dropout_with_documents_a_window_softcap_and_sinks(deterministic):
+    """Tile skipping keeps the mask of every score it computes: documents, a window and GQA, with the
+    other two options on."""
+    ids = ids_from_lengths(lengths(33, 3, 34), lengths(1, 1, 68))
+    q, k, v, do = make_inputs(2, ids.shape[1], ids.shape[1], 4, 2, 16, DTYPES[0], scale=1.5)
+    check(q, k, v, do, True, sinks=heads(4), dropout_p=0.2, softcap=3.0, document_ids=ids, window=24 * SCALE,
+          deterministic=deterministic)
+
+
+def test_dropout_keeps_one_minus_p_of_the_scores():
+    """Kept fractions within 5 standard deviations of 1 - p: overall, per key position within a
+    Philox call's 8 keys, per head, and for neighbouring scores kept together (independence)."""
+    for p in (0.1, 0.5):
+        mask = dropout_mask(dropout_seed(DEVICE), p, 1, 4, 64, 256).double()
+        keep = 1 - p
+
+        def near(fraction, n, want=keep):
+            return abs(fraction - want) <= 5 * math.sqrt(want * (1 - want) / n)
+
+        assert near(mask.mean().item(), mask.numel())
+        for j in range(8):
+            assert near(mask[..., j::8].mean().item(), mask[..., j::8].numel()), (p, j)
+        for h in range(4):
+            assert near(mask[:, h].mean().item(), mask[:, h].numel()), (p, h)
+        pairs = mask[..., 1:] * mask[..., :-1]
+        assert near(pairs.mean().item(), pairs.numel(), keep * keep)
+        rows = mask[..., 1:, :] * mask[..., :-1, :]
+        assert near(rows.mean().item(), rows.numel(), keep * keep)
+
+
+def test_same_seed_same_mask_another_seed_another_mask():
+    q, k, v, _ = make_inputs(1, 40, 40, 2, 2, 32, DTYPES[0])
+    torch.manual_seed(1)
+    first = flash_attention(q, k, v, causal=True, dropout_p=0.2)
+    second = flash_attention(q, k, v, causal=True, dropout_p=0.2)   # the next call draws a new seed
+    torch.manual_seed(1)
+    assert torch.equal(flash_attention(q, k, v, causal=True, dropout_p=0.2), first)
+    torch.manual_seed(2)
+    other = flash_attention(q, k, v, causal=True, dropout_p=0.2)
+    assert not torch.equal(first, second) and not torch.equal(first, other)
+    rng = dropout_seed(DEVICE)
+    assert torch.equal(dropout_mask(rng, 0.2, 1, 2, 40, 40), dropout_mask(rng.clone(), 0.2, 1, 2, 40, 40))
+    assert not torch.equal(dropout_mask(rng, 0.2, 1, 2, 40, 40), dropout_mask(rng + 1, 0.2, 1, 2, 40, 40))
+
+
+# ---- decoding, bad input --------------------------------------------------------------------
+
+@pytest.mark.parametrize("softcap, with_sinks, window", [(2.0, False, None), (None, True, None), (2.0, True, 40)])
+def test_flash_decode_caps_and_sinks_as_the_reference(softcap, with_sinks, window):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, h, 32, generator=g).to(DEVICE) * 1.5 for n, h in ((2, 4), (300, 2), (300, 2)))
+    valid = torch.tensor([290], device=DEVICE)
+    options = dict(softcap=softcap, sinks=heads(4) if with_sinks else None, window=window)
+    ours = flash_decode(q, k, v, valid, **options)
+    exact = decode_reference(q.double(), k.double(), v.double(), valid, **options)
+    plain = decode_reference(q, k, v, valid, **options)
+    assert (ours.double() - exact).abs().max() <= 2 * (plain.double() - exact).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(dropout_p=1.0), r"dropout_p must be a number in \[0, 1\), got 1.0"),
+    (dict(dropout_p=True), "dropout_p must be a number"),
+    (dict(softcap=0.0), "softcap must be None or a positive finite number, got 0.0"),
+    (dict(softcap=float("inf")), "softcap must be None or a positive finite number"),
+    (dict(sinks=torch.zeros(3)), r"sinks must be a floating tensor of shape \(heads,\) = \(2,\), got torch.float32 \(3,\)"),
+    (dict(sinks=torch.zeros(2, dtype=torch.int32)), "sinks must be a floating tensor"),
+])
+def test_bad_score_options_are_refused(options, match):
+    q, k, v, _ = make_inputs(1, 8, 8, 2, 2, 32, DTYPES[0])
+    options = {name: (value.to(DEVICE) if isinstance(value, torch.Tensor) else value) for name, value in options.items()}
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, v, **options)
+
+
+# ---- GPU only: the Gluon backward, compile ---------------------------------------------------
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sinks_through_the_gluon_backward(head_dim):
+    """The plan keeps the Gluon backward for sinks (it needs only the LSE, which includes them)."""
+    q, k, v, do = make_inputs(2, 1024, 1024, 8, 2, head_dim, torch.bfloat16)
+    check(q, k, v, do, True, sinks=heads(8), kernel=("triton", "gluon"))
+
+
+@requires_cuda
+def test_torch_compile_fullgraph_traces_every_option():
+    """torch.compile(fullgraph=True) traces soft-capping, sinks and the dropout seed's draw; with
+    Inductor drawing the seed through eager's generator (fallback_random), compiled and eager give
+    the same bits, forward and backward, the sinks' gradient included."""
+    import torch._inductor.config as inductor_config
+
+    from test_flash_attention import pinned_tile_shapes
+
+    q, k, v, do = make_inputs(2, 512, 512, 8, 2, 64, torch.bfloat16)
+    sinks = heads(8)
+
+    def f(q, k, v, sinks):
+        return flash_attention(q, k, v, causal=True, softcap=30.0, sinks=sinks, dropout_p=0.1)
+
+    with pinned_tile_shapes(), inductor_config.patch(fallback_random=True):
+        compiled = torch.compile(f, fullgraph=True)
+        results = []
+        for fn in (f, compiled):
+            leaves = [strided_leaf(t) for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+            torch.manual_seed(0)
+            out = fn(*leaves)
+            results.append((out, *torch.autograd.grad(out, leaves, do)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

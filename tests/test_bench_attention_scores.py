@@ -1,0 +1,36 @@
+"""scripts/bench/bench_attention_scores.py: the --smoke path end to end (the GPU run is the benchmark)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
+import bench_attention_scores  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke path")
+def test_smoke_run_writes_every_case_and_its_ratio(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        bench_attention_scores.main(["--smoke", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "attention_scores_cpu.json").read_text())
+    assert [(r["case"], r["kernel"]) for r in data["results"]] == [
+        (case, word) for case in bench_attention_scores.CASES for word in bench_attention_scores.WORDS]
+    for row in data["results"]:
+        assert row["status"] == "ok", row
+        assert row["plan"].startswith("forward=triton") and row["fwd+bwd_ms"] > 0 and row["x_none"] > 0
+    assert all(r["x_none"] == 1.0 for r in data["results"] if r["case"] == "none")
+    md = (tmp_path / "attention_scores_cpu.md").read_text()
+    assert "| dropout | auto |" in md and "<= 1.25x |" in md and "x none" in md   # no verdict on a CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_a_real_run_needs_a_gpu(tmp_path):
+    with pytest.raises(ValueError, match="no CUDA device"):
+        bench_attention_scores.main(["--out", str(tmp_path)])

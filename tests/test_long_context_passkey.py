@@ -1,0 +1,103 @@
+"""experiment=long-context-passkey and its naive and CPU variants: the presets agree with each other
+and with the committed measurements they are sized from, and the CPU variant runs the whole
+sequence (train, passkey grid with a length that does not fit, loss by position with a second
+curve beside it) in well under a minute on 2 cores."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.trainrun import REPO, cache_dir, run_in_process  # noqa: F401 (cache_dir is a fixture)
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+import eval_loss_by_position  # noqa: E402
+import eval_passkey  # noqa: E402
+
+
+def composed(experiment: str):
+    from training.config import compose
+    from training.config.checks import validate_config
+
+    cfg = compose([f"experiment={experiment}"])
+    validate_config(cfg)
+    return cfg
+
+
+def tokens(cfg) -> int:
+    t = cfg.trainer
+    return t.max_steps * t.batch_size * t.grad_accum * t.seq_len
+
+
+def test_naive_runs_the_flash_recipe_at_its_longest_trainable_context_for_as_many_tokens():
+    flash, naive = composed("long-context-passkey"), composed("long-context-passkey-naive")
+    assert (flash.attention.name, naive.attention.name) == ("flash", "naive")
+    assert flash.trainer.seq_len == flash.data.passkey.length == 32768
+    committed = json.loads((REPO / "benchmarks" / "max_context" / "max_context_h200.json").read_text())
+    longest = {(r["impl"], r["features"]): r["max_length"] for r in committed["results"]}
+    # the recipe's memory features: chunked cross-entropy, no activation checkpointing ("plain" for naive)
+    assert flash.model.activation_checkpointing == "none" and flash.model.loss_chunk_size > 0
+    assert naive.trainer.seq_len == naive.data.passkey.length == longest[("naive", "plain")]
+    assert tokens(naive) == tokens(flash)
+    passkey = lambda cfg: cfg.data.passkey.num_docs * cfg.data.passkey.length   # noqa: E731
+    assert abs(passkey(naive) / passkey(flash) - 1) < 0.01
+    for key in ("model", "optim", "tokenizer"):   # the same model, optimizer and vocabulary
+        assert naive[key] == flash[key], key
+    same_data = ("min_doc_bytes", "max_bytes", "include_tests", "val_fraction", "passkey.key_digits",
+                 "passkey.seed", "passkey.depths")
+    assert all(OmegaConf.select(naive.data, k) == OmegaConf.select(flash.data, k) for k in same_data)
+
+
+@pytest.mark.slow
+def test_the_cpu_variant_trains_evaluates_and_writes_the_grid(tmp_path, cache_dir):  # noqa: F811
+    run = tmp_path / "run"
+    assert run_in_process(["experiment=long-context-passkey-cpu", f"run.dir={run}", f"data.cache_dir={cache_dir}",
+                           "trainer.progress=false"]) == 0
+    out = tmp_path / "eval"
+    # naive under a CPU budget that holds a 512-token forward but not a 1,024-token one
+    eval_passkey.main([str(run), "--lengths", "128", "256", "512", "1024", "--depths", "0", "0.5", "1",
+                       "--trials", "2", "--attention", "naive", "--memory-budget-mb", "20", "--out", str(out),
+                       "--name", "naive"])
+    naive = json.loads((out / "passkey_naive.json").read_text())
+    assert naive["why_not"][:3] == [None] * 3 and naive["why_not"][3].startswith("out of memory")
+    assert all(row[3] is None and all(0 <= a <= 1 for a in row[:3]) for row in naive["accuracy"])
+    assert all(p > 0 for p in naive["peak_memory_bytes"][:3]) and naive["trained_seq_len"] == 512
+    eval_passkey.main([str(run), "--lengths", "128", "256", "512", "--depths", "0", "0.5", "1", "--trials", "2",
+                       "--out", str(out), "--name", "sdpa", "--beside", str(out / "passkey_naive.json")])
+    md = (out / "passkey_sdpa.md").read_text()
+    assert "## Beside it: naive" in md and md.count("| does not fit") == 3 and "1,024*" in md
+    assert (out / "passkey_sdpa.png").stat().st_size > 10_000
+    eval_loss_by_position.main([str(run), "--seq-len", "256", "--bucket-tokens", "128", "--batches", "2",
+                                "--out", str(out), "--name", "short"])
+    eval_loss_by_position.main([str(run), "--bucket-tokens", "128", "--batches", "2", "--out", str(out),
+                                "--name", "long", "--beside", str(out / "loss_by_position_short.json")])
+    long = json.loads((out / "loss_by_position_long.json").read_text())
+    assert [(b["start"], b["end"]) for b in long["buckets"]] == [(0, 128), (128, 256), (256, 384), (384, 512)]
+    assert long["validation"] == long["beside"]["validation"]
+    rows = [line for line in (out / "loss_by_position_long.md").read_text().splitlines() if line.startswith("| [")]
+    assert len(rows) == 4 and rows[-1].endswith("| - |") and (out / "loss_by_position_long.png").exists()
+
+
+def test_the_gpu_script_refuses_to_continue_a_run_its_machine_does_not_hold(tmp_path):
+    """benchmarks/long_context_runs.sh: `continue` on a fresh machine (the run went with the last one)
+    says so instead of training from step 0 again; a bad part is the usage line; nothing is run."""
+    import os
+    import subprocess
+
+    script = REPO / "benchmarks" / "long_context_runs.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    env = dict(os.environ, OUT=str(tmp_path))
+    if (REPO / "runs" / "long-context" / "naive").exists():
+        pytest.skip("a naive run of the GPU script is in this checkout")
+    done = subprocess.run(["bash", str(script), "naive", "continue"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "error: no run in runs/long-context/naive" in done.stdout
+    env["EVALS"] = str(tmp_path / "evals")   # session 1's results not committed: naive does not start
+    first = subprocess.run(["bash", str(script), "naive"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert first.returncode == 2 and "long_context_passkey_flash/config.yaml is not committed" in first.stdout
+    bad = subprocess.run(["bash", str(script), "nope"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: ")
