@@ -1,12 +1,7 @@
 """Train a GPT: `python train.py [group=option ...] [key=value ...]`, or on several GPUs
 `torchrun --nproc_per_node=N train.py ...` (see docs/parallel.md).
 
-Exit status: 0 finished; 1 the loss went NaN/inf (no checkpoint written after it); 2 bad input
-(config key or value, data path, folder, checkpoint, a run.dir in use) or the machine (out of memory,
-a full disk, no network for wandb), reported in one line (before any step where it can be known;
-older checkpoints kept); 130 (Ctrl-C) or 143 (SIGTERM) stopped at a step boundary after saving a
-checkpoint (a second Ctrl-C: at once, without saving), 129 under torchrun when the launcher died:
-rerun with resume=auto.
+Its exit statuses are training/process/exits.py's table (`python train.py --help` prints it).
 """
 from __future__ import annotations
 
@@ -23,9 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import hydra_callbacks, plain
-from training.config_errors import exit_on_config_error
-from training.config_errors import report_error as report
-from training.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits
+from training.config.errors import exit_on_config_error
+from training.config.errors import report_error as report
+from training.process.exits import INTERRUPTED, help_text
+from training.process.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits
 
 
 FAILED_JOBS: list[int] = []  # exit statuses of the failed jobs of a multirun (-m)
@@ -37,9 +33,9 @@ def train(cfg: DictConfig, outcome: dict | None = None, on_start: Callable[[], C
     """Set up (bad input -> one line on stderr, exit status 2), then train; `outcome` receives the
     final validation loss. `on_start` runs on rank 0 once the run is accepted (train.py keeps
     Hydra's files then); it may return a function to run when the run ends."""
-    from training.distributed import RankError, close_distributed  # torch: imported only once a run starts,
-    from training.faults import fault_line                         # so `--help` answers at once
-    from training.trainer import Trainer
+    from training.parallel.distributed import RankError, close_distributed  # torch: imported only once a run starts,
+    from training.process.faults import fault_line                         # so `--help` answers at once
+    from training.loop.trainer import Trainer
 
     trainer, finish = None, None
     try:
@@ -58,12 +54,12 @@ def train(cfg: DictConfig, outcome: dict | None = None, on_start: Callable[[], C
                     trainer.export_missing_weights()
                 except OSError as e:
                     return report(fault_line(e) or str(e), every_rank=True)
-                if trainer.env.is_main:
+                if trainer.plan.is_main:
                     print(f"nothing to do: {trainer.resumed_from} is at step {trainer.step}, trainer.max_steps="
                           f"{cfg.trainer.max_steps} is reached; raise trainer.max_steps to train further",
                           file=sys.stderr)
                 return 0
-            if on_start is not None and trainer.env.is_main:
+            if on_start is not None and trainer.plan.is_main:
                 finish = on_start()
             status = trainer.fit()
             if outcome is not None:
@@ -72,7 +68,7 @@ def train(cfg: DictConfig, outcome: dict | None = None, on_start: Callable[[], C
     except KeyboardInterrupt:  # a second Ctrl-C (or one before the loop): one line, not a traceback; ends a sweep too
         note = trainer.note() if trainer is not None and hasattr(trainer, "start") else "nothing was trained yet"
         print(f"error: interrupted: stopped at once, without saving; {note}", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
     finally:
         if finish is not None:
             finish()
@@ -104,7 +100,7 @@ def keep_hydra_files(hydra_cfg: DictConfig, task_yaml: str) -> Callable[[], None
     happen before the run is checked, and a refused run must not touch an existing run's files),
     written once the run is accepted: .hydra/{config,hydra,overrides}.yaml and the log file.
     Returns what detaches the log file when the run ends."""
-    from training.runfiles import open_append, write_text
+    from training.run.files import open_append, write_text
 
     out = Path(hydra_cfg.runtime.output_dir)
     (out / ".hydra").mkdir(parents=True, exist_ok=True)
@@ -164,19 +160,20 @@ def one_folder_per_run(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     ignore_ctrl_c_as_python_exits()
+    OmegaConf.register_new_resolver("exit_statuses", help_text)   # configs/train.yaml's --help lists them
     try:
         sys.argv = one_folder_per_run(sys.argv)
         with exit_on_config_error():  # Hydra's composition errors (unknown key, group typo): one line, exit 2
             check_before_hydra(sys.argv[1:])
             main()
         if SWEEP_DIR:
-            from training.summary import sweep_summary
+            from training.run.report import sweep_summary
             print(sweep_summary(SWEEP_DIR[0]), flush=True)
         if FAILED_JOBS:
             sys.exit(max(FAILED_JOBS))
     except KeyboardInterrupt:  # one train() did not turn into its line: in its clean-up, or in Hydra's code around it
         exit_at_once_on_ctrl_c()
         print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     finally:
         exit_at_once_on_ctrl_c()   # the run has ended and said how; a further Ctrl-C: status 130 at once

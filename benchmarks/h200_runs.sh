@@ -2,7 +2,7 @@
 # The H200 runs behind benchmarks/max_context/max_context_h200.*, benchmarks/loss_parity/loss_parity_h200.*
 # and benchmarks/evals/loss_by_position_run16k.*, with the GPU kernel tests, in device calls of
 # under 10 minutes each (the `training` part's throughput lines go to its log only; the committed
-# throughput figures come from scripts/bench_train.py).
+# throughput figures come from scripts/bench/bench_train.py).
 # Usage on the GPU machine (with hydra-core, omegaconf and datasets installed there), output under $OUT:
 #   bash benchmarks/h200_runs.sh million   # naive's searches, then the one-million-token step
 #   bash benchmarks/h200_runs.sh rest      # needs part one's max_context_h200.json in benchmarks/max_context/
@@ -18,7 +18,7 @@ run() { local left=$(( DEADLINE - $(date +%s) )) want=$1; shift
         timeout "$want" "$@" >>"$LOG" 2>&1; echo "    exit $?" | tee -a "$LOG"; }
 common="model=gpt2-small logger=none trainer.progress=false"
 # max context with tile shapes pinned: autotuning at every new length costs device time and
-# does not change memory (the speed figures come from scripts/bench_attention.py)
+# does not change memory (the speed figures come from scripts/bench/bench_attention.py)
 mc="env FLASHTRAIN_AUTOTUNE=0 python3 scripts/max_context.py $common"
 
 case "${1:-}" in
@@ -46,7 +46,7 @@ rest)
   run 240 $mc --attention flash,sdpa 'features=[plain]' cap=524288 extend=true --out benchmarks/max_context
   cp benchmarks/max_context/max_context_h200* "$OUT"/
   step "loss parity: naive vs flash, tiny model, bf16"
-  run 100 python3 scripts/compare_attention_losses.py --name loss_parity_h200 --out "$OUT" \
+  run 100 python3 scripts/bench/compare_attention_losses.py --name loss_parity_h200 --out "$OUT" \
     --work /tmp/parity
   ;;
 training)

@@ -144,22 +144,10 @@ def configured_vocab_size(cfg) -> int:
     raise ValueError(f"unknown tokenizer.name {cfg.name!r} (expected bytes, bpe or pretrained)")
 
 
-def save_tokenizer(tokenizer, folder: Path) -> Path | None:
-    """Keep the run's tokenizer.json in `folder` (run.dir), so evaluation and generation load the
-    model with no corpus and no re-tokenizing. The bytes tokenizer has no file: its name says it all."""
-    source = getattr(tokenizer, "path", None)
-    if source is None:
-        return None
-    dest = Path(folder) / TOKENIZER_FILE
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(Path(source).read_bytes())
-    os.replace(tmp, dest)
-    return dest
-
-
 def load_run_tokenizer(cfg, folders) -> "ByteTokenizer | JsonTokenizer | None":
-    """The tokenizer a run stored (save_tokenizer) in the first of `folders` holding one; the
-    bytes tokenizer from its name alone; None when the run kept no copy (runs older than this)."""
+    """The tokenizer a run kept (training copies its file into run.dir) in the first of `folders`
+    holding one; the bytes tokenizer from its name alone; None when the run kept no copy (runs
+    older than this)."""
     if cfg.name == "bytes":
         return ByteTokenizer()
     for folder in folders:

@@ -1,8 +1,8 @@
 """The model's config: the keys of configs/model/*.yaml, declared once.
 
-`GPTConfig` is both the schema of the `model` config group (training.schema registers it with
+`GPTConfig` is both the schema of the `model` config group (training.config.schema registers it with
 Hydra, which types every YAML file and override against it; each number's range is field
-metadata, checked by training.config_checks.check_group) and the model's own resolved config.
+metadata, checked by training.config.checks.check_group) and the model's own resolved config.
 `GPTConfig.from_cfg` takes a node that check has passed (training.builders.build_model runs it
 before any weights are allocated, so a bad value is one line naming the key) and fills in what
 the tokenizer decides. The field helpers below (`Choice`, `ranged`) serve every group's schema;
@@ -74,7 +74,7 @@ class GPTConfig:
     attention_softcap: Optional[float] = ranged(None, gt=0)  # c: every score s -> c tanh(s / c) (Gemma 2); flash, naive
     attention_sinks: bool = False                     # a learned logit per head in each softmax's denominator (gpt-oss)
     init_std: float = ranged(0.02, gt=0)
-    init_from: Optional[str] = None                   # a Hugging Face folder to start from (training/hf.py reads it)
+    init_from: Optional[str] = None                   # a Hugging Face folder to start from (training/interop/huggingface.py reads it)
     activation_checkpointing: Checkpointing = Checkpointing.none
     loss_chunk_size: int = ranged(0, ge=0)
     offload_activations: bool = False                 # full checkpointing's block inputs wait in host memory

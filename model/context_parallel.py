@@ -16,8 +16,8 @@ Where context parallelism lives. model/ holds what the attention computes, given
 group: this module (the batch cut into each rank's tokens, `use_context_parallel` putting the ring
 in the attention layers' place), model.cp_layout (which chunks each rank holds, and their work)
 and model.ring_attention (the ring's steps and their exact log-sum-exp merge). training/ holds
-the processes: training.distributed builds the 2-D mesh whose CP groups are handed to the model,
-training.context_parallel says what a config may combine with it and computes each rank's share
+the processes: training.parallel.distributed builds the 2-D mesh whose CP groups are handed to the model,
+training.parallel.context says what a config may combine with it and computes each rank's share
 of the loss. Nothing in model/ creates a process group.
 """
 from __future__ import annotations

@@ -88,7 +88,7 @@ class GPT(nn.Module):
         - logits_to_keep: > 0 returns only the last that many positions' logits (a long
           prompt's full logits would not fit);
         - reduction: "sum" returns the summed loss of the non-ignored tokens (a context-parallel
-          rank's share, normalised by the whole sequence's token count: training.context_parallel).
+          rank's share, normalised by the whole sequence's token count: training.parallel.context).
         """
         self._check_call(document_ids, cache)
         positions = self._positions(idx, positions, document_ids, cache)

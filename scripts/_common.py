@@ -2,7 +2,8 @@
 
 Scripts run as `python scripts/<tool>.py`, which puts scripts/ (not the repo root) first on
 sys.path; importing this module first makes `model`, `kernels`, `training` importable from any
-working directory. Every result file records where it came from (date, device, versions, commit),
+working directory. The benchmarks (scripts/bench/) and kernel-development tools
+(scripts/kernel_dev/) put scripts/ on sys.path themselves, first, so the same import works there. Every result file records where it came from (date, device, versions, commit),
 is written atomically (a crash mid-write never leaves half a JSON), and is rewritten as results
 arrive, so a run killed half-way still leaves what it measured.
 """
@@ -91,8 +92,8 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
     try:
         main(sys.argv[1:])
     except Exception as exc:  # noqa: BLE001 (only bad input and the machine's faults are caught; a bug re-raised)
-        from training.config_errors import config_error_line, is_config_error   # only then: tools run without Hydra
-        from training.faults import os_error_line
+        from training.config.errors import config_error_line, is_config_error   # only then: tools run without Hydra
+        from training.process.faults import os_error_line
 
         if not isinstance(exc, (ValueError, OSError)) and not is_config_error(exc) \
                 or os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
@@ -271,8 +272,8 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Replace `path` atomically (training.runfiles: no partial file or stray .tmp, even on a full disk)."""
-    from training import runfiles
+    """Replace `path` atomically (training.run.files: no partial file or stray .tmp, even on a full disk)."""
+    from training.run import files as runfiles
 
     with new_folders(path.parent):
         runfiles.write_text(path, text)
@@ -355,7 +356,7 @@ def save_figure(fig, path: Path) -> None:
     many, headless)."""
     import matplotlib.pyplot as plt
 
-    from training.runfiles import write_file
+    from training.run.files import write_file
 
     try:
         with new_folders(path.parent):

@@ -27,7 +27,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
 def load_for_eval(args: argparse.Namespace):
     """(model, cfg, tokenizer, device, checkpoint path) for the parsed checkpoint arguments."""
     from training.builders import load_model_for_eval
-    from training.resume import checkpoint_to_load
+    from training.run.resume import checkpoint_to_load
 
     path = checkpoint_to_load(args.checkpoint)[0] if args.checkpoint.is_dir() else args.checkpoint
     model, cfg, tokenizer = load_model_for_eval(path, device=args.device, attention=args.attention)
@@ -43,7 +43,7 @@ def token_losses(model, x: torch.Tensor, y: torch.Tensor, device: torch.device, 
                  document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of every position, (B, T) float32 on the CPU; with document_ids (B, T) each
     token sees only its own document (the model's document mask)."""
-    from training.device import autocast
+    from training.process.device import autocast
 
     masks = {} if document_ids is None else {"document_ids": document_ids.to(device)}
     with autocast(device, precision):

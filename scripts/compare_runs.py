@@ -33,7 +33,7 @@ def decimal_tokens(value: float, _=None) -> str:
 def plot(runs, keys: list[str], path: Path, title: str) -> None:
     from matplotlib.ticker import FuncFormatter
 
-    from training.runs import run_label
+    from training.run.records import run_label
 
     fig, axes = new_figure(1, 2, figsize=(13, 4.8))
     for i, run in enumerate(runs):
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--name", default="compare", help="file stem of the .md and .png (default compare)")
     args = parser.parse_args(argv)
 
-    from training.runs import comparison, differing_keys, find_runs
+    from training.run.records import comparison, differing_keys, find_runs
 
     runs = find_runs(args.runs)
     root = args.runs[0] if len(args.runs) == 1 and not (args.runs[0] / "metrics.jsonl").exists() else None

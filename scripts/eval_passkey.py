@@ -46,7 +46,7 @@ def passkey_ids(tokenizer, length: int, depth: float, key: str) -> tuple[list[in
 
 @torch.no_grad()
 def score_prompt(model, ids: tuple[list[int], list[int]], device, precision: str) -> bool:
-    from training.device import autocast
+    from training.process.device import autocast
 
     prompt_ids, answer_ids = ids
     sequence = torch.tensor([prompt_ids + answer_ids], device=device)

@@ -6,7 +6,7 @@
 The folder loads with `transformers`: AutoModelForCausalLM.from_pretrained("hf/a") and
 AutoTokenizer.from_pretrained("hf/a"). Learned positions + LayerNorm + GELU export as GPT-2,
 RoPE + RMSNorm + SwiGLU as Llama; another combination is refused in one line (exit status 2)
-naming the option that does not map (training/hf.py).
+naming the option that does not map (training/interop/huggingface.py).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> Path:
         raise ValueError(f"{args.out_dir} already holds an export (config.json); choose another folder")
 
     from _eval import load_for_eval
-    from training.hf import export_hf, hf_architecture
+    from training.interop.huggingface import export_hf, hf_architecture
 
     model, _, tokenizer, _, path = load_for_eval(argparse.Namespace(checkpoint=args.checkpoint, device="cpu",
                                                                      attention=None))

@@ -38,20 +38,18 @@ def main(argv: list[str]) -> Path:
     if args.out is not None and args.out.exists() and not args.force:
         raise ValueError(f"{args.out} exists; pass --force to replace it")
 
-    from training.checkpoint import is_sharded, save_checkpoint
-    from training.dcp import consolidate
-    from training.export import save_weights
-    from training.resume import checkpoint_to_load
+    from training.interop.weights import save_weights
+    from training.run.resume import checkpoint_to_load
+    from training.run.store import is_sharded, read_tensors, save_checkpoint
 
     path, state = checkpoint_to_load(args.checkpoint)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     out = args.out or run_dir / f"model_step_{state['step']:08d}.safetensors"
     if out.exists() and not args.force:
         raise ValueError(f"{out} exists; name another output file, or pass --force to replace it")
-    if is_sharded(state):  # verified above; its tensors are read from the shards now
-        state = consolidate(path, keys=("model", "optimizer") if args.single_file else ("model",))
-    elif args.single_file is not None:
+    if args.single_file is not None and not is_sharded(state):
         raise ValueError(f"{path} is already a single file: copy it instead of --single-file")
+    state = read_tensors(path, state, optimizer=args.single_file is not None)   # verified above; a folder's shards read now
     save_weights(state["model"], out, state["config"])
     print(f"wrote {out} (weights of {path}, step {state['step']})")
     if args.single_file is not None:

@@ -160,19 +160,20 @@ def _stop_when_differentiated(block, args) -> None:
 
 class StepProbe:
     """A model and optimizer built once; calling it with a length runs one training step, the
-    step train.py runs (training.trainer.TrainStep: autocast, compile, clipping, optimizer; under
+    step train.py runs (training.loop.step.TrainStep: autocast, compile, clipping, optimizer; under
     torchrun (`env`) DDP/FSDP2 and the context-parallel ring too)."""
 
     def __init__(self, cfg: DictConfig, impl: str, device: torch.device, budget_bytes: int | None, env=None):
-        from training.distributed import DistEnv
         from training.builders import model_from_config
-        from training.trainer import TrainStep
+        from training.loop.step import TrainStep
+        from training.parallel.distributed import DistEnv
+        from training.parallel.plan import ParallelPlan
 
         self.device, self.batch_size, self.budget = device, cfg.batch_size, budget_bytes
         self.partial = cfg.partial_step
         self.vocab_size, self.env = cfg.model.vocab_size, env or DistEnv()
         self.model = model_from_config(cfg, self.vocab_size, attention=impl).to(device)
-        self.train_step = TrainStep(self.model, cfg, device, self.env, micro_steps=1)
+        self.train_step = TrainStep(self.model, cfg, device, ParallelPlan(self.env, cfg.trainer.parallel), micro_steps=1)
         self.optimizer = self.train_step.optimizer
         for p in self.model.parameters():  # allocate Adam's moments now: steady-state footprint
             p.grad = torch.zeros_like(p)
@@ -284,7 +285,7 @@ def compose_config(overrides: list[str], attention: list[str] = DEFAULT_ATTENTIO
     from omegaconf import open_dict
 
     from training.config import compose
-    from training.config_checks import validate_config
+    from training.config.checks import validate_config
 
     cfg = compose(overrides, config_name=config_name)
     validate_config(cfg, config_name)
@@ -327,7 +328,7 @@ def validate(cfg: DictConfig, device: torch.device, world_size: int = 1) -> None
     """Raise ValueError naming the first bad tool key before any model is built (start,
     granularity and cap left null get the device's defaults first)."""
     from model.attention import ATTENTION
-    from training.context_parallel import check_attention, check_processes
+    from training.parallel.context import check_attention, check_processes
 
     with open_dict(cfg):
         for key, value in (CUDA_SEARCH if device.type == "cuda" else CPU_SEARCH).items():
@@ -446,7 +447,7 @@ def write_outputs(stem: Path, report: dict) -> None:
              "search that reached its cap. 'vs naive' divides by naive's maximum under the same features. "
              "Peak memory, step time and tokens/s are those of the longest step that fitted. A step of "
              f"over {RETIME_BELOW_S:g} s is timed once, so its time includes first-call costs such as "
-             "compiling kernels; kernel speed is measured by scripts/bench_attention.py. µs/token is that step's "
+             "compiling kernels; kernel speed is measured by scripts/bench/bench_attention.py. µs/token is that step's "
              "time per token. 'bytes/token' is the slope of peak memory through the two longest steps that "
              "fitted, and 'linear max' the length at which that line reaches the "
              + ("device's memory" if meta["device_type"] == "cuda" else "budget")
@@ -575,8 +576,8 @@ def search_one(cfg: DictConfig, record: dict, device: torch.device, budget: int 
 
 def run(cfg: DictConfig) -> dict:
     """The searches; under torchrun every rank runs them and rank 0 writes the results."""
-    from training.device import resolve_device
-    from training.distributed import close_distributed, env_world, init_distributed
+    from training.process.device import resolve_device
+    from training.parallel.distributed import close_distributed, env_world, init_distributed
 
     device, world = resolve_device(cfg.device), env_world()[1]
     validate(cfg, device, world)
@@ -591,7 +592,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def run_searches(cfg: DictConfig, device: torch.device, env) -> dict:
-    from training.device import resolve_precision
+    from training.process.device import resolve_precision
 
     out = console() if env.is_main else Console(quiet=True)
     budget = None if cfg.memory_budget_mb is None else int(cfg.memory_budget_mb * 2**20)

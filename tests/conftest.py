@@ -4,10 +4,13 @@ Without CUDA the Triton kernels run in Triton's interpreter, which must be switc
 before triton is first imported; doing it here, before any test module imports
 `kernels`, makes the same kernel tests run on a CPU-only CI machine. The tools' default
 output folder is a temporary one ($FLASHTRAIN_OUTPUTS), set here before scripts/_common
-is imported.
+is imported, and the tools' folders (scripts/ and its bench/ and kernel_dev/) are on sys.path,
+so a test imports a tool by its name wherever it sits.
 """
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -19,6 +22,9 @@ if not HAS_CUDA:
 # Set once per process (this file may be imported under two names), and respecting a folder given.
 if "FLASHTRAIN_OUTPUTS" not in os.environ:
     os.environ["FLASHTRAIN_OUTPUTS"] = tempfile.mkdtemp(prefix="flashtrain-test-outputs-")
+
+for folder in ("kernel_dev", "bench", ""):   # scripts/ first, as a tool's own bootstrap puts it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / folder))
 
 import pytest  # noqa: E402
 

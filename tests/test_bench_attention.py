@@ -1,4 +1,4 @@
-"""scripts/bench_attention.py: FLOP accounting and the sweep's plumbing, on CPU-sized shapes.
+"""scripts/bench/bench_attention.py: FLOP accounting and the sweep's plumbing, on CPU-sized shapes.
 
 Our kernel cannot run bf16 under the CPU interpreter, so the plumbing test stands in the plain
 formula for it *in the test only*; the other test checks that the script itself never does.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import bench_attention  # noqa: E402
 from _common import device_slug  # noqa: E402
 from bench_attention import BACKENDS, Backend, attention_flops  # noqa: E402
@@ -153,9 +153,9 @@ def test_lanes_of_a_split_training_run_merge_into_one_report(tmp_path):
 
 
 def test_host_overhead_tool_runs_with_stubbed_launches(tmp_path):
-    """scripts/bench_attention_host.py --stub (in its own process: it replaces the kernels' launches)."""
+    """scripts/bench/bench_attention_host.py --stub (in its own process: it replaces the kernels' launches)."""
     import subprocess
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_attention_host.py"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "bench_attention_host.py"
     proc = subprocess.run([sys.executable, str(script), "--stub", "--kernels", "triton,gluon/triton",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

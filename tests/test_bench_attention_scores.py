@@ -1,4 +1,4 @@
-"""scripts/bench_attention_scores.py: the --smoke path end to end (the GPU run is the benchmark)."""
+"""scripts/bench/bench_attention_scores.py: the --smoke path end to end (the GPU run is the benchmark)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import bench_attention_scores  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench_document_mask.py: the --smoke path end to end, and its pair counting."""
+"""scripts/bench/bench_document_mask.py: the --smoke path end to end, and its pair counting."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import bench_document_mask  # noqa: E402
 from bench_document_mask import mixed_lengths, visible_pairs  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""scripts/bench_generation.py --smoke: every measurement lands in the JSON and the Markdown, every
+"""scripts/bench/bench_generation.py --smoke: every measurement lands in the JSON and the Markdown, every
 mode decodes the same greedy tokens, and what cannot run on the device is left out with a note."""
 import json
 import sys
@@ -8,7 +8,7 @@ import torch
 
 from tests.trainrun import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 import bench_generation  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""scripts/bench_parallel.py without GPUs: the summary of logged rows, the tables and the plot."""
+"""scripts/bench/bench_parallel.py without GPUs: the summary of logged rows, the tables and the plot."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import bench_parallel  # noqa: E402
 
 

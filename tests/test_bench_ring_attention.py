@@ -1,4 +1,4 @@
-"""scripts/bench_ring_attention.py: its input checks and, on one gloo rank, its plumbing.
+"""scripts/bench/bench_ring_attention.py: its input checks and, on one gloo rank, its plumbing.
 
 The real measurement needs torchrun on several GPUs; here a group of one CPU process runs the
 --smoke path (the ring degenerates to one block, the plain formula in float32).
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import bench_ring_attention  # noqa: E402
 
 

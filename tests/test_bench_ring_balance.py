@@ -1,4 +1,4 @@
-"""scripts/bench_ring_balance.py: its tile count and mixes, and the --smoke path end to end."""
+"""scripts/bench/bench_ring_balance.py: its tile count and mixes, and the --smoke path end to end."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import bench_ring_balance  # noqa: E402
 from bench_ring_balance import document_lengths, tiles_visited  # noqa: E402
 

@@ -1,9 +1,9 @@
-"""scripts/bench_train.py on the CPU: the bare step and train.py both run and land in the report."""
+"""scripts/bench/bench_train.py on the CPU: the bare step and train.py both run and land in the report."""
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import bench_train  # noqa: E402
 
 

@@ -226,7 +226,7 @@ def test_compiling_with_offload_compiles_each_block():
     """The saved-tensor hooks sit between blocks, so TrainStep compiles the blocks one by one."""
     from training.config import compose
     from training.builders import model_from_config
-    from training.trainer import TrainStep
+    from training.loop.step import TrainStep
 
     cfg = compose(["model.n_layer=2", "model.activation_checkpointing=full", "model.offload_activations=true",
                    "trainer.compile=true"])

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from tests.trainrun import cache_dir, finished_run, run_in_process, tiny_overrides  # noqa: F401 (fixtures)
-from training.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
-                                 load_checkpoint, prune_checkpoints, restore_model, save_checkpoint)
+from training.run.store import CheckpointError, CheckpointStore, load_checkpoint, restore_model, save_checkpoint
 
 
 def state(step: int, **extra) -> dict:
@@ -19,7 +18,7 @@ def state(step: int, **extra) -> dict:
 
 
 def test_save_is_atomic_and_round_trips(tmp_path):
-    path = save_checkpoint(checkpoint_path(tmp_path, 7), state(7))
+    path = save_checkpoint(CheckpointStore(tmp_path).path(7), state(7))
     assert path.name == "step_00000007.pt" and [p.name for p in path.parent.iterdir()] == [path.name]
     loaded = load_checkpoint(path)
     assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], torch.full((2, 3), 7.0))
@@ -32,26 +31,26 @@ def test_save_refuses_an_incomplete_state(tmp_path):
 
 def test_prune_keeps_the_newest_and_drops_temp_files(tmp_path):
     for step in (2, 10, 4, 8):
-        save_checkpoint(checkpoint_path(tmp_path, step), state(step))
+        save_checkpoint(CheckpointStore(tmp_path).path(step), state(step))
     stale = tmp_path / "checkpoints" / "step_00000012.pt.tmp"
     stale.write_bytes(b"half a checkpoint")
-    prune_checkpoints(tmp_path / "checkpoints", keep=2)
-    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000008.pt", "step_00000010.pt"]
+    CheckpointStore(tmp_path).prune(keep=2)
+    assert [p.name for p in CheckpointStore(tmp_path).list()] == ["step_00000008.pt", "step_00000010.pt"]
     assert not stale.exists()
 
 
 def test_latest_skips_unusable_files_with_a_warning_naming_them(tmp_path, caplog):
     for step in (1, 2, 3):
-        save_checkpoint(checkpoint_path(tmp_path, step), state(step))
-    newest = checkpoint_path(tmp_path, 3)
+        save_checkpoint(CheckpointStore(tmp_path).path(step), state(step))
+    newest = CheckpointStore(tmp_path).path(3)
     newest.write_bytes(newest.read_bytes()[:100])
-    torch.save({"not": "ours"}, checkpoint_path(tmp_path, 2))
+    torch.save({"not": "ours"}, CheckpointStore(tmp_path).path(2))
     with caplog.at_level(logging.WARNING):
-        path, loaded = latest_checkpoint(tmp_path / "checkpoints")
-    assert path == checkpoint_path(tmp_path, 1) and loaded["step"] == 1
+        path, loaded = CheckpointStore(tmp_path).latest()
+    assert path == CheckpointStore(tmp_path).path(1) and loaded["step"] == 1
     assert "step_00000003.pt is unreadable" in caplog.text
     assert "step_00000002.pt is not a flashtrain checkpoint: lacks format_version, step" in caplog.text
-    assert latest_checkpoint(tmp_path / "nothing") is None
+    assert CheckpointStore(tmp_path / "nothing").latest() is None
 
 
 def test_weights_only_load_refuses_pickled_code(tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/compare_attention_losses.py: comparison, summary and plot on synthetic metrics files (no training)."""
+"""scripts/bench/compare_attention_losses.py: comparison, summary and plot on synthetic metrics files (no training)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import compare_attention_losses as cal  # noqa: E402
 
 

@@ -73,7 +73,7 @@ def test_a_sweep_prints_its_table_when_it_ends(tmp_path, cache_dir):  # noqa: F8
 
 
 def test_keys_that_change_nothing_are_not_listed_as_differences(tmp_path):
-    from training.runs import RunRecord, differing_keys
+    from training.run.records import RunRecord, differing_keys
 
     common = {"model.n_layer": 2, "run.name": None}
     a = RunRecord(tmp_path / "a", {**common, "optim.lr": 1e-3, "resume": None, "allow_changes": None,
@@ -86,7 +86,7 @@ def test_keys_that_change_nothing_are_not_listed_as_differences(tmp_path):
 
 
 def test_the_legend_covers_neither_panel(tmp_path, monkeypatch):
-    from training.runs import RunRecord
+    from training.run.records import RunRecord
 
     runs = [RunRecord(tmp_path / f"job{i}", {"optim.lr": i * 1e-4, "model.name": "a-long-model-name"},
                       [{"step": s, "tokens": 256 * s, "loss": 5.0 - 0.1 * s - 0.01 * i,
@@ -107,7 +107,7 @@ def test_the_legend_covers_neither_panel(tmp_path, monkeypatch):
 
 def test_a_gpu_run_s_memory_peak_is_a_column(tmp_path):
     """CUDA runs log the allocator's peak in each row: the table shows the largest; CPU runs add no column."""
-    from training.runs import RunRecord, comparison
+    from training.run.records import RunRecord, comparison
 
     gpu = RunRecord(tmp_path / "gpu", {"attention.name": "flash"},
                     [{"step": s, "tokens": 10 * s, "loss": 2.0, "tokens_per_s": 100.0, "peak_memory_bytes": p}

@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 
 from tests.trainrun import cache_dir, losses, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
 from training.config import CONFIG_DIR, compose
-from training.config_checks import validate_config
-from training.config_errors import config_error_line
-from training.optim import build_optimizer, lr_at, param_groups
+from training.config.checks import validate_config
+from training.config.errors import config_error_line
+from training.loop.optim import build_optimizer, lr_at, param_groups
 
 GROUPS = ["model", "attention", "data", "tokenizer", "optim", "trainer", "logger", "experiment"]
 PRESETS = [(group, path.stem) for group in GROUPS for path in sorted((CONFIG_DIR / group).glob("*.yaml"))]
@@ -55,7 +55,7 @@ def test_default_run_is_the_cpu_sized_job():
         "tiny", "auto", "stdlib", "auto", "none")
 
 
-COMPOSE_ERRORS = [  # checked by the schema (training/schema.py) while Hydra composes
+COMPOSE_ERRORS = [  # checked by the schema (training/config/schema.py) while Hydra composes
     ("trainer.seq_len=1.5", "trainer.seq_len=1.5: must be a positive integer"),
     ("trainer.precision=fp8", "trainer.precision='fp8': expected one of auto, bf16, fp32"),
     ("trainer.compile=maybe", "trainer.compile='maybe': must be true or false"),
@@ -78,7 +78,7 @@ def test_types_keys_and_choices_are_checked_at_composition(overrides, line):
     assert config_error_line(info.value).startswith(line)
 
 
-RANGE_ERRORS = [  # checked by training.config_checks.validate_config once the config is final
+RANGE_ERRORS = [  # checked by training.config.checks.validate_config once the config is final
     ("trainer.eval_every", -1, "trainer.eval_every=-1: must be an integer >= 0"),
     ("trainer.keep_ckpts", 0, "trainer.keep_ckpts=0: must be a positive integer"),
     ("trainer.peak_flops", -5, "trainer.peak_flops=-5.0: must be null or a number > 0"),
@@ -186,7 +186,8 @@ def test_multirun_sweep_runs_every_job(tmp_path, cache_dir):
 def test_a_checkpoint_from_before_a_new_model_key_still_resumes():
     """Checkpoints store the model config they were trained with; one written before a key joined
     the schema (model.reset_positions, ...) compares as if it had held the key's default."""
-    from training.checkpoint import CheckpointError, check_model_config
+    from training.run.resume import check_model_config
+    from training.run.store import CheckpointError
 
     current = OmegaConf.to_container(compose(["run.dir=x"]).model)
     saved = {k: v for k, v in current.items() if k not in ("offload_activations", "block_chunk_size", "reset_positions")}

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from tests.test_distributed import assert_losses_close, assert_states_close, free_port, torchrun
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401
-from training.checkpoint import load_checkpoint
+from training.run.store import load_checkpoint
 
 SEQ, BATCH, ACCUM, VOCAB = 24, 2, 2, 64   # 24 tokens: chunks of 6 with C = 2, of 4 with C = 3
 BASE = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", f"model.vocab_size={VOCAB}",
@@ -65,7 +65,8 @@ def run_steps(extra: list[str], env=None) -> dict:
 
     from training.config import compose
     from training.builders import model_from_config
-    from training.trainer import TrainStep
+    from training.loop.step import TrainStep
+    from training.parallel.plan import ParallelPlan
 
     cfg = compose(BASE + extra)
     torch.manual_seed(0)
@@ -73,7 +74,7 @@ def run_steps(extra: list[str], env=None) -> dict:
     compile_ = torch.compile  # aot_eager: the graphs and graph breaks of torch.compile, no C++ build
     torch.compile = functools.partial(compile_, backend="aot_eager")
     try:
-        step = TrainStep(model, cfg, torch.device("cpu"), env)
+        step = TrainStep(model, cfg, torch.device("cpu"), ParallelPlan(env, cfg.trainer.parallel))
     finally:
         torch.compile = compile_
     assert isinstance(step.forward, torch._dynamo.eval_frame.OptimizedModule) == cfg.trainer.compile
@@ -99,7 +100,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from training.distributed import close_distributed, init_distributed
+    from training.parallel.distributed import close_distributed, init_distributed
 
     try:
         for name, (case_world, size, extra) in STEP_CASES.items():
@@ -370,13 +371,14 @@ def gpu_step(device, precision: str, attention: str, env=None) -> dict:
 
     from training.config import compose
     from training.builders import model_from_config
-    from training.trainer import TrainStep
+    from training.loop.step import TrainStep
+    from training.parallel.plan import ParallelPlan
 
     size = env.cp_size if env else 1
     cfg = compose(GPU_OVERRIDES + [f"trainer.precision={precision}", f"trainer.context_parallel={size}"])
     torch.manual_seed(0)
     model = model_from_config(cfg, VOCAB, attention=attention).to(device)
-    step = TrainStep(model, cfg, device, env, micro_steps=1)
+    step = TrainStep(model, cfg, device, ParallelPlan(env, cfg.trainer.parallel), micro_steps=1)
     grads = {}
     step.optimizer.register_step_pre_hook(lambda *_: grads.update(
         {n: p.grad.float().cpu() for n, p in model.named_parameters()}))
@@ -393,7 +395,7 @@ def gpu_step(device, precision: str, attention: str, env=None) -> dict:
 def _gpu_worker(rank: int, port: int, path: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from training.distributed import close_distributed, init_distributed
+    from training.parallel.distributed import close_distributed, init_distributed
 
     env = init_distributed("cuda", timeout_s=300, context_parallel=2)
     try:

@@ -1,6 +1,6 @@
 """Issue 25, item 3: `trainer.deterministic=true` makes every kernel of the step deterministic,
 so kill -9 + resume=auto repeats an uninterrupted run to the bit on CUDA as on the CPU (the H200
-measurement, with its cost, is scripts/check_gpu_resume.py's, in benchmarks/)."""
+measurement, with its cost, is scripts/bench/check_gpu_resume.py's, in benchmarks/)."""
 from __future__ import annotations
 
 import signal
@@ -12,7 +12,7 @@ from conftest import requires_cuda
 from tests.test_resume import start_and_signal
 from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import losses, run_in_process, run_subprocess, tiny_overrides
-from training.device import set_deterministic
+from training.process.device import set_deterministic
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_too_late_for_cublas_is_one_line(monkeypatch, restore_determinism):
 
 
 def test_an_op_without_a_deterministic_kernel_is_one_line():
-    from training.faults import fault_line
+    from training.process.faults import fault_line
 
     error = RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
                          "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this ...")

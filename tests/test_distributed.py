@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401 (fixture)
-from training.checkpoint import list_checkpoints, load_checkpoint
+from training.run.store import CheckpointStore, load_checkpoint
 
 WORLD = 2
 
@@ -49,7 +49,8 @@ def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None, pre
 
     from training.config import compose
     from training.builders import model_from_config
-    from training.trainer import TrainStep
+    from training.loop.step import TrainStep
+    from training.parallel.plan import ParallelPlan
 
     cfg = compose(STEP_OVERRIDES + [f"trainer.precision={precision}", f"trainer.compile={compiled}"]
                   + ([f"trainer.parallel={parallel}"] if parallel else []))
@@ -58,7 +59,7 @@ def run_steps(parallel: str | None, rank: int = 0, world: int = 1, env=None, pre
     compile_ = torch.compile
     torch.compile = functools.partial(compile_, backend="aot_eager")
     try:
-        step = TrainStep(model, cfg, torch.device("cpu"), env)
+        step = TrainStep(model, cfg, torch.device("cpu"), ParallelPlan(env, cfg.trainer.parallel))
     finally:
         torch.compile = compile_
     if compiled and parallel == "fsdp":  # the blocks and the head with its loss, each a compiled function
@@ -74,7 +75,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from training.distributed import close_distributed, init_distributed
+    from training.parallel.distributed import close_distributed, init_distributed
 
     env = init_distributed("cpu", timeout_s=60)
     try:
@@ -252,7 +253,7 @@ def test_killed_rank_then_resume_auto_is_bit_identical(tmp_path, cache_dir, ddp_
     status = start_and_interrupt(overrides, run_dir, after_steps=10,
                                  act=lambda p: os.kill(worker_pids(p)[1], signal.SIGKILL))
     assert status != 0 and len(losses(run_dir)) < STEPS
-    assert list_checkpoints(run_dir / "checkpoints")  # resume=auto will start from one of them
+    assert CheckpointStore(run_dir).list()  # resume=auto will start from one of them
     result = torchrun(overrides)  # the same command again
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(run_dir) == losses(ddp_run)
@@ -267,7 +268,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step(tmp_path, cache_dir, s
                                                                          "trainer.eval_every": 0})
     assert start_and_interrupt(overrides, run_dir, after_steps=5, act=lambda p: p.send_signal(sig),
                                launcher="training.launch") == status
-    saved = list_checkpoints(run_dir / "checkpoints")
+    saved = CheckpointStore(run_dir).list()
     assert len(saved) == 1  # one consistent checkpoint, written once
     stopped_at = load_checkpoint(saved[0])["step"]
     assert 5 <= stopped_at < 200 and len(losses(run_dir)) == stopped_at
@@ -293,7 +294,7 @@ def test_workers_of_a_killed_launcher_save_and_stop_instead_of_training_on(tmp_p
     for pid in alive:  # only our own workers, by pid, so a failure leaves no process behind
         os.kill(pid, signal.SIGKILL)
     assert not alive, "the workers trained on after their launcher died"
-    (saved,) = list_checkpoints(run_dir / "checkpoints")  # saved at the step boundary where they noticed
+    (saved,) = CheckpointStore(run_dir).list()  # saved at the step boundary where they noticed
     assert load_checkpoint(saved)["step"] == len(losses(run_dir)) < 100_000
 
 
@@ -345,7 +346,7 @@ def _sampler_worker(rank: int, port: int, cache: str, state_path: str, out: str,
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from training.distributed import close_distributed, init_distributed
+    from training.parallel.distributed import close_distributed, init_distributed
 
     env = init_distributed("cpu", timeout_s=60)
     try:
@@ -409,7 +410,7 @@ def test_two_processes_building_one_cache_both_get_a_valid_one(tmp_path):
 def test_weights_export_loads_for_eval_on_one_process(ddp_run, tmp_path):
     from training.builders import build_data
     from training.builders import load_model_for_eval
-    from training.evaluate import evaluate_loss
+    from training.loop.evaluate import evaluate_loss
 
     model, cfg, _ = load_model_for_eval(ddp_run / "model.safetensors", device="cpu")
     batches = build_data(cfg, seq_len=cfg.trainer.seq_len, seed=cfg.seed).val_batches(cfg.trainer.batch_size,

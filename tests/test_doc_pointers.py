@@ -1,6 +1,9 @@
 """Pointers into the documentation stay true: every `docs/<name>.md` named anywhere in the tree
 exists, and every section it names (`docs/parallel.md, "Context parallelism"`, `docs/training.md#
-stopping-and-exit-statuses`, `README, "First run on a GPU"`) is a heading of that file.
+stopping-and-exit-statuses`, `README, "First run on a GPU"`) is a heading of that file. And the
+other way: every path of the checkout the README and docs/ name (a code span such as
+`training/run/store.py` or `scripts/bench/`, a relative link) exists, so docs/architecture.md's
+map of the code cannot go stale.
 
 A section named after README without quotes (`README, Multi-GPU`) is checked too: that is how the
 pointers read before the README's long sections moved into docs/, and such a pointer goes stale
@@ -72,6 +75,42 @@ def check_pointers(root: Path) -> list[str]:
 
 def test_every_pointer_into_the_docs_names_a_file_and_heading_that_exist():
     assert check_pointers(ROOT) == []
+
+
+# A path of the checkout in a code span: under one of its parts (a file or a folder), or train.py.
+CODE_PATH = re.compile(r"`((?:" + "|".join(PARTS) + r")/[\w./-]*|train\.py)`")
+LINK = re.compile(r"\]\(([^)#\s:]+)(?:#[\w-]*)?\)")   # a relative Markdown link (no scheme), anchor aside
+ELSEWHERE = {"data/tinyshakespeare/input.txt"}   # named as karpathy/char-rnn's file, not ours
+
+
+def check_paths(root: Path) -> list[str]:
+    """One line per path of the checkout that the README or a page of docs/ names and that does not exist."""
+    problems = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        if not doc.is_file():
+            continue
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            named = [(m.group(1), root / m.group(1)) for m in CODE_PATH.finditer(line) if m.group(1) not in ELSEWHERE]
+            named += [(m.group(1), doc.parent / m.group(1)) for m in LINK.finditer(line)]
+            problems += [f"{doc.relative_to(root)}:{number}: {name} does not exist" for name, path in named
+                         if not path.exists()]
+    return problems
+
+
+def test_every_path_the_docs_name_exists():
+    assert check_paths(ROOT) == []
+
+
+def test_a_stale_path_is_found(tmp_path):
+    for rel in ("docs/architecture.md", "training/run/store.py", "scripts/bench/x.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "training/run/store.py").write_text("")
+    (tmp_path / "docs/architecture.md").write_text(
+        "The store: `training/run/store.py`, the tools `scripts/bench/`, [the store](../training/run/store.py).\n"
+        "Gone: `training/checkpoint.py`, `scripts/kernel_dev/`, [old](../training/resume.py#x), `kernels.flash_op`.\n")
+    assert check_paths(tmp_path) == ["docs/architecture.md:2: training/checkpoint.py does not exist",
+                                     "docs/architecture.md:2: scripts/kernel_dev/ does not exist",
+                                     "docs/architecture.md:2: ../training/resume.py does not exist"]
 
 
 def test_stale_pointers_are_found(tmp_path):

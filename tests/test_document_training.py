@@ -16,7 +16,7 @@ from kernels.checks import INTERPRET
 from training.builders import build_model   # the schema's checks, then model.build_model
 from tests.trainrun import cache_dir, losses, run_in_process, tiny_overrides  # noqa: F401 (fixture)
 from training.config import compose
-from training.evaluate import evaluate_loss
+from training.loop.evaluate import evaluate_loss
 
 EOT = 63
 # A packed window of 30 tokens (+1 for the targets): the tail of a document cut by the window's
@@ -169,7 +169,7 @@ def test_bad_mask_settings_are_one_line_before_any_step(tmp_path, cache_dir, cap
 
 def test_hugging_face_export_refuses_a_sliding_window(tmp_path):
     from data.tokenizer import ByteTokenizer
-    from training.hf import export_hf
+    from training.interop.huggingface import export_hf
 
     model = build_model({"name": "t", "n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 32,
                          "max_seq_len": 32}, 257, "sdpa",
@@ -180,7 +180,8 @@ def test_hugging_face_export_refuses_a_sliding_window(tmp_path):
 
 
 def test_checkpoints_from_before_reset_positions_still_resume():
-    from training.checkpoint import CheckpointError, check_model_config
+    from training.run.resume import check_model_config
+    from training.run.store import CheckpointError
 
     older = {"name": "tiny", "d_model": 64}   # written before model.reset_positions existed
     check_model_config("old.pt", older, {**older, "reset_positions": False})

@@ -11,8 +11,17 @@ import subprocess
 import pytest
 
 from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
-from tests.trainrun import run_in_process, run_subprocess, tiny_overrides
-from training.checkpoint import checkpoint_path
+from tests.trainrun import REPO, run_in_process, run_subprocess, tiny_overrides
+from training.process import exits
+from training.run.store import CheckpointStore
+
+
+def test_the_readme_table_is_the_one_table():
+    """What each status means is said once (training/process/exits.py); the README shows that table
+    as it is, and `--help` prints it (test_train.py)."""
+    readme = (REPO / "README.md").read_text()
+    assert exits.markdown_table() in readme
+    assert sorted(c for codes, _ in exits.EXIT_STATUSES for c in codes) == [0, 1, 2, 129, 130, 143]
 
 HYDRA_ERRORS = [
     (["trainer.foo=1"], "error: unknown config key 'trainer.foo' (`python train.py --cfg job` prints every valid key)"),
@@ -104,7 +113,7 @@ def test_resumed_run_with_max_steps_reached_says_so(finished_run, cache_dir, cap
     metrics = (finished_run / "metrics.jsonl").read_text()
     assert run_in_process(tiny_overrides(finished_run, cache_dir, steps=4, resume="auto")) == 0
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"nothing to do: {checkpoint_path(finished_run, 4)} is at step 4, trainer.max_steps=4 is reached; "
+    assert err == (f"nothing to do: {CheckpointStore(finished_run).path(4)} is at step 4, trainer.max_steps=4 is reached; "
                    f"raise trainer.max_steps to train further"), err
     assert (finished_run / "metrics.jsonl").read_text() == metrics
 

@@ -21,7 +21,7 @@ import torch
 
 from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
 from tests.trainrun import REPO, run_in_process, run_subprocess, subprocess_env, tiny_overrides, train_command
-from training.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from training.run.store import CheckpointStore, load_checkpoint
 
 
 def one_error(stderr: str) -> str:
@@ -60,7 +60,7 @@ def on_small_disk(disk: Path, size: int, script: str) -> subprocess.CompletedPro
 
 def sizes(finished_run) -> tuple[int, int]:
     """(checkpoint, weights) bytes of the tiny run."""
-    return checkpoint_path(finished_run, 4).stat().st_size, (finished_run / "model.safetensors").stat().st_size
+    return CheckpointStore(finished_run).path(4).stat().st_size, (finished_run / "model.safetensors").stat().st_size
 
 
 def _command(overrides: list[str]) -> str:
@@ -122,7 +122,7 @@ def test_a_file_size_limit_during_torch_save_is_one_line_without_a_partial_file(
                             capture_output=True, text=True, timeout=120, preexec_fn=limited(ckpt // 2))
     assert result.returncode == 2, result.stderr
     err = one_error(result.stderr)
-    assert err.startswith(f"error: could not write checkpoint {checkpoint_path(tmp_path, 4)} (File too large)"), err
+    assert err.startswith(f"error: could not write checkpoint {CheckpointStore(tmp_path).path(4)} (File too large)"), err
     assert err.endswith("no checkpoint was saved yet"), err
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
@@ -158,7 +158,7 @@ def test_host_out_of_memory_is_one_line_with_the_knob_to_turn(tmp_path, cache_di
 
 
 def test_cuda_out_of_memory_names_the_knobs():
-    from training.faults import fault_line
+    from training.process.faults import fault_line
 
     line = fault_line(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
                                              "capacity of 139.81 GiB of which 1.02 GiB is free."))
@@ -305,7 +305,7 @@ def test_a_link_planted_at_a_temp_name_is_replaced_not_followed(tmp_path, cache_
     (run_dir / name).symlink_to(target)
     assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=4)) == 0
     assert target.read_text() == "not yours\n"
-    assert load_checkpoint(checkpoint_path(run_dir, 4))["step"] == 4 and not (run_dir / name).exists()
+    assert load_checkpoint(CheckpointStore(run_dir).path(4))["step"] == 4 and not (run_dir / name).exists()
 
 
 @pytest.mark.parametrize("name", [".lock", "checkpoints", "lineage.jsonl", "train.log"])
@@ -334,7 +334,7 @@ def test_a_refused_run_leaves_the_runs_hydra_files_and_log_alone(tmp_path, cache
 # --------------------------------------------------------------------------- stopping
 
 def test_a_second_ctrl_c_is_one_line_and_status_130(tmp_path, cache_dir, capsys, monkeypatch):
-    from training.trainer import TrainStep
+    from training.loop.step import TrainStep
 
     step, calls = TrainStep.__call__, []
 
@@ -350,12 +350,12 @@ def test_a_second_ctrl_c_is_one_line_and_status_130(tmp_path, cache_dir, capsys,
     assert stop.value.code == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: interrupted: stopped at once, without saving; the last good checkpoint is "
-        f"{checkpoint_path(tmp_path, 4)}")
+        f"{CheckpointStore(tmp_path).path(4)}")
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
 def test_repeated_sigint_under_a_launcher_is_one_request_and_a_dead_launcher_a_stop(monkeypatch):
-    import training.signals as signals
+    import training.process.signals as signals
 
     alone = signals.StopRequest()
     alone._handle(signal.SIGINT, None)

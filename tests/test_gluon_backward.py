@@ -170,7 +170,7 @@ def test_unsupported_causal_flag_and_dout_shape(monkeypatch):
 
 COMPILE = r"""
 import json, sys
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/kernel_dev")
 from kernel_report import ptxas_report
 from kernels.gluon import backward as gluon_bwd
 rows = []

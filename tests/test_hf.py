@@ -12,7 +12,7 @@ import torch
 from data.tokenizer import ByteTokenizer, JsonTokenizer, train_bpe
 from training.builders import build_model   # the schema's checks, then model.build_model
 from tests.trainrun import REPO, cache_dir, run_in_process, tiny_overrides  # noqa: F401 (cache_dir: fixture)
-from training.hf import export_hf, hf_architecture, tokenizer_json_text
+from training.interop.huggingface import export_hf, hf_architecture, tokenizer_json_text
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(REPO / "scripts"))
@@ -112,7 +112,7 @@ def save_hf_folder(folder, kind):
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_init_from_starts_a_run_from_hf_weights_and_tokenizer(tmp_path, cache_dir, kind):
     from training.config import compose
-    from training.trainer import Trainer
+    from training.loop.trainer import Trainer
 
     folder = tmp_path / kind
     hf_model = save_hf_folder(folder, kind)
@@ -160,7 +160,7 @@ def test_export_script_on_a_trained_run(tmp_path, cache_dir):
         export_script.main([str(run_dir), str(out)])
     # and back: a run started from the export computes what the trained model does
     from training.config import compose
-    from training.trainer import Trainer
+    from training.loop.trainer import Trainer
 
     again = Trainer(compose(tiny_overrides(tmp_path / "again", cache_dir, **{"model.init_from": str(out)})))
     again.lock.release()

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import json, sys
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/kernel_dev")
 from kernel_report import compile_for_hopper as compile_kernel, score_args
 from kernels.flash_fwd import flash_fwd_kernel
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
@@ -85,12 +85,12 @@ def test_atomic_backward_compiles_for_sm90_with_inductor_signature():
 
 @pytest.mark.slow
 def test_pinned_tiles_compile_pipelined_and_spill_free(tmp_path):
-    """Compiled as a launch specialises them (scripts/kernel_report.py: strides of 1 constant,
+    """Compiled as a launch specialises them (scripts/kernel_dev/kernel_report.py: strides of 1 constant,
     multiples of 16 divisible), the pinned tile shapes of the forward, dQ and dK/dV kernels stream
     their loop tiles through cp.async and spill no registers, at head dims 64 and 128. A change that
     leaves a loop load unpipelined or pushes a kernel into local memory fails here, before any GPU run."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--kernels", "fwd,q,kv", "--limit", "1",
+    proc = subprocess.run([sys.executable, "scripts/kernel_dev/kernel_report.py", "--kernels", "fwd,q,kv", "--limit", "1",
                            "--json", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,7 +102,7 @@ def test_pinned_tiles_compile_pipelined_and_spill_free(tmp_path):
 
 GLUON_SCRIPT = r"""
 import json, re, sys
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/kernel_dev")
 from kernel_report import compile_gluon_fwd, ptxas_report
 from kernels import gluon
 from kernels.lab.gluon_forward_ladder import LADDER
@@ -133,7 +133,7 @@ def test_gluon_forward_compiles_for_sm90_without_spills():
 
 DECODE_SCRIPT = r"""
 import json, sys
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/kernel_dev")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

@@ -4,7 +4,7 @@ The rules: what `auto` picks, the one-line refusals of `gluon`, the words per di
 composition, which each half's own test cannot see: a config composed as train.py composes it, the
 plan the run records (`attention.plan` in config.yaml), the model built from that config, and one
 forward and backward through the real dispatch with every kernel launch recorded instead of run (as
-scripts/bench_attention_host.py --stub does), the GPU's architecture faked as a Hopper's. The
+scripts/bench/bench_attention_host.py --stub does), the GPU's architecture faked as a Hopper's. The
 kernels that launched in each direction must be the plan's, and the plans must be those
 docs/attention.md's table states.
 """

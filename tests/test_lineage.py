@@ -11,13 +11,12 @@ import torch
 
 from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import losses, run_in_process, tiny_overrides
-from training.checkpoint import (checkpoint_path, list_checkpoints, load_checkpoint, prune_checkpoints,
-                                 save_checkpoint)
-from training.resume import LINEAGE_FILE
+from training.run.files import LINEAGE as LINEAGE_FILE
+from training.run.store import CheckpointStore, load_checkpoint, save_checkpoint
 
 
 def names(run_dir: Path) -> list[str]:
-    return [p.name for p in list_checkpoints(run_dir / "checkpoints")]
+    return [p.name for p in CheckpointStore(run_dir).list()]
 
 
 def lineage_rows(run_dir: Path) -> list[dict]:
@@ -55,7 +54,7 @@ def copy_run(src: Path, dest: Path) -> Path:
 
 def test_checkpoints_record_the_run_and_lineage_jsonl_its_starts(two_runs):
     a, b = two_runs
-    ids = {load_checkpoint(checkpoint_path(a, s))["lineage"]["id"] for s in (4, 8)}
+    ids = {load_checkpoint(CheckpointStore(a).path(s))["lineage"]["id"] for s in (4, 8)}
     assert len(ids) == 1 and lineage_rows(a) == [{**lineage_rows(a)[0], "event": "start", "step": 0}]
     assert lineage_rows(a)[0]["run_id"] == ids.pop() != lineage_rows(b)[0]["run_id"]
 
@@ -67,7 +66,7 @@ def test_resume_from_another_runs_checkpoint_into_a_used_folder_is_refused_touch
     a, b = two_runs
     target = copy_run(a, tmp_path / "a")
     before = snapshot(target)
-    other = checkpoint_path(b, 4)
+    other = CheckpointStore(b).path(4)
     assert run_in_process(tiny_overrides(target, cache_dir, steps=25, resume=str(other), seed=7,
                                          **{"trainer.keep_ckpts": 2})) == 2
     err = last_error(capsys)
@@ -79,25 +78,25 @@ def test_resume_from_another_runs_checkpoint_into_a_used_folder_is_refused_touch
 def test_resume_from_another_run_into_an_empty_folder_is_a_branch_recording_its_parent(two_runs, tmp_path, cache_dir):
     a, _ = two_runs
     branch = tmp_path / "branch"
-    assert run_in_process(tiny_overrides(branch, cache_dir, steps=8, resume=str(checkpoint_path(a, 4)))) == 0
+    assert run_in_process(tiny_overrides(branch, cache_dir, steps=8, resume=str(CheckpointStore(a).path(4)))) == 0
     (row,) = lineage_rows(branch)
-    parent = {"id": lineage_rows(a)[0]["run_id"], "step": 4, "checkpoint": str(checkpoint_path(a, 4).resolve())}
+    parent = {"id": lineage_rows(a)[0]["run_id"], "step": 4, "checkpoint": str(CheckpointStore(a).path(4).resolve())}
     assert row["event"] == "branch" and row["parent"] == parent and row["run_id"] != parent["id"]
-    lineage = load_checkpoint(checkpoint_path(branch, 8))["lineage"]
+    lineage = load_checkpoint(CheckpointStore(branch).path(8))["lineage"]
     assert lineage == {"id": row["run_id"], "parent": parent}
     assert losses(branch) == losses(a)[4:]  # the same settings: the branch repeats steps 5-8 exactly
     # and it is a run of its own: resume=auto continues the branch, not its parent
     assert run_in_process(tiny_overrides(branch, cache_dir, steps=12, resume="auto",
                                          allow_changes="[trainer.max_steps]")) == 0
-    assert load_checkpoint(checkpoint_path(branch, 12))["lineage"] == lineage
+    assert load_checkpoint(CheckpointStore(branch).path(12))["lineage"] == lineage
 
 
 def test_a_foreign_checkpoint_in_the_folder_is_never_pruned_counted_or_resumed(two_runs, tmp_path, cache_dir, caplog):
     """The issue: a foreign step_00000099.pt dropped in the folder was kept and the run's own deleted."""
     a, b = two_runs
     target = copy_run(a, tmp_path / "a")
-    foreign = checkpoint_path(target, 99)
-    shutil.copy(checkpoint_path(b, 8), foreign)
+    foreign = CheckpointStore(target).path(99)
+    shutil.copy(CheckpointStore(b).path(8), foreign)
     assert run_in_process(tiny_overrides(target, cache_dir, steps=16, resume="auto", allow_changes="[trainer.max_steps]",
                                          **{"trainer.keep_ckpts": 2})) == 0
     assert names(target) == ["step_00000012.pt", "step_00000016.pt", "step_00000099.pt"]
@@ -108,7 +107,7 @@ def test_a_foreign_checkpoint_in_the_folder_is_never_pruned_counted_or_resumed(t
 def test_a_foreign_checkpoint_this_run_would_overwrite_is_refused(two_runs, tmp_path, cache_dir, capsys):
     a, b = two_runs
     target = copy_run(a, tmp_path / "a")
-    shutil.copy(checkpoint_path(b, 8), checkpoint_path(target, 12))
+    shutil.copy(CheckpointStore(b).path(8), CheckpointStore(target).path(12))
     before = snapshot(target)
     assert run_in_process(tiny_overrides(target, cache_dir, steps=16, resume="auto",
                                          allow_changes="[trainer.max_steps]")) == 2
@@ -122,8 +121,8 @@ def test_pruning_counts_and_deletes_only_its_own_runs_files(tmp_path):
                 "sampler": {}, "config": {}, "wandb_id": None, "lineage": {"id": run, "parent": None}}
 
     for step, run in ((2, "mine"), (4, "other"), (6, "mine"), (8, "other"), (10, "mine")):
-        save_checkpoint(checkpoint_path(tmp_path, step), state(step, run))
-    prune_checkpoints(tmp_path / "checkpoints", keep=1, run_id="mine")
+        save_checkpoint(CheckpointStore(tmp_path).path(step), state(step, run))
+    CheckpointStore(tmp_path).prune(keep=1, run_id="mine")
     assert names(tmp_path) == ["step_00000004.pt", "step_00000008.pt", "step_00000010.pt"]
 
 
@@ -135,7 +134,7 @@ def test_a_rewind_moves_the_later_files_aside_and_prunes_only_its_own(tmp_path, 
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=20, **{"trainer.ckpt_every": 2,
                                                                           "trainer.keep_ckpts": 10})) == 0
     later = snapshot(tmp_path)
-    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=10, resume=str(checkpoint_path(tmp_path, 4)),
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=10, resume=str(CheckpointStore(tmp_path).path(4)),
                                          allow_changes="[trainer.max_steps]",
                                          **{"trainer.ckpt_every": 2, "trainer.keep_ckpts": 2})) == 0
     assert names(tmp_path) == ["step_00000008.pt", "step_00000010.pt"]  # its own newest two
@@ -179,13 +178,13 @@ def test_a_fresh_run_refuses_a_folder_holding_a_runs_metrics_or_weights(two_runs
 def test_checkpoints_from_before_lineages_still_resume_and_are_pruned_as_the_folders_own(tmp_path, cache_dir):
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=8, **{"trainer.keep_ckpts": 2})) == 0
     for step in (4, 8):  # rewrite them as the previous format wrote them: no lineage, no lineage.jsonl
-        path = checkpoint_path(tmp_path, step)
+        path = CheckpointStore(tmp_path).path(step)
         state = {k: v for k, v in load_checkpoint(path).items() if k not in ("lineage", "checksum", "format_version")}
         path.unlink()
         save_checkpoint(path, state)
     (tmp_path / LINEAGE_FILE).unlink()
     uninterrupted = losses(tmp_path)
-    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=8, resume=str(checkpoint_path(tmp_path, 4)),
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=8, resume=str(CheckpointStore(tmp_path).path(4)),
                                          **{"trainer.keep_ckpts": 2})) == 0
     assert losses(tmp_path) == uninterrupted and names(tmp_path) == ["step_00000004.pt", "step_00000008.pt"]
 
@@ -198,7 +197,7 @@ def test_resume_refuses_changed_training_settings_in_one_line_listing_the_keys(t
     before = snapshot(target)
     changed = tiny_overrides(target, cache_dir, steps=12, resume="auto", **{"optim.lr": 0.01, "optim.min_lr": 0})
     assert run_in_process(changed) == 2
-    ckpt = checkpoint_path(target, 8)
+    ckpt = CheckpointStore(target).path(8)
     assert last_error(capsys) == (
         f"error: checkpoint {ckpt} was trained with other training settings: trainer.max_steps=8 in checkpoint, 12 "
         f"now; optim.lr=0.001 in checkpoint, 0.01 now; optim.min_lr=0.0001 in checkpoint, 0.0 now; pass allow_changes="
@@ -230,7 +229,7 @@ def test_settings_that_do_not_change_the_numbers_may_change_and_resume_bit_ident
     uninterrupted = losses(tmp_path)
     free = {"trainer.log_every": 2, "trainer.keep_ckpts": 4, "trainer.ckpt_every": 5, "trainer.progress": "true",
             "trainer.deterministic": "true"}
-    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=12, resume=str(checkpoint_path(tmp_path, 4)),
+    assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=12, resume=str(CheckpointStore(tmp_path).path(4)),
                                          **free)) == 0
     assert [r for r in losses(tmp_path) if r[0] <= 4] == uninterrupted[:4]
     assert [r for r in losses(tmp_path) if r[0] > 4] == uninterrupted[5::2]  # logged every 2nd step now
@@ -249,7 +248,7 @@ def test_a_resume_without_the_runs_preset_names_the_preset(tmp_path, cache_dir, 
     before = snapshot(tmp_path)
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=4, resume="auto")) == 2
     err = last_error(capsys)
-    assert err.startswith(f"error: checkpoint {checkpoint_path(tmp_path, 4)} was trained with other training "
+    assert err.startswith(f"error: checkpoint {CheckpointStore(tmp_path).path(4)} was trained with other training "
                           "settings: optim.lr=0.002 in checkpoint, 0.001 now; optim.min_lr=0.0002 in checkpoint, "
                           "0.0001 now; the run was made with experiment=cpu-small, which this command leaves out: "
                           "add experiment=cpu-small"), err

@@ -20,7 +20,7 @@ import eval_passkey  # noqa: E402
 
 def composed(experiment: str):
     from training.config import compose
-    from training.config_checks import validate_config
+    from training.config.checks import validate_config
 
     cfg = compose([f"experiment={experiment}"])
     validate_config(cfg)

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from model import GPT, GPTConfig
 from training.builders import build_model   # the schema's checks, then model.build_model
-from training.metrics import mfu
+from training.loop.throughput import mfu
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = dict(name="t", n_layer=2, n_head=4, n_kv_head=2, d_model=32, vocab_size=None, max_seq_len=64)
@@ -218,7 +218,11 @@ def test_bad_config_is_one_clear_error(change, message):
 
 
 def test_odd_head_dim_is_fine_with_learned_positions():
-    tiny(d_model=12, n_head=4, n_kv_head=4, pos_emb="learned")
+    """RoPE refuses an odd head dim (test_bad_config_is_one_clear_error); learned positions take it."""
+    model = tiny(d_model=12, n_head=4, n_kv_head=4, pos_emb="learned")
+    assert model.config.d_model // model.config.n_head == 3
+    idx = torch.randint(0, 50, (2, 8))
+    assert model(idx).shape == (2, 8, 64) and torch.isfinite(model(idx, idx))
 
 
 def test_unknown_attention_is_rejected():

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.checkpoint as checkpoint
+import training.run.store as checkpoint
 from tests.trainrun import cache_dir, finished_run  # noqa: F401 (fixtures)
 from tests.trainrun import REPO, losses, run_in_process, subprocess_env, tiny_overrides, train_command
-from training.checkpoint import (CheckpointError, checkpoint_path, latest_checkpoint, list_checkpoints,
-                                 load_checkpoint, prune_checkpoints, save_checkpoint)
-from training.runlock import RunDirLock
+from training.run.lock import RunDirLock
+from training.run.store import CheckpointError, CheckpointStore, load_checkpoint, save_checkpoint
 
 
 def state(step: int) -> dict:
@@ -46,20 +45,20 @@ def flip_tensor_bytes(path: Path, n: int = 64) -> None:
 
 def test_flipped_tensor_bytes_fail_the_checksum_and_resume_skips_the_file(tmp_path, caplog):
     for step in (1, 2):
-        save_checkpoint(checkpoint_path(tmp_path, step), state(step))
-    newest = checkpoint_path(tmp_path, 2)
+        save_checkpoint(CheckpointStore(tmp_path).path(step), state(step))
+    newest = CheckpointStore(tmp_path).path(2)
     flip_tensor_bytes(newest)
     with pytest.raises(CheckpointError, match=rf"checkpoint {newest} is corrupt: its contents do not match"):
         load_checkpoint(newest)
     checkpoint._verified.clear()
     with caplog.at_level(logging.WARNING):
-        path, loaded = latest_checkpoint(tmp_path / "checkpoints")
-    assert path == checkpoint_path(tmp_path, 1) and loaded["step"] == 1
+        path, loaded = CheckpointStore(tmp_path).latest()
+    assert path == CheckpointStore(tmp_path).path(1) and loaded["step"] == 1
     assert "step_00000002.pt is corrupt" in caplog.text
 
 
 def test_checksum_covers_plain_values_too(tmp_path):
-    path = save_checkpoint(checkpoint_path(tmp_path, 3), state(3))
+    path = save_checkpoint(CheckpointStore(tmp_path).path(3), state(3))
     loaded = load_checkpoint(path)
     assert loaded["checksum"] == checkpoint.state_checksum(loaded)
     assert checkpoint.state_checksum({**loaded, "step": 4}) != loaded["checksum"]
@@ -69,26 +68,26 @@ def test_checksum_covers_plain_values_too(tmp_path):
 
 def test_prune_never_counts_an_unusable_checkpoint_as_kept(tmp_path, caplog):
     for step in (10, 12, 16, 20):
-        save_checkpoint(checkpoint_path(tmp_path, step), state(step))
-    corrupt = checkpoint_path(tmp_path, 20)
+        save_checkpoint(CheckpointStore(tmp_path).path(step), state(step))
+    corrupt = CheckpointStore(tmp_path).path(20)
     corrupt.write_bytes(corrupt.read_bytes()[:5000])
-    prune_checkpoints(tmp_path / "checkpoints", keep=1)
-    names = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
+    CheckpointStore(tmp_path).prune(keep=1)
+    names = [p.name for p in CheckpointStore(tmp_path).list()]
     assert names == ["step_00000016.pt", "step_00000020.pt"]  # the usable newest survives; 20 kept as evidence
     assert "step_00000020.pt is unusable" in caplog.text
-    assert latest_checkpoint(tmp_path / "checkpoints")[0] == checkpoint_path(tmp_path, 16)
+    assert CheckpointStore(tmp_path).latest()[0] == CheckpointStore(tmp_path).path(16)
 
 
 def test_resume_after_a_corrupt_newest_checkpoint_keeps_its_own_checkpoints(tmp_path, cache_dir):
     """The issue's reproduction, with the kill at step 17 replaced by a run that ends at 16."""
     base = tiny_overrides(tmp_path, cache_dir, steps=20, **{"trainer.ckpt_every": 10})
     assert run_in_process(base) == 0
-    step20 = checkpoint_path(tmp_path, 20)
+    step20 = CheckpointStore(tmp_path).path(20)
     step20.write_bytes(step20.read_bytes()[:5000])
     again = tiny_overrides(tmp_path, cache_dir, steps=16, resume="auto", allow_changes="[trainer.max_steps]",
                            **{"trainer.ckpt_every": 4, "trainer.keep_ckpts": 1})
     assert run_in_process(again) == 0
-    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000016.pt", "step_00000020.pt"]
+    assert [p.name for p in CheckpointStore(tmp_path).list()] == ["step_00000016.pt", "step_00000020.pt"]
     up_to_16 = losses(tmp_path)
     assert [r[0] for r in up_to_16] == list(range(1, 17))
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=20, resume="auto", allow_changes="[trainer.max_steps]",
@@ -100,7 +99,7 @@ def test_resume_auto_refuses_when_every_checkpoint_is_unusable_and_keeps_the_met
     overrides = tiny_overrides(tmp_path, cache_dir, steps=8, **{"trainer.keep_ckpts": 2})
     assert run_in_process(overrides) == 0
     metrics = (tmp_path / "metrics.jsonl").read_text()
-    for path in list_checkpoints(tmp_path / "checkpoints"):
+    for path in CheckpointStore(tmp_path).list():
         path.write_bytes(path.read_bytes()[:3000])
     assert run_in_process(overrides + ["resume=auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -147,7 +146,7 @@ def test_kill_9_leaves_no_stale_lock_and_a_live_run_is_not_disturbed(tmp_path, c
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while not list_checkpoints(tmp_path / "checkpoints") and time.monotonic() < deadline:
+        while not CheckpointStore(tmp_path).list() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert proc.poll() is None
         assert run_in_process(overrides + ["optim.lr=0.5"]) == 2
@@ -168,7 +167,7 @@ def test_kill_9_leaves_no_stale_lock_and_a_live_run_is_not_disturbed(tmp_path, c
     ({"model.tie_embeddings": False}, "model.tie_embeddings=True in checkpoint, False now"),
 ], ids=["heads", "norm", "rope_theta", "tie_embeddings"])
 def test_resume_refuses_a_shape_preserving_model_change(tmp_path, cache_dir, finished_run, capsys, change, diff):
-    ckpt = checkpoint_path(finished_run, 4)
+    ckpt = CheckpointStore(finished_run).path(4)
     config_before = (finished_run / "config.yaml").read_text()
     assert run_in_process(tiny_overrides(finished_run, cache_dir, steps=8, resume="auto", **change)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -178,7 +177,7 @@ def test_resume_refuses_a_shape_preserving_model_change(tmp_path, cache_dir, fin
 
 
 def test_memory_features_may_change_on_resume(tmp_path, cache_dir, finished_run):
-    ckpt = checkpoint_path(finished_run, 4)
+    ckpt = CheckpointStore(finished_run).path(4)
     assert run_in_process(tiny_overrides(tmp_path, cache_dir, steps=5, resume=str(ckpt), **{
         "model.activation_checkpointing": "full", "model.loss_chunk_size": 16})) == 0
 
@@ -258,10 +257,10 @@ def test_changed_data_refuses_with_a_way_forward_and_allow_changed_records_it(tm
 
 
 def test_checkpoints_from_before_checksums_still_load(tmp_path):
-    path = checkpoint_path(tmp_path, 5)
+    path = CheckpointStore(tmp_path).path(5)
     path.parent.mkdir(parents=True)
     torch.save({"format_version": 1, **state(5)}, path)  # what the previous release wrote
     assert load_checkpoint(path)["step"] == 5
-    save_checkpoint(checkpoint_path(tmp_path, 6), state(6))
-    prune_checkpoints(tmp_path / "checkpoints", keep=2)
-    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000005.pt", "step_00000006.pt"]
+    save_checkpoint(CheckpointStore(tmp_path).path(6), state(6))
+    CheckpointStore(tmp_path).prune(keep=2)
+    assert [p.name for p in CheckpointStore(tmp_path).list()] == ["step_00000005.pt", "step_00000006.pt"]

@@ -42,6 +42,9 @@ NOT_RUN = {
 }
 
 
+TOOL_PATH = r"scripts/(?:\w+/)?(\w+)\.py"   # a user tool, or one in scripts/bench/ or scripts/kernel_dev/
+
+
 @dataclass(frozen=True)
 class Command:
     source: str          # the document it is in
@@ -60,7 +63,7 @@ class Command:
         for word in self.argv:
             if word == "train.py":
                 return "train"
-            found = re.fullmatch(r"scripts/(\w+)\.py", word)
+            found = re.fullmatch(TOOL_PATH, word)
             if found:
                 return found.group(1)
         return None
@@ -68,7 +71,7 @@ class Command:
     @property
     def args(self) -> list[str]:
         argv = self.argv
-        at = next(i for i, w in enumerate(argv) if w == "train.py" or re.fullmatch(r"scripts/\w+\.py", w))
+        at = next(i for i, w in enumerate(argv) if w == "train.py" or re.fullmatch(TOOL_PATH, w))
         return argv[at + 1:]
 
 
@@ -106,6 +109,13 @@ def test_the_docs_hold_the_commands_this_test_tries():
     assert any(c.text == "python scripts/max_context.py" for c in COMMANDS)   # the CPU's comparison
 
 
+def test_every_documented_tool_is_where_the_command_says():
+    """A tool moved to another folder of scripts/ leaves no command naming its old place."""
+    for command in COMMANDS:
+        named = next(w for w in command.argv if w == "train.py" or re.fullmatch(TOOL_PATH, w))
+        assert (REPO / named).is_file(), f"{command.source}: {command.text}"
+
+
 def train_overrides(command: Command) -> list[str]:
     """What train.py composes for a command: its overrides, a sweep's (-m) first value of each."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -132,7 +142,7 @@ def test_every_documented_train_command_composes_and_passes_the_checks(command):
     """A typo in a command, a preset that does not exist, an override Hydra cannot parse (the docs'
     data.paths=[~/corpus]) or a value the schema refuses fails here, as it would for a reader."""
     from training.config import compose, repeated_override
-    from training.config_checks import validate_config
+    from training.config.checks import validate_config
 
     overrides = train_overrides(command)
     assert repeated_override(overrides) is None

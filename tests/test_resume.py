@@ -14,7 +14,7 @@ import pytest
 
 from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import REPO, losses, run_in_process, run_subprocess, subprocess_env, tiny_overrides, train_command
-from training.checkpoint import list_checkpoints, load_checkpoint
+from training.run.store import CheckpointStore, load_checkpoint
 
 STEPS = 100  # long enough (about a second) that the interrupt reliably lands mid-run
 # A corpus of 77 steps an epoch (621 windows of 64 tokens, 8 a step): the resumed runs cross into
@@ -59,7 +59,7 @@ def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, cache_dir, referenc
     result = run_subprocess(overrides)  # the same command again
     assert result.returncode == 0, result.stderr
     assert losses(tmp_path) == reference
-    sampler = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])["sampler"]
+    sampler = load_checkpoint(CheckpointStore(tmp_path).list()[-1])["sampler"]
     assert sampler["windows"] == "moving" and sampler["epoch"] == 1   # the default; across an epoch boundary
 
 
@@ -68,7 +68,7 @@ def test_graceful_stop_saves_then_resume_is_bit_identical(tmp_path, cache_dir, r
     # no periodic checkpoints: the only one before the end is the one the signal makes
     overrides = tiny_overrides(tmp_path, cache_dir, steps=STEPS, resume="auto", **EPOCHS, **{"trainer.ckpt_every": 0})
     assert start_and_signal(overrides, tmp_path, sig, after_steps=7) == status
-    saved = list_checkpoints(tmp_path / "checkpoints")
+    saved = CheckpointStore(tmp_path).list()
     assert len(saved) == 1
     stopped_at = int(saved[0].stem.split("_")[1])
     assert 7 <= stopped_at < STEPS and logged_steps(tmp_path) == stopped_at
@@ -102,7 +102,7 @@ def test_resume_auto_skips_truncated_and_garbage_checkpoints(tmp_path, cache_dir
     overrides = tiny_overrides(tmp_path, cache_dir, steps=12, **{"trainer.keep_ckpts": 3})
     assert run_in_process(overrides) == 0
     uninterrupted = losses(tmp_path)
-    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    ckpts = CheckpointStore(tmp_path).list()
     assert [p.name for p in ckpts] == ["step_00000004.pt", "step_00000008.pt", "step_00000012.pt"]
     newest = ckpts[-1].read_bytes()
     ckpts[-1].write_bytes(newest[: len(newest) // 2])  # a copy cut short mid-write
@@ -210,7 +210,7 @@ def test_the_temp_file_of_a_killed_final_export_is_removed_by_the_next_start(tmp
     overrides = tiny_overrides(tmp_path, cache_dir, steps=4)
     assert run_killed_at(overrides, KILL_IN_THE_FINAL_EXPORT).returncode == -signal.SIGKILL
     assert (tmp_path / "model.safetensors.tmp").stat().st_size == 100_000
-    from training.trainer import Trainer
+    from training.loop.trainer import Trainer
 
     seen = []
     start_run = Trainer._start_run

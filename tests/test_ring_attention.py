@@ -26,7 +26,7 @@ from model.context_parallel import (context_parallel_batch, context_parallel_pos
                                     gather_from_context_parallel, merge_context_parallel, split_for_context_parallel,
                                     use_context_parallel)
 from model.ring_attention import STEP_COUNTS, ring_attention
-from training.distributed import close_distributed
+from training.parallel.distributed import close_distributed
 
 CHUNK, BATCH, HEAD_DIM = 4, 2, 16
 # name: (block, dtype, causal, heads, kv heads)

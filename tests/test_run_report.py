@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainrun import REPO, cache_dir, run_in_process, subprocess_env, tiny_overrides  # noqa: F401
-from training.summary import duration, point_latest, resume_command
+from training.run.report import duration, point_latest, resume_command
 
 
 def messages(caplog) -> list[str]:
@@ -42,7 +42,7 @@ def test_a_run_announces_itself_and_ends_with_a_summary(tmp_path, cache_dir, cap
 def test_a_run_stopped_between_logged_steps_ends_with_its_last_steps_loss(tmp_path, cache_dir, caplog, monkeypatch):
     """The summary read the last row of metrics.jsonl: a stop at step 5 of a run logging every 4th
     step ended with step 4's loss."""
-    import training.trainer
+    import training.loop.trainer
     from tests.trainrun import losses
 
     assert run_in_process(tiny_overrides(tmp_path / "every", cache_dir, steps=12)) == 0
@@ -54,7 +54,7 @@ def test_a_run_stopped_between_logged_steps_ends_with_its_last_steps_loss(tmp_pa
         self.signum = signal.SIGTERM if self.polls == 5 else None
         return self.signum is not None
 
-    monkeypatch.setattr(training.trainer.AgreedStop, "poll", stop_at_the_fifth_boundary)
+    monkeypatch.setattr(training.parallel.distributed.AgreedStop, "poll", stop_at_the_fifth_boundary)
     caplog.set_level(logging.INFO, logger="train")
     run_dir = tmp_path / "run"
     assert run_in_process(tiny_overrides(run_dir, cache_dir, steps=12, **{"trainer.log_every": 4})) == 143
@@ -134,7 +134,7 @@ def test_a_default_run_logged_to_files_points_latest_and_stops_in_one_line(tmp_p
 def test_a_second_ctrl_c_during_a_save_is_still_the_interrupt():
     """A Ctrl-C that lands inside torch.save comes out as the zip writer's RuntimeError, with the
     KeyboardInterrupt as its context: the run must still end in the interrupt's one line."""
-    from training.trainer import _second_ctrl_c
+    from training.loop.trainer import _second_ctrl_c
 
     try:
         try:
@@ -150,7 +150,7 @@ def test_a_ctrl_c_after_the_run_has_ended_exits_130_at_once():
     """What the test above meets when the second Ctrl-C lands after train.py's last line: status
     130 with the output flushed, not death by SIGINT (-2) and not a traceback from atexit code."""
     script = ("import os, signal, sys, time\n"
-              "from training.signals import exit_at_once_on_ctrl_c\n"
+              "from training.process.signals import exit_at_once_on_ctrl_c\n"
               "exit_at_once_on_ctrl_c()\n"
               "print('the run said how it ended')\n"
               "os.kill(os.getpid(), signal.SIGINT)\n"
@@ -167,7 +167,7 @@ def test_a_ctrl_c_in_the_last_moments_of_exit_leaves_the_status_alone():
     ignore_ctrl_c_as_python_exits registers on, a Ctrl-C is ignored and the status stays the one
     the process was exiting with (here 3; the handler of the test above would make it 130)."""
     script = ("import atexit, os, signal, sys\n"
-              "from training.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits\n"
+              "from training.process.signals import exit_at_once_on_ctrl_c, ignore_ctrl_c_as_python_exits\n"
               "atexit.register(os.kill, os.getpid(), signal.SIGINT)   # runs after it: as late as Python code can\n"
               "ignore_ctrl_c_as_python_exits()\n"
               "exit_at_once_on_ctrl_c()\n"
@@ -185,8 +185,8 @@ def test_a_ctrl_c_in_train_pys_clean_up_is_one_line_and_130(tmp_path, cache_dir)
     background job) passes that on, and Python keeps it, so the window would not be reached."""
     script = ("import os, runpy, signal, sys\n"
               "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              "import training.distributed\n"
-              "training.distributed.close_distributed = lambda: os.kill(os.getpid(), signal.SIGINT)\n"
+              "import training.parallel.distributed\n"
+              "training.parallel.distributed.close_distributed = lambda: os.kill(os.getpid(), signal.SIGINT)\n"
               f"sys.argv = ['train.py', *{tiny_overrides(tmp_path, cache_dir, steps=2)!r}]\n"
               "runpy.run_path('train.py', run_name='__main__')\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True,

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from tests.test_distributed import (STEPS, WORLD, assert_losses_close, dist_overrides, free_port, single_run,  # noqa: F401
                                     torchrun, worker_pids)
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env  # noqa: F401 (fixtures)
-from training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints
+from training.run.store import CheckpointError, CheckpointStore, load_checkpoint
 
 
 # ----------------------------------------------------------------------------- DCP, a kill mid-save
@@ -26,13 +26,15 @@ from training.checkpoint import CheckpointError, latest_checkpoint, list_checkpo
 def _tiny_fsdp(env):
     from training.builders import model_from_config
     from training.config import compose
-    from training.trainer import TrainStep
+    from training.loop.step import TrainStep
+    from training.parallel.plan import ParallelPlan
 
     cfg = compose(["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", "model.vocab_size=64",
                    "trainer.batch_size=2", f"trainer.grad_accum={WORLD}", "trainer.precision=fp32",
                    "trainer.parallel=fsdp", "device=cpu"])
     torch.manual_seed(0)
-    step = TrainStep(model_from_config(cfg, 64, attention="sdpa"), cfg, torch.device("cpu"), env)
+    step = TrainStep(model_from_config(cfg, 64, attention="sdpa"), cfg, torch.device("cpu"),
+                     ParallelPlan(env, cfg.trainer.parallel))
     g = torch.Generator().manual_seed(env.rank)
     batch = [tuple(torch.randint(64, (2, 16), generator=g) for _ in range(2))]
     step(lambda: batch[0])   # AdamW moments exist
@@ -50,44 +52,44 @@ def _save_then_die_mid_save(rank: int, port: int, ckpt_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import training.dcp
-    from training.checkpoint import checkpoint_path, save_sharded_checkpoint
-    from training.distributed import close_distributed, init_distributed
+    import training.run.dcp
+    from training.parallel.distributed import close_distributed, init_distributed
 
     env = init_distributed("cpu", timeout_s=30)
     try:
         step = _tiny_fsdp(env)
-        run_dir = Path(ckpt_dir).parent
-        save_sharded_checkpoint(checkpoint_path(run_dir, 1, sharded=True), _meta(1), step.model, step.optimizer, env)
+        store = CheckpointStore(Path(ckpt_dir).parent)
+        store.save(_meta(1), step.model, step.optimizer, step.plan)   # the plan shards the state: a DCP folder
         full, _ = step.full_state()
         if rank == 0:
             torch.save(full, Path(ckpt_dir).parent / "full.pt")
-        training.dcp._publish = lambda tmp, path: os.kill(os.getpid(), signal.SIGKILL)
-        save_sharded_checkpoint(checkpoint_path(run_dir, 2, sharded=True), _meta(2), step.model, step.optimizer, env)
+        training.run.dcp._publish = lambda tmp, path: os.kill(os.getpid(), signal.SIGKILL)
+        store.save(_meta(2), step.model, step.optimizer, step.plan)
     finally:
         close_distributed()
 
 
 @pytest.mark.slow
 def test_a_kill_mid_save_leaves_the_previous_sharded_checkpoint_in_use(tmp_path):
-    from training.dcp import consolidate
+    from training.run.store import read_tensors
 
     ckpt_dir = tmp_path / "checkpoints"
     with pytest.raises(Exception):  # rank 0 killed, rank 1 fails its next collective
         mp.spawn(_save_then_die_mid_save, args=(free_port(), str(ckpt_dir)), nprocs=WORLD, join=True)
-    assert [p.name for p in list_checkpoints(ckpt_dir)] == ["step_00000001.dcp"]
+    store = CheckpointStore(tmp_path)
+    assert [p.name for p in store.list()] == ["step_00000001.dcp"]
     assert (ckpt_dir / "step_00000002.dcp.tmp" / "manifest.json").is_file()  # all written, never published
-    path, state = latest_checkpoint(ckpt_dir)
+    path, state = store.latest()
     assert path.name == "step_00000001.dcp" and state["step"] == 1 and "model" not in state
 
     # One process reads the folder two ranks wrote: the whole weights, the moments by position.
-    whole, full = consolidate(path), torch.load(tmp_path / "full.pt", weights_only=True)
+    whole, full = read_tensors(path, state), torch.load(tmp_path / "full.pt", weights_only=True)
     assert whole["model"].keys() == full.keys()
     assert all(torch.equal(whole["model"][k], full[k]) for k in full)
     assert {k for m in whole["optimizer"]["state"].values() for k in m} == {"step", "exp_avg", "exp_avg_sq"}
     assert all(torch.isfinite(m["exp_avg"]).all() for m in whole["optimizer"]["state"].values())
 
-    prune_checkpoints(ckpt_dir, keep=1, run_id="abc")   # the dead save's leftover goes with the next prune
+    store.prune(keep=1, run_id="abc")   # the dead save's leftover goes with the next prune
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000001.dcp"]
 
     shard = next(path.glob("__1_*.distcp"))   # one flipped byte in one rank's shard: refused, named
@@ -113,7 +115,7 @@ def fsdp_run(tmp_path_factory, cache_dir):
 
 @pytest.mark.slow
 def test_fsdp_writes_sharded_checkpoints_that_resume_on_one_process(fsdp_run, single_run, tmp_path, cache_dir):
-    saved = list_checkpoints(fsdp_run / "checkpoints")
+    saved = CheckpointStore(fsdp_run).list()
     assert [p.name for p in saved] == [f"step_{s:08d}.dcp" for s in range(4, STEPS + 1, 4)]
     assert sorted(q.name for q in saved[-1].glob("__*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert [r[0] for r in losses(fsdp_run)] == list(range(1, STEPS + 1))   # rank 0 alone wrote metrics
@@ -246,7 +248,7 @@ def test_two_nodes_train_as_one_stop_together_and_restart_after_a_kill(tmp_path,
     for agent in agents:
         agent.send_signal(signal.SIGTERM)
     assert [a.wait(timeout=120) for a in agents] == [143, 143], tail(logs[0]) + tail(logs[1])
-    stopped_at = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["step"]   # saved where all stopped
+    stopped_at = load_checkpoint(CheckpointStore(run_dir).list()[-1])["step"]   # saved where all stopped
     assert len(losses(run_dir)) == stopped_at >= 6
     for node, log in enumerate(logs):   # each node's local rank 0 built its cache, once; the same tokens
         assert log.read_text().count("tokenized ") == 1, tail(log)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.trainrun import REPO, run_in_process, tiny_overrides
+from tests.trainrun import REPO, TOOLS as TOOL_FILES, run_in_process, tiny_overrides
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -88,7 +88,7 @@ def test_data_stats_json_into_a_folder_is_one_line_and_leaves_no_tmp(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stats"] and not list(folder.iterdir())
 
 
-TOOLS = sorted(p.stem for p in (REPO / "scripts").glob("*.py") if not p.stem.startswith("_"))
+TOOLS = sorted(TOOL_FILES)
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -105,7 +105,7 @@ def test_every_tool_answers_a_bad_option_in_one_line_and_help_with_usage(tool, m
         run_cli(module.main)
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("usage: ")
-    assert "argparse.ArgumentParser(" not in (REPO / "scripts" / f"{tool}.py").read_text()
+    assert "argparse.ArgumentParser(" not in TOOL_FILES[tool].read_text()
 
 
 def test_a_missing_input_file_names_its_flag(trained, monkeypatch, capsys):

@@ -18,10 +18,31 @@ def test_commit_given_in_the_environment_wins(monkeypatch):
     assert _common.git_commit() == "abc1234"
 
 
-def test_commit_from_git_otherwise(monkeypatch):
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_commit_from_git_otherwise(monkeypatch, tmp_path):
+    """HEAD's hash, with -dirty exactly when a tracked file differs (an untracked one does not count);
+    None, not a guess, where there is no repository."""
     monkeypatch.delenv(_common.COMMIT_ENV, raising=False)
-    commit = _common.git_commit()
-    assert commit is None or len(commit.removesuffix("-dirty")) == 40
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    monkeypatch.setattr(_common, "REPO_ROOT", repo)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))   # no repository above it counts
+    if subprocess.run(["git", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("no git on this machine")
+    assert _common.git_commit() is None   # not a repository (tmp_path lies outside any)
+    _git(repo, "init", "-q")
+    (repo / "a.txt").write_text("one\n")
+    _git(repo, "add", "a.txt")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "first")
+    head = _git(repo, "rev-parse", "HEAD")
+    assert len(head) == 40 and _common.git_commit() == head
+    (repo / "b.txt").write_text("untracked\n")
+    assert _common.git_commit() == head
+    (repo / "a.txt").write_text("two\n")
+    assert _common.git_commit() == f"{head}-dirty"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -38,7 +59,7 @@ def test_bad_input_is_one_line_on_stderr(args, message):
     assert done.stderr.startswith(message)
 
 
-SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").glob("*.py"))
+SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").rglob("*.py"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
@@ -47,7 +68,7 @@ def test_no_tool_writes_into_the_committed_results_by_default(script):
     by default its results go to the git-ignored outputs/<tool>/ (_common.add_out_argument)."""
     source = script.read_text()
     assert not re.search(r"""REPO_ROOT\s*/\s*["']benchmarks""", source), script.name
-    assert not re.search(r"""^\s*out_dir:\s*benchmarks""", (script.parent.parent / "configs" / "max_context.yaml")
+    assert not re.search(r"""^\s*out_dir:\s*benchmarks""", (_common.REPO_ROOT / "configs" / "max_context.yaml")
                          .read_text(), re.M)
 
 

@@ -64,7 +64,7 @@ def test_generate_from_the_run_folder(run_dir):
 
 @pytest.mark.slow
 def test_comparison_script_runs_and_reports_our_side(tmp_path, text_file):
-    script = REPO / "scripts" / "bench_shakespeare_char.py"
+    script = REPO / "scripts" / "bench" / "bench_shakespeare_char.py"
     run = subprocess.run([sys.executable, str(script), "run", "--smoke", "--steps", "20", "--runs", "ours-nanogpt-arch",
                           "--text", str(text_file), "--nanogpt", str(tmp_path), "--work", str(tmp_path / "work"),
                           "--out", str(tmp_path / "out")],

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from conftest import HAS_CUDA
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
-from training.checkpoint import list_checkpoints, load_checkpoint
+from training.process import exits
+from training.run.store import CheckpointStore, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_run_dir_holds_resolved_config_and_last_checkpoints(trained):
     cfg = OmegaConf.load(trained / "config.yaml")
     assert cfg.attention.name == "sdpa" and cfg.device == "cpu" and cfg.trainer.precision == "fp32"
     assert cfg.run.data_fingerprint.startswith("stdlib") and cfg.run.num_params > 0
-    assert [p.name for p in list_checkpoints(trained / "checkpoints")] == ["step_00000030.pt", "step_00000040.pt"]
+    assert [p.name for p in CheckpointStore(trained).list()] == ["step_00000030.pt", "step_00000040.pt"]
     assert not list((trained / "checkpoints").glob("*.tmp"))
     state = load_checkpoint(trained / "checkpoints" / "step_00000040.pt")
     assert state["step"] == 40 and state["tokens"] == 40 * 4 * 64
@@ -54,7 +55,7 @@ def test_run_dir_holds_resolved_config_and_last_checkpoints(trained):
 def test_load_model_for_eval_reproduces_the_logged_val_loss(trained):
     from training.builders import build_data
     from training.builders import load_model_for_eval
-    from training.evaluate import evaluate_loss
+    from training.loop.evaluate import evaluate_loss
 
     model, cfg, tokenizer = load_model_for_eval(trained / "checkpoints" / "step_00000040.pt", device="cpu")
     assert not model.training and tokenizer.decode(tokenizer.encode("def f(): pass")) == "def f(): pass"
@@ -72,7 +73,7 @@ def test_nan_loss_stops_without_overwriting_the_good_checkpoint(tmp_path, cache_
     assert status == 1
     assert "NaN/inf" in capsys.readouterr().err
     rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
-    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    ckpts = CheckpointStore(tmp_path).list()
     assert ckpts and len(rows) < 40
     for path in ckpts:
         state = load_checkpoint(path)
@@ -136,7 +137,7 @@ def test_wandb_settings_defer_to_wandbs_environment(monkeypatch):
     """Unset config values leave WANDB_PROJECT / WANDB_ENTITY / WANDB_MODE to wandb; set ones win."""
     from omegaconf import OmegaConf
 
-    from training.loggers import wandb_settings
+    from training.loop.loggers import wandb_settings
     for var in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_MODE"):
         monkeypatch.delenv(var, raising=False)
     unset = OmegaConf.create({"project": None, "entity": None, "mode": None})
@@ -185,7 +186,7 @@ def test_help_says_what_the_tool_does_without_importing_torch():
     proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "train.py"), "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    assert "flashtrain: train a GPT" in proc.stdout and "Exit status" in proc.stdout
+    assert "flashtrain: train a GPT" in proc.stdout and exits.help_text() in proc.stdout   # the one table
     assert "attention: auto, flash, naive, sdpa" in proc.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "triton" not in imported
@@ -193,7 +194,7 @@ def test_help_says_what_the_tool_does_without_importing_torch():
 
 def test_cpu_threads_are_chosen_for_the_machine_and_said_at_start(tmp_path, cache_dir, caplog, monkeypatch):
     """torch's default, a thread per core, ran 20x slower on a busy 2-core machine than one thread."""
-    from training.device import cpu_threads
+    from training.process.device import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TOOLS = {p.stem: p for folder in ("", "bench", "kernel_dev") for p in sorted((REPO / "scripts" / folder).glob("*.py"))
+         if not p.stem.startswith("_")}   # every tool by name: user tools, benchmarks, kernel development
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +48,7 @@ def run_in_process(overrides: list[str]) -> int:
     """train.py's work without a new interpreter: compose the same config, call train()."""
     import train
     from training.config import compose
-    from training.config_errors import config_error_line, is_config_error
+    from training.config.errors import config_error_line, is_config_error
 
     try:
         cfg = compose(overrides)
@@ -77,7 +79,7 @@ def run_subprocess(overrides: list[str], timeout: float = 120) -> subprocess.Com
 
 def losses(run_dir) -> list[tuple]:
     """(step, loss, val_loss, lr, tokens, grad_norm) per logged row: everything but timings."""
-    from training.loggers import MetricsFile
+    from training.run.metrics import MetricsFile
 
     return [(r["step"], r["loss"], r.get("val_loss"), r["lr"], r["tokens"], r["grad_norm"])
             for r in MetricsFile.read(Path(run_dir) / "metrics.jsonl")]

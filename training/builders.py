@@ -1,7 +1,7 @@
 """Config -> objects, in one place: the builders train.py, the Trainer, the scripts and the tests use.
 
 The `model` and `data` packages build from config nodes they trust; here each node is first
-checked against the config's schema (training.config_checks.check_group: one line naming a bad key),
+checked against the config's schema (training.config.checks.check_group: one line naming a bad key),
 what `auto` means on this machine is resolved, and a finished run's checkpoint or export is
 turned back into a model for evaluation.
 
@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from training.checkpoint import is_sharded, load_checkpoint, restore_model
-from training.config_checks import check_group, kernel_words, validate_config
-from training.context_parallel import context_parallel_size
-from training.dcp import consolidate
-from training.device import resolve_device, resolve_precision, set_deterministic
-from training.hf import apply_init_from
-from training.runlock import ensure_writable
+from training.config.checks import check_group, kernel_words, validate_config
+from training.interop.huggingface import apply_init_from
+from training.parallel.context import context_parallel_size
+from training.process.device import resolve_device, resolve_precision, set_deterministic
+from training.run.lock import ensure_writable
+from training.run.store import load_checkpoint, read_tensors, restore_model
 
 log = logging.getLogger("train")
 
@@ -128,7 +127,7 @@ def model_from_config(cfg: DictConfig, vocab_size: int, attention: str | None = 
 
 def load_model_for_eval(ckpt_path: str | Path, device: str = "auto", attention: str | None = None):
     """(model in eval mode, the run's resolved config, its tokenizer) from one checkpoint (a file,
-    or an FSDP run's DCP folder) or a weights-only export (`model.safetensors`, see training/export.py), whatever the number of
+    or an FSDP run's DCP folder) or a weights-only export (`model.safetensors`, see training/interop/weights.py), whatever the number of
     processes that trained it.
 
     The tokenizer is the copy the run kept in its run.dir (no corpus needed); runs older than
@@ -138,12 +137,10 @@ def load_model_for_eval(ckpt_path: str | Path, device: str = "auto", attention: 
     """
     from data.tokenizer import load_run_tokenizer
     from model.attention import resolve_attention
-    from training.export import load_weights, read_config
+    from training.interop.weights import load_weights, read_config
 
     weights_only = Path(ckpt_path).suffix == ".safetensors"
-    state = None if weights_only else load_checkpoint(ckpt_path)
-    if state is not None and is_sharded(state):  # a DCP folder (trainer.parallel=fsdp): its weights on this process
-        state["model"] = consolidate(ckpt_path, keys=("model",))["model"]
+    state = None if weights_only else read_tensors(ckpt_path, load_checkpoint(ckpt_path), optimizer=False)
     cfg = OmegaConf.create(read_config(ckpt_path) if weights_only else state["config"])
     dev = resolve_device(device)
     attn = resolve_attention(attention or "auto", dev, _score_options(cfg))

@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 
+from training.process.exits import INTERRUPTED, stopped_by
+
 
 def _quiet_torchrun() -> None:
     """torchrun logs a line per worker that failed or was signalled: the workers say it better."""
@@ -39,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as e:
         print(f"torchrun stopped by {signal.Signals(e.sigval).name}: the workers stop at a step boundary after "
               f"saving; rerun with resume=auto", file=sys.stderr)
-        return 128 + int(e.sigval)
+        return stopped_by(int(e.sigval))
     except ChildFailedError as e:
         _, failure = e.get_first_failure()
-        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
+        return failure.exitcode if failure.exitcode > 0 else stopped_by(-failure.exitcode)  # -N: killed by signal N
     except KeyboardInterrupt:  # a Ctrl-C before torchrun's own handlers were installed
-        return 130
+        return INTERRUPTED
     return 0
 
 

@@ -444,7 +444,7 @@ def ws_launch(consts: dict, options: dict, causal: bool, head_dim: int) -> Launc
 @functools.lru_cache(maxsize=None)
 def variant_launch(variant: str | None, causal: bool, head_dim: int) -> Launch:
     """How `variant` (None: the default for this head dim) launches: the same description serves
-    the GPU launch and the CPU compile check (scripts/kernel_report.py)."""
+    the GPU launch and the CPU compile check (scripts/kernel_dev/kernel_report.py)."""
     variant = variant or DEFAULT_VARIANTS[head_dim]
     if variant not in VARIANTS:
         raise ValueError(f"Gluon forward variant {variant!r} is not one of {', '.join(VARIANTS)}")

@@ -1,0 +1,140 @@
+"""What attention dropout, soft-capping and sinks cost our kernels, against plain attention.
+
+    python scripts/bench/bench_attention_scores.py --out benchmarks/attention   # H200: about 2 minutes
+    python scripts/bench/bench_attention_scores.py --smoke                      # CPU plumbing check, not a benchmark
+
+One shape: gpt2-small's heads (12 of 64) at T = 4096 with B = 4 (16K tokens a batch, as
+scripts/bench/bench_attention.py --training times it), bf16, causal, q, k and v strided views of one
+fused QKV projection as the model hands them over. Cases (kernels/scores.py): none; dropout 0.1;
+soft-capping at 50 (Gemma 2's attention cap); sinks (one per head, drawn N(0, 1), their gradient
+taken); all three. Each case runs under two kernel words: `auto`, the plan a training run gets
+(the Gluon backward where it was measured faster, which the plan refuses for dropout and
+soft-capping, so their `auto` also pays for the Triton backward), and `triton`, both directions on
+the Triton kernels (the option's own cost, the family held fixed). Forward, backward
+(torch.autograd.grad over a retained graph) and forward+backward are triton.testing.do_bench
+medians (L2 flushed); dropout's times include drawing its seed. "x none" is a case's
+forward+backward over none's under the same word; the targets the options were built to: dropout
+0.1 <= 1.25x, soft-capping <= 1.10x, sinks <= 1.05x, under `auto`.
+Results: <out>/attention_scores_<gpu>.json (with date, GPU, versions, commit) and .md.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
+import _common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+
+from _common import (add_out_argument, console, device_slug, environment, error_text, kernel_bench_device, kernel_timer,
+                     markdown_table, print_table, run_cli, tuning_note, write_json, write_text)
+
+SHAPE = (4, 4096, 12, 12, 64)          # B, T, H, Hkv, D: gpt2-small at 4K, 16K tokens a batch
+SMOKE_SHAPE = (1, 64, 2, 1, 16)
+CASES = {"none": {}, "dropout": {"dropout_p": 0.1}, "softcap": {"softcap": 50.0}, "sinks": {"sinks": True},
+         "all": {"dropout_p": 0.1, "softcap": 50.0, "sinks": True}}
+WORDS = ("auto", "triton")
+TARGETS = {"dropout": 1.25, "softcap": 1.10, "sinks": 1.05}   # forward+backward x none, under auto
+PASSES = ("fwd", "bwd", "fwd+bwd")
+HEADERS = ["case", "kernel", "plan", "fwd ms", "bwd ms", "fwd+bwd ms", "x none", "target"]
+
+
+def measure(case: str, word: str, shape, dtype, device, bench) -> dict:
+    """One case under one kernel word: its plan and its times, or the error that stopped it."""
+    from bench_attention import fused_inputs
+
+    from kernels.flash_op import flash_attention, kernel_plan
+
+    B, N, H, Hkv, D = shape
+    row = {"case": case, "kernel": word, "status": "ok"}
+    try:
+        leaf, (q, k, v), dout = fused_inputs(B, N, H, Hkv, D, False, device, dtype)
+        options = dict(CASES[case])
+        leaves = [leaf]
+        if options.pop("sinks", False):
+            sinks = torch.randn(H, device=device, requires_grad=True)
+            options["sinks"] = sinks
+            leaves.append(sinks)
+
+        def attention():
+            return flash_attention(q, k, v, causal=True, kernel=word, **options)
+
+        row["plan"] = str(kernel_plan(q, k, v, causal=True, kernel=word, **options))
+        out = attention()
+        times = {"fwd": bench(attention),
+                 "bwd": bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))}
+        del out
+        times["fwd+bwd"] = bench(lambda: torch.autograd.grad(attention(), leaves, dout))
+        row.update({f"{p}_ms": times[p] for p in PASSES})
+    except Exception as exc:  # noqa: BLE001 (one case failing must not end the run)
+        row["status"] = f"error: {error_text(exc)}"
+    return row
+
+
+def ratios(results: list[dict]) -> None:
+    """Each row's forward+backward over none's under the same kernel word, in place."""
+    none = {r["kernel"]: r.get("fwd+bwd_ms") for r in results if r["case"] == "none"}
+    for r in results:
+        base = none.get(r["kernel"])
+        r["x_none"] = r["fwd+bwd_ms"] / base if base and r.get("fwd+bwd_ms") else None
+
+
+def rows(results: list[dict], judged: bool = True) -> list[list]:
+    """Table rows; judged=False (a CPU smoke run) states the targets without judging them."""
+    def ms(x):
+        return f"{x:.3f}" if x is not None else "-"
+
+    table = []
+    for r in results:
+        target = TARGETS.get(r["case"]) if r["kernel"] == "auto" else None
+        verdict = "-" if target is None else f"<= {target:.2f}x" + (
+            "" if not judged or r["x_none"] is None else f": {'met' if r['x_none'] <= target else 'missed'}")
+        table.append([r["case"], r["kernel"], r.get("plan", r["status"]), *(ms(r.get(f"{p}_ms")) for p in PASSES),
+                      f"{r['x_none']:.3f}x" if r["x_none"] is not None else "-", verdict])
+    return table
+
+
+def write_outputs(stem, report: dict) -> None:
+    write_json(stem.with_suffix(".json"), report)
+    meta = report["metadata"]
+    B, N, H, Hkv, D = report["shape"]
+    failed = [f"- {r['case']} ({r['kernel']}): {r['status']}" for r in report["results"] if r["status"] != "ok"]
+    text = (f"# Attention dropout, soft-capping and sinks against none ({meta['device']})\n\n"
+            f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit']}, "
+            f"`{meta['command']}`. B = {B}, T = {N}, {H}/{Hkv} heads of {D}, {report['dtype']}, causal, q/k/v "
+            f"views of a fused QKV projection; dropout 0.1, soft cap 50, a sink per head; timing: "
+            f"{report['timing']}.{tuning_note(meta)} \"x none\" is the case's forward+backward over none's under "
+            f"the same kernel word; the targets apply to `auto`, what a training run gets.\n\n"
+            + markdown_table(HEADERS, rows(report["results"], meta["device_type"] == "cuda")) + "\n"
+            + ("\nNot measured:\n" + "\n".join(failed) + "\n" if failed else ""))
+    write_text(stem.with_suffix(".md"), text)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = _common.argument_parser(__doc__)
+    parser.add_argument("--smoke", action="store_true", help="CPU-sized shapes that only check the plumbing")
+    add_out_argument(parser, "bench_attention_scores")
+    args = parser.parse_args(argv)
+    device = kernel_bench_device(args.smoke)
+    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the interpreter's bf16 is not the GPU's
+    bench, timing = kernel_timer(device, cpu_calls=1)
+    out = console()
+    stem = args.out / f"attention_scores_{device_slug(device)}"
+    report = {"metadata": environment(device), "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
+              "timing": timing, "targets": TARGETS, "results": []}
+    for case in CASES:
+        for word in WORDS:
+            row = measure(case, word, shape, dtype, device, bench)
+            report["results"].append(row)
+            ratios(report["results"])
+            out.print(f"{case} ({word}): {row.get('fwd+bwd_ms', row['status'])}")
+            write_outputs(stem, report)
+    print_table(f"Attention dropout, soft-capping and sinks, {report['metadata']['device']}", HEADERS,
+                rows(report["results"], device.type == "cuda"))
+    out.print(f"wrote {stem}.json, .md")
+    return report
+
+
+if __name__ == "__main__":
+    run_cli(main)
