@@ -86,6 +86,17 @@ WORKER_REGS: gl.constexpr = gl.constexpr(24)     # producer and dQ writer; setma
 # ---- the prologue and epilogue (plain Triton: no tensor cores, nothing to specialise) ------------
 
 @triton.jit
+def _query_tile(n_heads, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(pid_m, pid_bh, batch, head, rows, cols) of a program in a (query tiles, B * H) grid; batch
+    and head in int64 for addressing."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    return pid_m, pid_bh, b, h, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM)
+
+
+@triton.jit
 def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
                           stride_ob, stride_on, stride_oh, stride_od,
                           stride_dob, stride_don, stride_doh, stride_dod,
@@ -93,12 +104,7 @@ def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """One (query tile, batch x head) program: its Delta and L2 rows (padded rows: 0 and +inf), its
     zeroed dQ accumulator rows and counter. Program (0, 0) resets the ticket counter."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
+    pid_m, pid_bh, b, h, rows, cols = _query_tile(n_heads, BLOCK_M, HEAD_DIM)
     in_q = (rows < n_q)[:, None]
     o = tl.load(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
                 mask=in_q, other=0.0)
@@ -120,12 +126,7 @@ def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
 def gluon_bwd_dq_kernel(DQacc, dQ, stride_b, stride_n, stride_h, stride_d, n_heads, n_q, n_q_pad, sm_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """dQ = scale * the accumulated shares, in dQ's dtype and layout: one (query tile, batch x head)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
+    pid_m, pid_bh, b, h, rows, cols = _query_tile(n_heads, BLOCK_M, HEAD_DIM)
     acc = tl.load(DQacc + (pid_bh.to(tl.int64) * n_q_pad + rows[:, None]) * HEAD_DIM + cols[None, :])
     tl.store(dQ + b * stride_b + h * stride_h + rows[:, None].to(tl.int64) * stride_n + cols[None, :] * stride_d,
              (acc * sm_scale).to(dQ.dtype.element_ty), mask=(rows < n_q)[:, None])

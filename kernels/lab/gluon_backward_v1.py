@@ -1,4 +1,10 @@
-"""FlashAttention backward for Hopper (sm_90a), in Gluon: the five matmuls in one kernel.
+"""The first Gluon backward (superseded by kernels/gluon/backward.py), kept to time beside it.
+
+scripts/kernel_dev/gluon_bwd_check.py runs it as variant `v1` (`_launch` with DEFAULT_VARIANT, on
+inputs the production kernel's checks accept); kernels/LOG.md and
+benchmarks/gluon/gluon_bwd_h200_rounds.md have what it measured and why it was replaced.
+
+The five matmuls in one kernel.
 
 With S = scale * Q K^T, P = softmax(S) and O = P V, the gradients are (kernels/flash_bwd.py)
 
@@ -68,8 +74,6 @@ c(m) + 1 writes dQ (the additions' order, and so dQ's last bits, then vary run t
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -79,8 +83,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, device_arch, softmax_scale_for
-from kernels.gluon import compat, refusal, tma_refusal
+from kernels.gluon import compat, tma_refusal
+from kernels.gluon.backward import _acc_layout
 from kernels.tiles import LOG2E
 
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring.
@@ -131,16 +135,6 @@ def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, dQ, Sem, Ticket,
 
 
 # ---- the main kernel ------------------------------------------------------------------------
-
-@gluon.constexpr_function
-def _acc_layout(rows, cols, num_warps):
-    """wgmma accumulator layout of a (rows x cols) float32 tile: warps 16 rows each down the tile
-    (a warpgroup of 4 covers 64 rows), warpgroups left over split the columns."""
-    warps_m = min(num_warps, rows // 16)
-    warps_n = num_warps // warps_m
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n],
-                                     instr_shape=[16, cols // warps_n, 16])
-
 
 @gluon.constexpr_function
 def _rows_layout(cols, num_warps):
@@ -647,44 +641,10 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                           options=_launch_options(warp_specialize, dq_writer, dq_warps))
 
 
-def tiles(head_dim: int) -> str:
-    """The tiles of the default variant, as a kernel plan names them."""
-    cfg = _CONFIGS[head_dim]
-    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}, {cfg['STAGES']} stages"
-
-
 # How the main kernel runs by default: warp-specialised, a TMA producer warp and a 2-warp dQ writer
 # with two hand-off buffers, the fastest variant on the H200 at every measured shape
 # (benchmarks/gluon/gluon_bwd_h200_rounds.md; kernels/LOG.md has why it was short of cuDNN).
 DEFAULT_VARIANT = dict(warp_specialize=True, dq_writer=True, dq_bufs=2, dq_warps=2)
-
-
-def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic=True):
-    """dq, dk, dv of attention from its output `out` and log-sum-exp `lse`, on Hopper.
-
-    Layouts as kernels.flash_attention_backward: q, dout, out (B, Nq, H, D); k, v (B, Nk, Hkv, D);
-    lse (B, H, Nq) float32, natural log, -inf for rows that see no key; causal aligned bottom-right.
-    dk, dv are summed over each GQA group. deterministic=True (default): dq's float32 sums are
-    formed in a fixed order, so the gradients are bit-identical run to run; False: in arrival
-    order. Inputs no kernel takes, or that the Gluon kernels refuse (kernels.gluon.refusal), raise
-    ValueError naming why.
-    """
-    check_inputs(q, k, v)
-    check_like_q(q, dout=dout, out=out)
-    check_lse(q, lse)
-    check_flag(causal, "causal")
-    check_flag(deterministic, "deterministic")
-    tma = not any(tma_refusal(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
-    reason = refusal(device_arch(q.device), q.dtype, q.shape[-1], "none", tma)
-    if reason is not None:
-        raise ValueError(f"the Gluon backward cannot run this call: {reason}")
-    return launch_backward(dout, q, k, v, out, lse, causal, softmax_scale_for(softmax_scale, q.shape[-1]),
-                           deterministic)
-
-
-def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, cache=None, key=()):
-    """The default variant on inputs a kernel plan has accepted (no checks: kernels/flash_op.py's path)."""
-    return _launch(dout, q, k, v, out, lse, causal, scale, deterministic, **DEFAULT_VARIANT)
 
 
 def _launch(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, warp_specialize: bool,
@@ -732,22 +692,3 @@ def _launch(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: 
         **_variant_consts(warp_specialize, dq_writer, dq_bufs, dq_warps, lse_direct),
         **_launch_options(warp_specialize, dq_writer, dq_warps))
     return dq, dk, dv
-
-
-def compile_prep_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal: bool = True):
-    """The prep kernel compiled for sm_90a without a GPU (every integer an unspecialised i32)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    pointers = dict(Out=_SIG_DTYPES[dtype], dOut=_SIG_DTYPES[dtype], dQ=_SIG_DTYPES[dtype], Sem="i32", Ticket="i32")
-    signature = {}
-    for name in gluon_bwd_prep_kernel.arg_names:
-        if name in ("HEAD_DIM", "BLOCK_M", "CAUSAL"):
-            signature[name] = "constexpr"
-        elif name.startswith("stride_") or name.startswith("n_"):
-            signature[name] = "i32"
-        else:
-            signature[name] = "*" + pointers.get(name, "fp32")
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=_CONFIGS[head_dim]["BLOCK_M"], CAUSAL=causal)
-    return triton.compile(ASTSource(fn=gluon_bwd_prep_kernel, signature=signature, constexprs=consts),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
