@@ -41,8 +41,8 @@ MASKS = ("none", "documents", "window", "key_bounds")
 # Triton). Forward: benchmarks/gluon/gluon_fwd_h200_rounds.md (head dim 128 causal from 1K), and at
 # head dim 64 below 16K it lost in the training setting (fused-QKV views with the backward:
 # benchmarks/attention/attention_h200_training_auto.md, benchmarks/training/train_h200_kernels.md).
-# Backward: benchmarks/gluon/gluon_bwd_h200_rounds.md (head dim 64 from 4K, where 1K stayed faster
-# on Triton; head dim 128 from 1K causal, non-causal measured at 16K).
+# Backward: benchmarks/gluon/gluon_bwd_fa3_h200_rounds.md (head dim 64 from 4K, where 1K stayed
+# faster on Triton; head dim 128 from 1K causal, non-causal measured at 16K).
 GLUON_FROM = {
     ("forward", 128, True): 1024, ("forward", 128, False): 16384,
     ("forward", 64, True): 16384, ("forward", 64, False): 16384,
