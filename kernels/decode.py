@@ -49,7 +49,7 @@ def _split_keys(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_v
     k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kn + cols[None, :] * stride_kd,
                 mask=in_cache, other=0.0).to(tl.float32)
     if SOFTCAP > 0:   # capped, in the log2 domain
-        s, _ = softcap_scores(tl.sum(q[:, None, :] * k[None, :, :], axis=2), scale, SOFTCAP)
+        s, _ = softcap_scores(tl.sum(q[:, None, :] * k[None, :, :], axis=2), scale, SOFTCAP, k_base.dtype.element_ty)
     else:
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale       # (BLOCK_R, BLOCK_N), log2 domain
     seen = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None]) & live[:, None]

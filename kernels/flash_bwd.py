@@ -115,7 +115,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_o
         delta = tl.load(Delta_bh + offs_m)
     lse = _lse_log2(lse)
     if SOFTCAP > 0:  # the capped scores, and u whose 1 - u^2 is the cap's derivative (kernels/scores.py)
-        s_t, u_t = softcap_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, SOFTCAP)
+        s_t, u_t = softcap_scores(tl.dot(k, tl.trans(q), input_precision=PRECISION), qk_scale, SOFTCAP, q.dtype)
     else:
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale   # (BLOCK_N, BLOCK_M)
     p_t = tl.math.exp2(s_t - lse[None, :])
@@ -302,7 +302,7 @@ def _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, st
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     if SOFTCAP > 0:  # as in the forward, with u for the cap's derivative 1 - u^2
-        s, u = softcap_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, SOFTCAP)
+        s, u = softcap_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, SOFTCAP, q.dtype)
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.math.exp2(s - lse[:, None])

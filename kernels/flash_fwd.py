@@ -58,7 +58,7 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; scaled below
     scale = qk_scale
     if SOFTCAP > 0:  # c tanh(scale s / c), already in the log2 domain (kernels/scores.py)
-        s, _ = softcap_scores(s, qk_scale, SOFTCAP)
+        s, _ = softcap_scores(s, qk_scale, SOFTCAP, q.dtype)
         scale = 1.0
     if MASK:  # row i sees keys [row_lo_i, row_hi_i), which lies within [0, n_k)
         s = tl.where(visible(start_n + offs_n, row_lo, row_hi), s, float("-inf"))

@@ -52,12 +52,17 @@ def _no_wrap(kernel):
     return kernel
 
 
+def _padded(head_dim: int) -> int:
+    """BLOCK_D: the head dim padded to a power of two, at least 16 (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 @functools.lru_cache(maxsize=None)
 def _constexprs(head_dim: int, causal: bool, docs: bool, window: bool, dtype: torch.dtype, softcap: float = 0.0,
                 dropout_p: float = 0.0) -> dict:
     """The Triton kernels' shared constexprs. float32 inputs get true fp32 products (no tf32).
     softcap and dropout_p: 0.0 for none (kernels/scores.py)."""
-    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal, DOCS=docs,
+    return dict(HEAD_DIM=head_dim, BLOCK_D=_padded(head_dim), CAUSAL=causal, DOCS=docs,
                 WINDOW=window, PRECISION="ieee" if dtype == torch.float32 else "tf32", SOFTCAP=float(softcap),
                 DROPOUT_P=float(dropout_p))
 
@@ -157,18 +162,27 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
         run(flash_bwd_kv_kernel, "bwd_kv", kv_grid, inputs + strides + sizes)
         return dq, dk, dv
 
-    delta_rows = 64
-    delta_args = (out, dout, delta, *out.stride(), *dout.stride(), H, n_q)
-    delta_consts = dict(HEAD_DIM=D, BLOCK_D=consts["BLOCK_D"], BLOCK_M=delta_rows)
-    if wrap is _no_wrap:
-        launch(flash_bwd_delta_kernel, (triton.cdiv(n_q, delta_rows), B * H), delta_args, delta_consts, cache,
-               ("delta", *key))
-    else:
-        wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, delta_rows), B * H)](*delta_args, **delta_consts)
+    _row_delta(out, dout, delta, wrap, cache, key)
     # float32 dQ for the atomic adds (float32 inputs: it is dQ itself)
     dq = torch.zeros((B, n_q, H, D), dtype=torch.float32, device=q.device)
     run(flash_bwd_kv_dq_kernel, "bwd_kv_dq", kv_grid, inputs + (dq,) + strides + (*dq.stride(),) + sizes)
     return dq.to(q.dtype), dk, dv
+
+
+def _row_delta(out, dout, delta=None, wrap=_no_wrap, cache=None, key=()):
+    """Delta = rowsum(dO * O), (B, H, Nq) float32, in one pass over out and dout: the atomic
+    backward's first kernel, and the sinks' gradient's input (kernels/scores.py)."""
+    B, n_q, H, D = out.shape
+    if delta is None:
+        delta = torch.empty((B, H, n_q), dtype=torch.float32, device=out.device)
+    rows = 64
+    args = (out, dout, delta, *out.stride(), *dout.stride(), H, n_q)
+    consts = dict(HEAD_DIM=D, BLOCK_D=_padded(D), BLOCK_M=rows)
+    if wrap is _no_wrap:
+        launch(flash_bwd_delta_kernel, (triton.cdiv(n_q, rows), B * H), args, consts, cache, ("delta", *key))
+    else:
+        wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, rows), B * H)](*args, **consts)
+    return delta
 
 
 @torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
@@ -289,6 +303,7 @@ def _backward(ctx, dout, _dlse):
     dq, dk, dv = FAMILIES[ctx.backward].backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                                     doc_bounds, ctx.window, ctx.deterministic, ctx.softcap,
                                                     ctx.dropout_p, rng)
+    # traced under torch.compile, where Inductor fuses sink_grad's casts into one reduction
     dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
 
@@ -320,7 +335,9 @@ class _EagerFlashAttention(torch.autograd.Function):
                                                                   doc_bounds, call.window, call.plan.deterministic,
                                                                   cache=call.launches, key=key, softcap=call.softcap,
                                                                   dropout_p=call.dropout_p, rng=rng)
-        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[6] else None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[6]:
+            dsinks = sink_grad(dout, out, lse, sinks, _row_delta(out, dout, cache=call.launches, key=("sinks", *key)))
         return dq, dk, dv, None, None, None, dsinks
 
 

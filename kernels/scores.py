@@ -6,7 +6,13 @@ so no logit leaves (-c, c). The kernels' softmax runs in base 2, so `softcap_sco
 t log2(e) directly, with u = tanh(s / c): the backward needs dt/ds = 1 - u^2, and multiplies the
 score gradient dS by it before dQ and dK are formed from it. Triton has no tanh that both compiles
 for the GPU and runs in its CPU interpreter; `tanh` below is Cephes' single-precision one (an odd
-polynomial below 0.625, 1 - 2 / (e^2x + 1) above, both a few ulp).
+polynomial below 0.625, 1 - 2 / (e^2x + 1) above, both a few ulp). That costs some 25 instructions
+a score, a full division among them, which doubled the forward at head dim 64 on the H200
+(benchmarks/attention/attention_scores_h200.md, kernels/LOG.md). On a GPU with 16-bit inputs the
+kernels take the hardware's tanh instead (PTX tanh.approx.f32, one special-function instruction, as
+FlashAttention's soft-capping does): its relative error, below 2^-10.9, is less than the rounding
+of a bfloat16 or float16 score that the plain formula in those dtypes makes. float32 inputs, and
+the CPU interpreter, which cannot run PTX, keep the polynomial.
 
 Sinks (gpt-oss). One learnable logit per head joins every row's softmax denominator and carries
 no value: P_ij = exp(s_ij) / (exp(sink) + sum_k exp(s_ik)). In the online softmax that is the
@@ -44,10 +50,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import INTERPRET
 from kernels.tiles import LOG2E
 
 KEYS_PER_CALL = 8     # 16 random bits per score from one Philox4x32 call
 PHILOX_ROUNDS = tl.constexpr(7)
+HARDWARE_TANH = tl.constexpr(not INTERPRET)   # PTX runs on the GPU only
 
 
 # ---- soft-capping ------------------------------------------------------------------------------
@@ -65,11 +73,22 @@ def tanh(x):
 
 
 @triton.jit
-def softcap_scores(dots, qk_scale, SOFTCAP: tl.constexpr):
+def hardware_tanh(x):
+    """tanh of float32 x in one special-function instruction (PTX tanh.approx.f32, sm_75 and later)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def softcap_scores(dots, qk_scale, SOFTCAP: tl.constexpr, INPUT_DTYPE: tl.constexpr):
     """(c tanh(s / c) log2(e), u = tanh(s / c)) of raw products `dots` = q.k, where s = scale q.k and
     qk_scale = scale log2(e), c = SOFTCAP: the capped scores in the kernels' base-2 domain, and the
-    tanh whose 1 - u^2 is the cap's derivative."""
-    u = tanh(dots * (qk_scale / (SOFTCAP * LOG2E)))
+    tanh whose 1 - u^2 is the cap's derivative. INPUT_DTYPE, q's: 16-bit inputs on a GPU take the
+    hardware's tanh, float32 ones the polynomial (see the module's docstring)."""
+    x = dots * (qk_scale / (SOFTCAP * LOG2E))
+    if HARDWARE_TANH and INPUT_DTYPE != tl.float32:
+        u = hardware_tanh(x)
+    else:
+        u = tanh(x)
     return u * (SOFTCAP * LOG2E), u
 
 
@@ -146,9 +165,14 @@ def dropout_mask(rng: torch.Tensor, dropout_p: float, batch: int, heads: int, n_
     return mask.bool()
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+              delta: torch.Tensor | None = None) -> torch.Tensor:
     """The sinks' gradient: -sum over batch and rows of exp(sink - L) Delta, Delta = rowsum(dO * O),
-    from out, dout (B, Nq, H, D) and lse (B, H, Nq) of the attention (its L includes the sinks)."""
+    from out, dout (B, Nq, H, D) and lse (B, H, Nq) of the attention (its L includes the sinks).
+    delta: that Delta, (B, H, Nq) float32, where the caller has it in one kernel's pass
+    (kernels/flash_op.py): built here from float32 copies of out and dout it took a fifth of the
+    backward at gpt2-small's 4K shape (benchmarks/attention/attention_scores_h200.md)."""
     acc = torch.promote_types(lse.dtype, torch.float32)                              # float64 stays float64
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)                       # (B, H, Nq)
+    if delta is None:
+        delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)                   # (B, H, Nq)
     return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
