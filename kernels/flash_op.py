@@ -169,12 +169,9 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
     return dq.to(q.dtype), dk, dv
 
 
-def _row_delta(out, dout, delta=None, wrap=_no_wrap, cache=None, key=()):
-    """Delta = rowsum(dO * O), (B, H, Nq) float32, in one pass over out and dout: the atomic
-    backward's first kernel, and the sinks' gradient's input (kernels/scores.py)."""
+def _row_delta(out, dout, delta, wrap=_no_wrap, cache=None, key=()):
+    """Delta = rowsum(dO * O) into `delta`, (B, H, Nq) float32: the atomic backward's first kernel."""
     B, n_q, H, D = out.shape
-    if delta is None:
-        delta = torch.empty((B, H, n_q), dtype=torch.float32, device=out.device)
     rows = 64
     args = (out, dout, delta, *out.stride(), *dout.stride(), H, n_q)
     consts = dict(HEAD_DIM=D, BLOCK_D=_padded(D), BLOCK_M=rows)
@@ -182,7 +179,6 @@ def _row_delta(out, dout, delta=None, wrap=_no_wrap, cache=None, key=()):
         launch(flash_bwd_delta_kernel, (triton.cdiv(n_q, rows), B * H), args, consts, cache, ("delta", *key))
     else:
         wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, rows), B * H)](*args, **consts)
-    return delta
 
 
 @torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
@@ -303,7 +299,6 @@ def _backward(ctx, dout, _dlse):
     dq, dk, dv = FAMILIES[ctx.backward].backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                                     doc_bounds, ctx.window, ctx.deterministic, ctx.softcap,
                                                     ctx.dropout_p, rng)
-    # traced under torch.compile, where Inductor fuses sink_grad's casts into one reduction
     dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
 
@@ -335,9 +330,7 @@ class _EagerFlashAttention(torch.autograd.Function):
                                                                   doc_bounds, call.window, call.plan.deterministic,
                                                                   cache=call.launches, key=key, softcap=call.softcap,
                                                                   dropout_p=call.dropout_p, rng=rng)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[6]:
-            dsinks = sink_grad(dout, out, lse, sinks, _row_delta(out, dout, cache=call.launches, key=("sinks", *key)))
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[6] else None
         return dq, dk, dv, None, None, None, dsinks
 
 

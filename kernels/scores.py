@@ -165,14 +165,9 @@ def dropout_mask(rng: torch.Tensor, dropout_p: float, batch: int, heads: int, n_
     return mask.bool()
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
-              delta: torch.Tensor | None = None) -> torch.Tensor:
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The sinks' gradient: -sum over batch and rows of exp(sink - L) Delta, Delta = rowsum(dO * O),
-    from out, dout (B, Nq, H, D) and lse (B, H, Nq) of the attention (its L includes the sinks).
-    delta: that Delta, (B, H, Nq) float32, where the caller has it in one kernel's pass
-    (kernels/flash_op.py): built here from float32 copies of out and dout it took a fifth of the
-    backward at gpt2-small's 4K shape (benchmarks/attention/attention_scores_h200.md)."""
+    from out, dout (B, Nq, H, D) and lse (B, H, Nq) of the attention (its L includes the sinks)."""
     acc = torch.promote_types(lse.dtype, torch.float32)                              # float64 stays float64
-    if delta is None:
-        delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)                   # (B, H, Nq)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)                       # (B, H, Nq)
     return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
