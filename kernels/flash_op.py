@@ -52,17 +52,12 @@ def _no_wrap(kernel):
     return kernel
 
 
-def _padded(head_dim: int) -> int:
-    """BLOCK_D: the head dim padded to a power of two, at least 16 (tl.dot's smallest K)."""
-    return max(16, triton.next_power_of_2(head_dim))
-
-
 @functools.lru_cache(maxsize=None)
 def _constexprs(head_dim: int, causal: bool, docs: bool, window: bool, dtype: torch.dtype, softcap: float = 0.0,
                 dropout_p: float = 0.0) -> dict:
     """The Triton kernels' shared constexprs. float32 inputs get true fp32 products (no tf32).
     softcap and dropout_p: 0.0 for none (kernels/scores.py)."""
-    return dict(HEAD_DIM=head_dim, BLOCK_D=_padded(head_dim), CAUSAL=causal, DOCS=docs,
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal, DOCS=docs,
                 WINDOW=window, PRECISION="ieee" if dtype == torch.float32 else "tf32", SOFTCAP=float(softcap),
                 DROPOUT_P=float(dropout_p))
 
@@ -162,23 +157,18 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
         run(flash_bwd_kv_kernel, "bwd_kv", kv_grid, inputs + strides + sizes)
         return dq, dk, dv
 
-    _row_delta(out, dout, delta, wrap, cache, key)
+    delta_rows = 64
+    delta_args = (out, dout, delta, *out.stride(), *dout.stride(), H, n_q)
+    delta_consts = dict(HEAD_DIM=D, BLOCK_D=consts["BLOCK_D"], BLOCK_M=delta_rows)
+    if wrap is _no_wrap:
+        launch(flash_bwd_delta_kernel, (triton.cdiv(n_q, delta_rows), B * H), delta_args, delta_consts, cache,
+               ("delta", *key))
+    else:
+        wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, delta_rows), B * H)](*delta_args, **delta_consts)
     # float32 dQ for the atomic adds (float32 inputs: it is dQ itself)
     dq = torch.zeros((B, n_q, H, D), dtype=torch.float32, device=q.device)
     run(flash_bwd_kv_dq_kernel, "bwd_kv_dq", kv_grid, inputs + (dq,) + strides + (*dq.stride(),) + sizes)
     return dq.to(q.dtype), dk, dv
-
-
-def _row_delta(out, dout, delta, wrap=_no_wrap, cache=None, key=()):
-    """Delta = rowsum(dO * O) into `delta`, (B, H, Nq) float32: the atomic backward's first kernel."""
-    B, n_q, H, D = out.shape
-    rows = 64
-    args = (out, dout, delta, *out.stride(), *dout.stride(), H, n_q)
-    consts = dict(HEAD_DIM=D, BLOCK_D=_padded(D), BLOCK_M=rows)
-    if wrap is _no_wrap:
-        launch(flash_bwd_delta_kernel, (triton.cdiv(n_q, rows), B * H), args, consts, cache, ("delta", *key))
-    else:
-        wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, rows), B * H)](*args, **consts)
 
 
 @torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
