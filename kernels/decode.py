@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_inputs, check_scores, softmax_scale_for
+from kernels.launch import cdiv, next_power_of_2
 from kernels.masks import check_masks
 from kernels.scores import softcap_scores
 from kernels.tiles import LN2, LOG2E
@@ -191,12 +192,12 @@ def flash_decode(q, k, v, cache_len, softmax_scale=None, *, window=None, softcap
     n_keys, h_kv = k.shape[1], k.shape[2]
     group = H // h_kv
     scale = softmax_scale_for(softmax_scale, D)
-    n_splits = triton.cdiv(n_keys, SPLIT)
+    n_splits = cdiv(n_keys, SPLIT)
     part_o = torch.empty((B, n_q, H, n_splits, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, n_q, H, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
-    block_r = max(1, triton.next_power_of_2(n_q * group))
-    block_d = max(16, triton.next_power_of_2(D))
+    block_r = max(1, next_power_of_2(n_q * group))
+    block_d = max(16, next_power_of_2(D))
     block_n = max(16, min(64, 4096 // (block_r * block_d)))   # the (rows x keys x dim) product: ~32 registers a thread
     flash_decode_split_kernel[(n_splits, B * h_kv)](
         q, k, v, part_o, part_lse, cache_len, *q.stride(), *k.stride(), *v.stride(),
@@ -205,7 +206,7 @@ def flash_decode(q, k, v, cache_len, softmax_scale=None, *, window=None, softcap
         WINDOW=window is not None, SOFTCAP=softcap, num_warps=4)
     flash_decode_merge_kernel[(B * n_q * H,)](
         part_o, part_lse, out, None if sinks is None else sinks.float(), *out.stride(), n_q, H, n_splits,
-        HEAD_DIM=D, BLOCK_S=min(32, triton.next_power_of_2(n_splits)), BLOCK_D=block_d, num_warps=1)
+        HEAD_DIM=D, BLOCK_S=min(32, next_power_of_2(n_splits)), BLOCK_D=block_d, num_warps=1)
     return out
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import triton
 
 from kernels import plan as plans
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, check_scores, softmax_scale_for
@@ -36,7 +35,7 @@ from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, fl
 from kernels.flash_fwd import flash_fwd_kernel
 from kernels.gluon.backward import launch_backward as gluon_backward
 from kernels.gluon.forward import gluon_attention_forward
-from kernels.launch import launch
+from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.masks import bounds_buffer, check_masks
 from kernels.scores import dropout_seed, sink_grad
 from kernels.tiles import LOG2E
@@ -57,7 +56,7 @@ def _constexprs(head_dim: int, causal: bool, docs: bool, window: bool, dtype: to
                 dropout_p: float = 0.0) -> dict:
     """The Triton kernels' shared constexprs. float32 inputs get true fp32 products (no tf32).
     softcap and dropout_p: 0.0 for none (kernels/scores.py)."""
-    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal, DOCS=docs,
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), CAUSAL=causal, DOCS=docs,
                 WINDOW=window, PRECISION="ieee" if dtype == torch.float32 else "tf32", SOFTCAP=float(softcap),
                 DROPOUT_P=float(dropout_p))
 
@@ -81,9 +80,13 @@ def _launch(kernel, table: str, grid, args, consts: dict, length: int, dtype, de
     if wrap is not _no_wrap:
         wrap(kernel)[grid](*args, **consts)
         return
+    key = (table, *key)
+    direct = cache.get(key) if cache is not None else None
+    if direct is not None:   # the call signature's kernel, launched before
+        direct(args)
+        return
     if not tunes(length):
-        launch(kernel.fn, grid, args, {**consts, **pinned(table, consts["HEAD_DIM"], consts["CAUSAL"])}, cache,
-               (table, *key))
+        launch(kernel.fn, grid, args, {**consts, **pinned(table, consts["HEAD_DIM"], consts["CAUSAL"])}, cache, key)
         return
     band = (kernel, seq_bucket(length), *consts.values(), dtype, device)
     tuned = _TUNED.get(band)
@@ -97,7 +100,7 @@ def _launch(kernel, table: str, grid, args, consts: dict, length: int, dtype, de
             kernel.configs_timings = None
         _TUNED[band] = kernel.best_config.all_kwargs()
     else:
-        launch(kernel.fn, grid, args, {**consts, **tuned}, cache, (table, *key))
+        launch(kernel.fn, grid, args, {**consts, **tuned}, cache, key)
 
 
 def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None, window: int = 0, wrap=_no_wrap,
@@ -112,7 +115,7 @@ def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None
     length = max(n_q, n_k)
 
     def grid(meta):
-        return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
+        return (cdiv(n_q, meta["BLOCK_M"]), B * H)
 
     docs = lse if doc_bounds is None else doc_bounds   # DOCS=False never reads Docs: lse fills the slot
     _launch(flash_fwd_kernel, "fwd", grid, (
@@ -142,14 +145,14 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
                             cache=cache, key=key)
 
     def kv_grid(meta):
-        return (triton.cdiv(n_k, meta["BLOCK_N"]), B * h_kv)
+        return (cdiv(n_k, meta["BLOCK_N"]), B * h_kv)
 
     if deterministic:
         # dQ first: it also stores Delta, which the dK/dV kernel then reads (stream order)
         dq = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
 
         def q_grid(meta):
-            return (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)
+            return (cdiv(n_q, meta["BLOCK_M"]), B * H)
 
         run(flash_bwd_q_kernel, "bwd_q", q_grid, (
             q, k, v, out, dout, lse, delta, docs, rng, dq, *qkv_strides, *out.stride(), *dout.stride(), *dq.stride(),
@@ -161,10 +164,10 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
     delta_args = (out, dout, delta, *out.stride(), *dout.stride(), H, n_q)
     delta_consts = dict(HEAD_DIM=D, BLOCK_D=consts["BLOCK_D"], BLOCK_M=delta_rows)
     if wrap is _no_wrap:
-        launch(flash_bwd_delta_kernel, (triton.cdiv(n_q, delta_rows), B * H), delta_args, delta_consts, cache,
+        launch(flash_bwd_delta_kernel, (cdiv(n_q, delta_rows), B * H), delta_args, delta_consts, cache,
                ("delta", *key))
     else:
-        wrap(flash_bwd_delta_kernel)[(triton.cdiv(n_q, delta_rows), B * H)](*delta_args, **delta_consts)
+        wrap(flash_bwd_delta_kernel)[(cdiv(n_q, delta_rows), B * H)](*delta_args, **delta_consts)
     # float32 dQ for the atomic adds (float32 inputs: it is dQ itself)
     dq = torch.zeros((B, n_q, H, D), dtype=torch.float32, device=q.device)
     run(flash_bwd_kv_dq_kernel, "bwd_kv_dq", kv_grid, inputs + (dq,) + strides + (*dq.stride(),) + sizes)

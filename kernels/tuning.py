@@ -9,13 +9,17 @@ TUNE_MAX_TOKENS always use that first entry. Under TRITON_INTERPRET=1
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import triton
 from triton.runtime.autotuner import Autotuner
 
 from kernels.checks import INTERPRET
+from kernels.launch import next_power_of_2
 
 AUTOTUNE = os.environ.get("FLASHTRAIN_AUTOTUNE", "1") != "0"
 
@@ -81,7 +85,7 @@ TUNE_MAX_TOKENS = 131072
 def seq_bucket(n: int) -> int:
     """Autotuning key: re-tune per power-of-two length band, not per exact length;
     every length past TUNE_MAX_TOKENS shares one band that is never tuned."""
-    return min(max(triton.next_power_of_2(n), 128), 2 * TUNE_MAX_TOKENS)
+    return min(max(1 << (n - 1).bit_length() if n > 0 else 1, 128), 2 * TUNE_MAX_TOKENS)   # next power of two
 
 
 # Per kernel of kernels/flash_fwd.py and flash_bwd.py: its table, and its causal pinned default
@@ -95,15 +99,20 @@ def tunes(length: int) -> bool:
     return AUTOTUNE and not INTERPRET and seq_bucket(length) <= TUNE_MAX_TOKENS
 
 
-def pinned(kernel: str, head_dim: int, causal: bool) -> dict:
+def pinned(kernel: str, head_dim: int, causal: bool) -> Mapping:
     """The pinned tile of `kernel` (a TABLES name) as launch keywords: BLOCK_M, BLOCK_N,
-    num_warps, num_stages."""
-    if INTERPRET:
-        return _cfg(32, 32, 4, 1).all_kwargs()
+    num_warps, num_stages. Read-only, and computed once: every eager launch of a pinned tile asks."""
+    return _pinned(kernel, head_dim, causal, INTERPRET)
+
+
+@functools.cache
+def _pinned(kernel: str, head_dim: int, causal: bool, interpret: bool) -> Mapping:
+    if interpret:
+        return MappingProxyType(_cfg(32, 32, 4, 1).all_kwargs())
     table, causal_default = TABLES[kernel]
-    dim = min(d for d in table if d >= max(16, triton.next_power_of_2(head_dim)))
+    dim = min(d for d in table if d >= max(16, next_power_of_2(head_dim)))
     entry = (causal_default or {}).get(dim, table[dim][0]) if causal else table[dim][0]
-    return _cfg(*entry).all_kwargs()
+    return MappingProxyType(_cfg(*entry).all_kwargs())
 
 
 def _for_head_dim(table, causal_default=None):
