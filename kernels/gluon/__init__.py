@@ -52,3 +52,25 @@ def tma_refusal(name: str, t: torch.Tensor) -> str | None:
     if not torch.compiler.is_compiling() and t.data_ptr() % 16:
         return f"{name} starts at an address that is not a multiple of 16 bytes, as TMA needs"
     return None
+
+
+def descriptors(cache: dict | None, key, tensors: tuple, make) -> list:
+    """The TMA descriptors of `tensors`, made (and validated) by `make()` the first time `key` is seen
+    in `cache`, a call signature's (kernels/launch.py). Later calls copy those with each base
+    replaced by this call's tensor: the signature fixes every shape, stride, block, layout and
+    base alignment a descriptor checks, and building one anew costs ~7 us of host time (a
+    backward makes nine)."""
+    made = cache.get(key) if cache is not None else None
+    if made is None:
+        made = make()
+        if cache is not None:
+            cache[key] = made
+        return made
+    return [_rebased(d, t) for d, t in zip(made, tensors)]
+
+
+def _rebased(template, base):
+    fresh = object.__new__(type(template))
+    fresh.__dict__.update(template.__dict__)
+    fresh.base = base
+    return fresh

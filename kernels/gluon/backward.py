@@ -54,6 +54,8 @@ tile's keys are never visited, and only those that see some but not all run the 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -64,8 +66,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, device_arch, softmax_scale_for
-from kernels.gluon import compat, refusal, tma_refusal, tma_strides
-from kernels.launch import launch
+from kernels.gluon import compat, descriptors, refusal, tma_refusal, tma_strides
+from kernels.launch import cdiv, launch
 from kernels.tiles import LOG2E
 
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring,
@@ -466,6 +468,7 @@ def tiles(head_dim: int) -> str:
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}, {cfg['STAGES']} stages"
 
 
+@functools.cache
 def _layouts(dtype: torch.dtype, block_m: int, block_n: int, head_dim: int):
     """Shared-memory layouts of the TMA blocks: (query/dO tile, key/value tile, L2/Delta row, dQ tile)."""
     gdt = _GL_DTYPES[dtype]
@@ -548,14 +551,14 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     n_k, h_kv = k.shape[1], k.shape[2]
     cfg = dict(TILES[D], **(config or {}))
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    n_m = triton.cdiv(n_q, block_m)
+    n_m = cdiv(n_q, block_m)
     n_q_pad = n_m * block_m
     if tma_refusal("dout", dout):   # autograd's incoming gradient may be any layout: one copy then
         dout = dout.contiguous()
     dev = q.device
     rows = torch.empty((2, B * H, n_q_pad), dtype=torch.float32, device=dev)   # L2, Delta
     dq_acc = torch.empty((B * H * n_q_pad, D), dtype=torch.float32, device=dev)
-    counters = torch.empty(triton.cdiv(B * H * n_m, 4) * 4 + 4, dtype=torch.int32, device=dev)
+    counters = torch.empty(cdiv(B * H * n_m, 4) * 4 + 4, dtype=torch.int32, device=dev)
     sem, ticket = counters[:-4], counters[-4:]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=dev)
@@ -566,12 +569,13 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-prep", *key))
     qlay, klay, llay, dqlay = _layouts(q.dtype, block_m, block_n, D)
     q_block, k_block = [1, block_m, 1, D], [1, block_n, 1, D]
-    args = (_descriptor(q, q_block, qlay), _descriptor(k, k_block, klay), _descriptor(v, k_block, klay),
-            _descriptor(dout, q_block, qlay), _descriptor(dk, k_block, klay), _descriptor(dv, k_block, klay),
-            _descriptor(rows[0], [1, block_m], llay), _descriptor(rows[1], [1, block_m], llay),
-            _descriptor(dq_acc, [block_m, D], dqlay), sem, ticket,
-            H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
-    launch(gluon_bwd_kernel, (triton.cdiv(n_k, block_n) * B * h_kv,), args,
+    tensors = (q, k, v, dout, dk, dv, rows[0], rows[1], dq_acc)
+    blocks = ((q_block, qlay), (k_block, klay), (k_block, klay), (q_block, qlay), (k_block, klay), (k_block, klay),
+              ([1, block_m], llay), ([1, block_m], llay), ([block_m, D], dqlay))
+    described = descriptors(cache, ("gluon-bwd-tma", *key), tensors,
+                            lambda: [_descriptor(t, *block) for t, block in zip(tensors, blocks)])
+    args = (*described, sem, ticket, H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
+    launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * h_kv,), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                 **{flag: cfg[flag] for flag in SCHEDULE}, **launch_options()), cache, ("gluon-bwd", *key))
     launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, scale),

@@ -49,14 +49,14 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.gluon import tma_strides
+from kernels.gluon import descriptors, tma_strides
 from kernels.gluon.compat import thread_barrier, tma_load, tma_store
+from kernels.launch import cdiv
 from kernels.launch import launch as run_kernel
 from kernels.tiles import LN2, LOG2E
 
@@ -483,8 +483,10 @@ def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant
     spec = launch or variant_launch(variant, causal, D)
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
-    args = (descriptor(q, spec.rows), descriptor(k, BLOCK_N), descriptor(v, BLOCK_N), descriptor(out, spec.rows), lse,
-            H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value)
-    run_kernel(spec.kernel, (triton.cdiv(n_q, spec.block_m), B * H), args, {**spec.constexprs, **spec.options},
+    tensors = (q, k, v, out)
+    described = descriptors(cache, "gluon_fwd_tma", tensors, lambda: [
+        descriptor(t, rows) for t, rows in zip(tensors, (spec.rows, BLOCK_N, BLOCK_N, spec.rows))])
+    args = (*described, lse, H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value)
+    run_kernel(spec.kernel, (cdiv(n_q, spec.block_m), B * H), args, {**spec.constexprs, **spec.options},
                cache, "gluon_fwd")
     return out, lse
