@@ -8,24 +8,31 @@ so the host's Python and launch work decides the speed of an eager step. On CUDA
 default and our kernel (each kernel plan given by `--kernels`), on q, k, v viewed from one fused
 projection as the model passes them:
 
-- forward issue: host time per call of back-to-back forwards, no synchronisation in the loop;
+- forward issue, idle GPU: the host time of one forward issued to an idle GPU (median of 200):
+  what the call itself costs the host;
+- forward issue: host time per call of back-to-back forwards, no synchronisation in the loop
+  (the GPU's time instead, once its launch queue is full);
 - forward GPU: the same forward replayed from a CUDA graph (no host work), per call;
-- forward+backward issue: host time per back-to-back forward + backward (torch.autograd.grad);
+- forward+backward issue (idle GPU, and back to back): the same for a forward + backward
+  (torch.autograd.grad);
 - forward+backward wall: the same with the GPU synchronised at the end, per call: the larger of
   the host and the GPU time, what an eager training step pays.
 Then cProfile over our calls: the functions that spend the host time.
 
---stub: the kernels' launches (every jitted function's `run`) do nothing, on tiny CPU tensors that
-the kernel plans take for a Hopper GPU's: what remains is our Python and the autograd Function;
+--stub: the kernels' launches (every jitted function's `run`, and the direct launches of
+kernels/launch.py that follow a call signature's first) do nothing, on tiny CPU tensors that the
+kernel plans take for a Hopper GPU's: what remains is our Python and the autograd Function;
 thread CPU time per call (minimum over 40 batches, robust to a shared machine) and the launches
 one call makes.
 """
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
@@ -51,13 +58,22 @@ def stub_launches() -> list[str]:
     from kernels import plan as kernel_plan
     from kernels.gluon import backward, forward
 
+    from kernels import launch
+
     kernel_plan.device_arch = lambda device: "sm_90"
     launched: list[str] = []
+
+    def compiled(name):   # what a jitted function's launch returns: its compiled kernel
+        launched.append(name)
+        return SimpleNamespace(name=name)
     for module in (flash_fwd, flash_bwd, forward, backward):
         for name, obj in vars(module).items():
             if hasattr(obj, "run") and hasattr(obj, "fn"):
                 target = obj.fn if isinstance(obj, Autotuner) else obj
-                target.run = lambda *a, _name=name, **kw: launched.append(_name)
+                target.run = lambda *a, _name=name, **kw: compiled(_name)
+    # later launches of a call signature take the direct path, as on a GPU (no interpreter there)
+    launch.INTERPRET = False
+    launch.direct_launcher = lambda kernel, grid, tail: lambda args: launched.append(kernel.name)
     return launched
 
 
@@ -85,6 +101,22 @@ def issue_and_wall(fn, calls: int = 100) -> tuple[float, float]:
     torch.cuda.synchronize()
     ended = time.perf_counter()
     return (issued - began) / calls * 1e6, (ended - began) / calls * 1e6
+
+
+def idle_issue(fn, calls: int = 200) -> float:
+    """Median host us of one call issued to an idle GPU (synchronised before it, outside the timing):
+    the call's own host cost. Back-to-back calls measure it only while the GPU keeps up: once the
+    launch queue is full, each launch waits for a slot and the loop's time is the GPU's."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
 
 def graph_time(fn, replays: int = 200) -> float:
@@ -147,7 +179,8 @@ def measure_gpu(shape, kernels: list[str], profile: int) -> dict:
         with torch.no_grad():
             fwd_gpu = graph_time(forward)
         rows[name] = {"plan": plan_of(fn, q, k, v), "forward_issue_us": fwd_issue, "forward_gpu_us": fwd_gpu,
-                      "step_issue_us": step_issue, "step_wall_us": step_wall}
+                      "step_issue_us": step_issue, "step_wall_us": step_wall,
+                      "forward_idle_issue_us": idle_issue(forward), "step_idle_issue_us": idle_issue(step)}
         if profile and name != "sdpa-default":
             import cProfile
             import pstats
@@ -216,10 +249,12 @@ def main(argv: list[str] | None = None) -> dict:
                                [[n, f"{r['step_cpu_us']:.0f}", ", ".join(r["launches"])] for n, r in rows.items()])
     else:
         table = markdown_table(
-            ["attention", "forward issue (us)", "forward GPU (us)", "forward+backward issue (us)",
-             "forward+backward wall (us)", "wall: SDPA / this", "kernel plan"],
-            [[n, f"{r['forward_issue_us']:.0f}", f"{r['forward_gpu_us']:.0f}", f"{r['step_issue_us']:.0f}",
-              f"{r['step_wall_us']:.0f}", f"{r['wall_vs_sdpa']:.2f}", r["plan"] or "-"] for n, r in rows.items()])
+            ["attention", "forward issue, idle GPU (us)", "forward issue (us)", "forward GPU (us)",
+             "forward+backward issue, idle GPU (us)", "forward+backward issue (us)", "forward+backward wall (us)",
+             "wall: SDPA / this", "kernel plan"],
+            [[n, f"{r['forward_idle_issue_us']:.0f}", f"{r['forward_issue_us']:.0f}", f"{r['forward_gpu_us']:.0f}",
+              f"{r['step_idle_issue_us']:.0f}", f"{r['step_issue_us']:.0f}", f"{r['step_wall_us']:.0f}",
+              f"{r['wall_vs_sdpa']:.2f}", r["plan"] or "-"] for n, r in rows.items()])
     out.print(table)
     if args.out:
         write_json(args.out / "attention_host.json", result)

@@ -1,0 +1,153 @@
+"""Where the host time of one eager attention call goes, on CUDA: a diagnosis, not a benchmark.
+
+    FLASHTRAIN_AUTOTUNE=0 python scripts/kernel_dev/host_probe.py --out DIR
+
+gpt2-small's attention (B=16, T=1K, 12 x 64, causal, bf16, q/k/v views of a fused QKV), SDPA's
+default beside ours (kernel=auto). Back-to-back calls can fill the GPU's launch queue, after which
+each launch waits for a free slot and the host's "issue time" becomes the GPU's time; so besides
+back-to-back loops of 20 and 100 calls, each call is also timed alone, from an idle GPU (the
+synchronisation before it is outside the timing): its true host cost. Then, per call:
+- the GPU kernels' time and the host's per-op time on every thread (torch.profiler: the autograd
+  engine runs a CUDA backward on a thread of its own, which cProfile does not see);
+- cProfile of 100 forward+backward calls with the backward on the calling thread
+  (torch.autograd.set_multithreading_enabled(False)), so that it does see them;
+- the same calls with every Triton/Gluon launch made a no-op: our Python alone.
+Prints everything, and writes DIR/host_probe.json.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch  # noqa: E402
+
+from kernels import flash_attention  # noqa: E402
+from model.attention import sdpa_attention  # noqa: E402
+
+
+def idle(fn, calls=200) -> dict:
+    """Host us of one call issued to an idle GPU: median and minimum over `calls`."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - began) * 1e6)
+    torch.cuda.synchronize()
+    return {"median": statistics.median(times), "min": min(times)}
+
+
+def back_to_back(fn, calls) -> dict:
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    return {"issue": (issued - began) / calls * 1e6, "wall": (time.perf_counter() - began) / calls * 1e6}
+
+
+def profiled(fn, calls=20) -> tuple[str, str, float]:
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / calls
+    return (events.table(sort_by="self_cpu_time_total", row_limit=25),
+            events.table(sort_by="self_cuda_time_total", row_limit=12), gpu)
+
+
+def cprofiled(fn, calls=100, lines=35) -> str:
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        for _ in range(5):
+            fn()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(lines)
+    return text.getvalue()
+
+
+def stub_launches():
+    from triton.runtime.autotuner import Autotuner
+
+    from kernels import flash_bwd, flash_fwd
+    from kernels.gluon import backward, forward
+    for module in (flash_fwd, flash_bwd, forward, backward):
+        for obj in vars(module).values():
+            if hasattr(obj, "run") and hasattr(obj, "fn"):
+                target = obj.fn if isinstance(obj, Autotuner) else obj
+                target.run = lambda *a, **kw: None
+    from triton.compiler.compiler import CompiledKernel
+    CompiledKernel.__getitem__ = lambda self, grid: (lambda *a, **kw: None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shape", default="16/1024/12/64")
+    args = parser.parse_args()
+    B, N, H, D = (int(x) for x in args.shape.split("/"))
+    qkv = torch.randn(B, N, 3 * H * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (t.unflatten(-1, (-1, D)) for t in qkv.split([H * D] * 3, -1))
+    dout = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "shape": args.shape, "rows": {}}
+    fns = {"sdpa-default": sdpa_attention, "ours-auto": flash_attention}
+    for name, attn in fns.items():
+        def forward():
+            return attn(q, k, v, causal=True)
+
+        def step():
+            return torch.autograd.grad(attn(q, k, v, causal=True), qkv, dout)
+        row = {"forward_idle": idle(forward), "step_idle": idle(step),
+               "forward_b2b20": back_to_back(forward, 20), "forward_b2b100": back_to_back(forward, 100),
+               "step_b2b20": back_to_back(step, 20), "step_b2b100": back_to_back(step, 100)}
+        torch.autograd.set_multithreading_enabled(False)
+        row["step_idle_one_thread"] = idle(step)
+        row["step_b2b100_one_thread"] = back_to_back(step, 100)
+        torch.autograd.set_multithreading_enabled(True)
+        cpu_table, gpu_table, gpu_us = profiled(step)
+        row["step_gpu_us_profiler"] = gpu_us
+        print(f"=== {name}\n{json.dumps(row, indent=1)}\n--- torch.profiler, per 20 steps, by host time\n{cpu_table}"
+              f"\n--- by GPU time\n{gpu_table}")
+        if name != "sdpa-default":
+            print(f"--- cProfile, 100 steps on one thread\n{cprofiled(step)}")
+        result["rows"][name] = row
+    stub_launches()
+
+    def stubbed():
+        return torch.autograd.grad(flash_attention(q, k, v, causal=True), qkv, dout)
+    result["rows"]["ours-auto launches stubbed"] = {"step_idle": idle(stubbed), "forward_idle": idle(
+        lambda: flash_attention(q, k, v, causal=True))}
+    print(json.dumps(result["rows"]["ours-auto launches stubbed"]))
+    print(f"--- cProfile, stubbed launches\n{cprofiled(stubbed, lines=25)}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host_probe.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
