@@ -17,6 +17,9 @@ projection as the model passes them:
   (torch.autograd.grad);
 - forward+backward wall: the same with the GPU synchronised at the end, per call: the larger of
   the host and the GPU time, what an eager training step pays.
+Each is the median of `--rounds` rounds, a round measuring every implementation in turn: the
+GPU machine's host speed drifts by tens of percent within minutes, and interleaving lets the drift
+reach every implementation alike (the JSON keeps every round).
 Then cProfile over our calls: the functions that spend the host time.
 
 --stub: the kernels' launches (every jitted function's `run`, and the direct launches of
@@ -163,24 +166,35 @@ def plan_of(fn, q, k, v) -> str | None:
     return str(flash_op.kernel_plan(q, k, v, causal=True, **fn.keywords))
 
 
-def measure_gpu(shape, kernels: list[str], profile: int) -> dict:
+def measure_gpu(shape, kernels: list[str], profile: int, rounds: int = 5) -> dict:
+    """Per implementation, the median over `rounds` rounds; each round measures every implementation
+    once, in turn, so that a drift in the host's speed (a shared machine's) reaches all alike."""
     B, N, H, Hkv, D = shape
     leaf, (q, k, v), dout = fused_views(B, N, H, Hkv, D, "cuda", torch.bfloat16)
-    rows = {}
+    calls = {}
     for name, fn in implementations(kernels).items():
-        def forward():
+        def forward(fn=fn):
             return fn(q, k, v, causal=True)
 
-        def step():
+        def step(fn=fn):
             return torch.autograd.grad(fn(q, k, v, causal=True), leaf, dout)
-
-        fwd_issue, _ = issue_and_wall(forward)
-        step_issue, step_wall = issue_and_wall(step)
+        calls[name] = (forward, step)
+    samples: dict = {name: {} for name in calls}
+    for _ in range(rounds):
+        for name, (forward, step) in calls.items():
+            fwd_issue, _ = issue_and_wall(forward)
+            step_issue, step_wall = issue_and_wall(step)
+            measured = {"forward_issue_us": fwd_issue, "step_issue_us": step_issue, "step_wall_us": step_wall,
+                        "forward_idle_issue_us": idle_issue(forward), "step_idle_issue_us": idle_issue(step)}
+            for key, value in measured.items():
+                samples[name].setdefault(key, []).append(value)
+    rows = {}
+    for name, (forward, step) in calls.items():
         with torch.no_grad():
             fwd_gpu = graph_time(forward)
-        rows[name] = {"plan": plan_of(fn, q, k, v), "forward_issue_us": fwd_issue, "forward_gpu_us": fwd_gpu,
-                      "step_issue_us": step_issue, "step_wall_us": step_wall,
-                      "forward_idle_issue_us": idle_issue(forward), "step_idle_issue_us": idle_issue(step)}
+        fn = implementations(kernels)[name]
+        rows[name] = {"plan": plan_of(fn, q, k, v), "forward_gpu_us": fwd_gpu, "rounds": samples[name],
+                      **{key: statistics.median(values) for key, values in samples[name].items()}}
         if profile and name != "sdpa-default":
             import cProfile
             import pstats
@@ -225,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernels", default="auto,triton",
                         help="our kernel words to time, comma-separated; forward/backward for a pair (gluon/triton)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile lines to print per implementation (0: none)")
+    parser.add_argument("--rounds", type=int, default=5, help="CUDA: rounds of every measurement, interleaved (median)")
     add_out_argument(parser, "bench_attention_host")
     args = parser.parse_args(argv)
     if not args.stub and not torch.cuda.is_available():
@@ -242,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--kernels: {words!r} is not auto, triton, gluon or a forward/backward pair of them")
     out = console()
     device = torch.device("cpu" if args.stub else "cuda")
-    rows = measure_stub(kernels) if args.stub else measure_gpu(shape, kernels, args.profile)
+    rows = measure_stub(kernels) if args.stub else measure_gpu(shape, kernels, args.profile, args.rounds)
     result = {"meta": environment(device), "shape": dict(zip("B T H Hkv D".split(), shape)), "rows": rows}
     if args.stub:
         table = markdown_table(["call", "thread CPU us per forward+backward", "launches"],

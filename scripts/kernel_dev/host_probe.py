@@ -90,6 +90,38 @@ def cprofiled(fn, calls=100, lines=35) -> str:
     return text.getvalue()
 
 
+class _Scale(torch.autograd.Function):
+    """q * 1.0 as a Python autograd.Function: its backward runs Python on the autograd engine's thread."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def python_function_cost(qkv, q, dout) -> dict:
+    """Host us of one forward+backward of q * 1.0 (with the fused-QKV views' graph), native op or a
+    Python Function, the backward on the engine's CUDA thread or on the calling one: what running
+    Python in a CUDA backward costs by itself."""
+    found = {}
+    for name, fn in (("native", lambda x: x * 1.0), ("python", _Scale.apply)):
+        def step(fn=fn):
+            return torch.autograd.grad(fn(q), qkv, dout)
+        for threads in ("engine thread", "calling thread"):
+            torch.autograd.set_multithreading_enabled(threads == "engine thread")
+            found[f"{name}, {threads}"] = {"idle": idle(step), "b2b100": back_to_back(step, 100)}
+        torch.autograd.set_multithreading_enabled(True)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    found["python, engine thread, switch interval 10 us"] = {"idle": idle(lambda: torch.autograd.grad(
+        _Scale.apply(q), qkv, dout))}
+    sys.setswitchinterval(switch)
+    return found
+
+
 def stub_launches():
     from triton.runtime.autotuner import Autotuner
 
@@ -136,6 +168,8 @@ def main() -> None:
         if name != "sdpa-default":
             print(f"--- cProfile, 100 steps on one thread\n{cprofiled(step)}")
         result["rows"][name] = row
+    result["rows"]["python Function vs native op"] = python_function_cost(qkv, q, dout)
+    print(json.dumps(result["rows"]["python Function vs native op"], indent=1))
     stub_launches()
 
     def stubbed():
