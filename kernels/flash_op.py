@@ -311,10 +311,15 @@ class _EagerFlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, doc_bounds, rng, sinks)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
+        # lse has no gradient: without this, autograd would allocate and zero-fill one for every
+        # backward (an allocation and a launch of host time on the engine's thread)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:   # reached through lse alone, which has no gradient
+            return None, None, None, None, None, None, None
         q, k, v, out, lse, doc_bounds, rng, sinks = ctx.saved_tensors
         call = ctx.call
         # autograd's dout: its layout joins the call signature in fixing the launches' specialisation
