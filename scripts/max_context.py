@@ -68,6 +68,7 @@ from _common import (OUTPUTS, add_out_argument, attention_list, console, device_
                      error_text, human_bytes, runnable_attentions,
                      markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
                      save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
+from _first_call import KernelSetupTime
 from _memory import allocated_bytes, is_oom, peak_meter, release_memory
 
 RETIME_BELOW_S = 2.0  # a step shorter than this is timed again: the first call at a length compiles
@@ -91,6 +92,8 @@ class Probe:
     step_s: float | None = None
     tokens_per_s: float | None = None
     error: str | None = None  # why it did not fit
+    compile_s: float = 0.0    # of step_s: compiling Triton kernels (or loading them from Triton's cache)
+    tune_s: float = 0.0       # of step_s: autotuning them (scripts/_first_call.py)
 
 
 @dataclass
@@ -223,8 +226,9 @@ class StepProbe:
         one_process = not self.env.enabled
         meter = peak_meter(self.device, baseline=start_bytes, budget=self.budget if one_process else None)
         error = None
+        setup = KernelSetupTime()
         try:
-            with meter:
+            with meter, setup:
                 step_s = self.timed_step(length)
             if self.device.type != "cuda" and not one_process and meter.peak > self.budget:
                 error = (f"out of memory: {meter.peak} live tensor bytes exceed the CPU budget of "
@@ -244,8 +248,10 @@ class StepProbe:
             return Probe(length, fits=False, start_bytes=start_bytes, error=error or "out of memory on another rank")
         if self.partial:   # not a step's time
             return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=peak)
+        retimed = step_s < RETIME_BELOW_S   # the second step's time: nothing left to compile or tune
         return Probe(length, fits=True, start_bytes=start_bytes, peak_bytes=peak, step_s=step_s,
-                     tokens_per_s=self.env.dp_size * self.batch_size * length / step_s)
+                     tokens_per_s=self.env.dp_size * self.batch_size * length / step_s,
+                     compile_s=0.0 if retimed else setup.compile_s, tune_s=0.0 if retimed else setup.tune_s)
 
     def _slowest(self, step_s: float) -> float:
         """The slowest rank's step time under torchrun (this one's alone)."""
@@ -411,6 +417,7 @@ def summary_rows(results: list[dict], limit_bytes: int | None = None, batch_size
         predicted = predicted_max(line, limit_bytes, r["granularity"])
         rows.append([r["features"], r["impl"], shown, ratio, f"{r['granularity']:,}",
                      human_bytes(best and best["peak_bytes"]), f"{best['step_s']:.2f}" if timed else "-",
+                     setup_time(best) if timed else "-",
                      f"{best['tokens_per_s']:,.0f}" if timed else "-",
                      f"{1e6 / best['tokens_per_s']:,.1f}" if timed else "-",
                      f"{line[0] / batch_size:,.0f}" if line else "-",
@@ -419,7 +426,14 @@ def summary_rows(results: list[dict], limit_bytes: int | None = None, batch_size
 
 
 HEADERS = ["features", "attention", "max tokens", "vs naive", "granularity", "peak memory", "step s",
-           "tokens/s", "µs/token", "bytes/token", "linear max", "probes"]
+           "of which compile + tune s", "tokens/s", "µs/token", "bytes/token", "linear max", "probes"]
+
+
+def setup_time(probe: dict) -> str:
+    """The part of a once-timed step spent compiling and tuning kernels (older reports: unknown)."""
+    if "compile_s" not in probe:
+        return "?"
+    return f"{probe['compile_s']:.1f} + {probe['tune_s']:.1f}"
 
 
 def memory_limit(report: dict) -> int | None:
@@ -446,8 +460,10 @@ def write_outputs(stem: Path, report: dict) -> None:
              "is doubled until a step does not fit, then bisected to the row's granularity; '≥' marks a "
              "search that reached its cap. 'vs naive' divides by naive's maximum under the same features. "
              "Peak memory, step time and tokens/s are those of the longest step that fitted. A step of "
-             f"over {RETIME_BELOW_S:g} s is timed once, so its time includes first-call costs such as "
-             "compiling kernels; kernel speed is measured by scripts/bench/bench_attention.py. µs/token is that step's "
+             f"over {RETIME_BELOW_S:g} s is timed once, so its time includes first-call costs: 'of which "
+             "compile + tune s' is the part spent compiling Triton kernels (or loading them from Triton's "
+             "on-disk cache, which an earlier run may have filled) and autotuning them; kernel speed is "
+             "measured by scripts/bench/bench_attention.py. µs/token is that step's "
              "time per token. 'bytes/token' is the slope of peak memory through the two longest steps that "
              "fitted, and 'linear max' the length at which that line reaches the "
              + ("device's memory" if meta["device_type"] == "cuda" else "budget")

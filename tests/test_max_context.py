@@ -274,3 +274,30 @@ def test_profile_step_config_and_refusals():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs CUDA"):
             profile_step.main(["model=tiny", "length=1024"])
+
+
+def test_kernel_setup_time_splits_compile_from_tuning(monkeypatch):
+    """A once-timed long step reports what it spent compiling and autotuning Triton kernels: compiles
+    inside a candidate's timing count as compile time, and Triton's methods come back on exit."""
+    import time
+
+    from _first_call import KernelSetupTime
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    def compile_(self, *args, **kwargs):
+        time.sleep(0.05)
+
+    def bench(self, *args, **kwargs):
+        JITFunction._do_compile(None)   # a candidate compiled while it is timed
+        time.sleep(0.05)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", compile_)
+    monkeypatch.setattr(Autotuner, "_bench", bench)
+    with KernelSetupTime() as setup:
+        JITFunction._do_compile(None)
+        Autotuner._bench(None)
+    assert 0.09 < setup.compile_s < 0.2 and 0.04 < setup.tune_s < 0.09, (setup.compile_s, setup.tune_s)
+    assert JITFunction._do_compile is compile_ and Autotuner._bench is bench
+    JITFunction._do_compile(None)
+    assert setup.compile_s < 0.2   # no longer counted
