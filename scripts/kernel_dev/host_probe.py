@@ -21,40 +21,25 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import torch  # noqa: E402
+from bench_attention_host import idle_issue, issue_and_wall  # noqa: E402
 
 from kernels import flash_attention  # noqa: E402
 from model.attention import sdpa_attention  # noqa: E402
 
 
-def idle(fn, calls=200) -> dict:
-    """Host us of one call issued to an idle GPU: median and minimum over `calls`."""
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - began) * 1e6)
-    torch.cuda.synchronize()
-    return {"median": statistics.median(times), "min": min(times)}
+def idle(fn) -> float:
+    return idle_issue(fn)
 
 
 def back_to_back(fn, calls) -> dict:
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    return {"issue": (issued - began) / calls * 1e6, "wall": (time.perf_counter() - began) / calls * 1e6}
+    issue, wall = issue_and_wall(fn, calls)
+    return {"issue": issue, "wall": wall}
 
 
 def profiled(fn, calls=20) -> tuple[str, str, float]:
