@@ -37,7 +37,7 @@ from kernels.gluon.backward import launch_backward as gluon_backward
 from kernels.gluon.forward import gluon_attention_forward
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.masks import bounds_buffer, check_masks
-from kernels.scores import dropout_seed, sink_grad
+from kernels.scores import dropout_seed, sink_grad_from_delta
 from kernels.tiles import LOG2E
 from kernels.tuning import pinned, seq_bucket, tunes
 
@@ -158,7 +158,7 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
             q, k, v, out, dout, lse, delta, docs, rng, dq, *qkv_strides, *out.stride(), *dout.stride(), *dq.stride(),
             H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value, softmax_scale, bucket, window))
         run(flash_bwd_kv_kernel, "bwd_kv", kv_grid, inputs + strides + sizes)
-        return dq, dk, dv
+        return dq, dk, dv, delta
 
     delta_rows = 64
     delta_args = (out, dout, delta, *out.stride(), *dout.stride(), H, n_q)
@@ -171,7 +171,7 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
     # float32 dQ for the atomic adds (float32 inputs: it is dQ itself)
     dq = torch.zeros((B, n_q, H, D), dtype=torch.float32, device=q.device)
     run(flash_bwd_kv_dq_kernel, "bwd_kv_dq", kv_grid, inputs + (dq,) + strides + (*dq.stride(),) + sizes)
-    return dq.to(q.dtype), dk, dv
+    return dq.to(q.dtype), dk, dv, delta
 
 
 @torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
@@ -196,10 +196,12 @@ def flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
                    softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
                    window: int = 0, deterministic: bool = True, softcap: float = 0.0, dropout_p: float = 0.0,
-                   rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dq, dk, dv; dk and dv are summed over each GQA group. deterministic=False
-    accumulates dq with atomics (its last bits vary run to run). softcap, dropout_p and rng as
-    the forward's (the sinks' gradient is the autograd formula's, from out and lse)."""
+                   rng: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq, dk, dv and Delta = rowsum(dO * O) (B, H, Nq) float32; dk and dv are summed over
+    each GQA group. deterministic=False accumulates dq with atomics (its last bits vary run to run).
+    softcap, dropout_p and rng as the forward's (the sinks' gradient is the autograd formula's, from
+    Delta and lse)."""
     return _triton_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds, window, deterministic,
                             torch.library.wrap_triton, softcap=softcap, dropout_p=dropout_p, rng=rng)
 
@@ -229,16 +231,20 @@ def _gluon_attn_fwd_fake(q, k, v, causal, softmax_scale, doc_bounds=None, window
 def gluon_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, softmax_scale: float, doc_bounds: Optional[torch.Tensor] = None,
                    window: int = 0, deterministic: bool = True, softcap: float = 0.0, dropout_p: float = 0.0,
-                   rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Gluon backward as one opaque op: dq, dk, dv (dk, dv summed over each GQA group)."""
-    return _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds, window, deterministic,
-                           softcap=softcap, dropout_p=dropout_p)
+                   rng: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gluon backward as one opaque op: dq, dk, dv (dk, dv summed over each GQA group) and Delta."""
+    dq, dk, dv, delta = _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds, window,
+                                        deterministic, softcap=softcap, dropout_p=dropout_p)
+    return dq, dk, dv, delta.contiguous()   # the fake's layout (Delta is a view of a padded buffer)
 
 
 @gluon_attn_bwd.register_fake
 def _gluon_attn_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=None, window=0,
                          deterministic=True, softcap=0.0, dropout_p=0.0, rng=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    B, n_q, H, _ = q.shape
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((B, H, n_q), dtype=torch.float32))
 
 
 def _gluon_forward(q, k, v, causal, softmax_scale, doc_bounds=None, window=0, cache=None, key=(), *, softcap=0.0,
@@ -261,7 +267,8 @@ class Family:
     """One kernel family's launches: eager (plain functions) and traced (registered ops).
     forward(q, k, v, causal, scale, doc_bounds, window[, cache, key], *, softcap, dropout_p, rng, sinks) -> out, lse;
     backward(dout, q, k, v, out, lse, causal, scale, doc_bounds, window, deterministic[, cache, key], *, softcap,
-    dropout_p, rng) -> dq, dk, dv; eager, `cache` (the call signature's compiled kernels, kernels/launch.py) and
+    dropout_p, rng) -> dq, dk, dv, Delta (B, H, Nq) float32, the rowsum(dO * O) the backward computes anyway
+    (the sinks' gradient reads it); eager, `cache` (the call signature's compiled kernels, kernels/launch.py) and
     `key` (what else fixes the launches' specialisation) may be given. The ops take the same arguments
     positionally, without cache and key."""
     forward: Callable
@@ -289,10 +296,10 @@ def _backward(ctx, dout, _dlse):
     """The registered forward ops' autograd formula: the plan's backward, as its family's op, and
     the sinks' gradient (kernels/scores.py)."""
     q, k, v, out, lse, doc_bounds, rng, sinks = ctx.saved_tensors
-    dq, dk, dv = FAMILIES[ctx.backward].backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                                    doc_bounds, ctx.window, ctx.deterministic, ctx.softcap,
-                                                    ctx.dropout_p, rng)
-    dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
+    dq, dk, dv, delta = FAMILIES[ctx.backward].backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                                           doc_bounds, ctx.window, ctx.deterministic, ctx.softcap,
+                                                           ctx.dropout_p, rng)
+    dsinks = sink_grad_from_delta(delta, lse, sinks) if sinks is not None else None
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
 
 
@@ -324,11 +331,10 @@ class _EagerFlashAttention(torch.autograd.Function):
         call = ctx.call
         # autograd's dout: its layout joins the call signature in fixing the launches' specialisation
         key = (dout.stride(), dout.data_ptr() % 16 == 0)
-        dq, dk, dv = FAMILIES[call.plan.backward.family].backward(dout, q, k, v, out, lse, call.causal, call.scale,
-                                                                  doc_bounds, call.window, call.plan.deterministic,
-                                                                  cache=call.launches, key=key, softcap=call.softcap,
-                                                                  dropout_p=call.dropout_p, rng=rng)
-        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[6] else None
+        dq, dk, dv, delta = FAMILIES[call.plan.backward.family].backward(
+            dout, q, k, v, out, lse, call.causal, call.scale, doc_bounds, call.window, call.plan.deterministic,
+            cache=call.launches, key=key, softcap=call.softcap, dropout_p=call.dropout_p, rng=rng)
+        dsinks = sink_grad_from_delta(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[6] else None
         return dq, dk, dv, None, None, None, dsinks
 
 
@@ -483,6 +489,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scal
     check_lse(q, lse)
     family = FAMILIES[call.plan.backward.family]
     launch = family.backward_op if torch.compiler.is_compiling() else family.backward
-    return launch(dout, q, k, v, out, lse.contiguous(), call.causal, call.scale,
-                  bounds_buffer(document_ids, key_bounds, k.shape[1]), call.window, call.plan.deterministic,
-                  softcap=call.softcap)
+    dq, dk, dv, _delta = launch(dout, q, k, v, out, lse.contiguous(), call.causal, call.scale,
+                                bounds_buffer(document_ids, key_bounds, k.shape[1]), call.window,
+                                call.plan.deterministic, softcap=call.softcap)
+    return dq, dk, dv

@@ -536,7 +536,7 @@ def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, det
     if reason is not None:
         raise ValueError(f"the Gluon backward cannot run this call: {reason}")
     return launch_backward(dout, q, k, v, out, lse, causal, softmax_scale_for(softmax_scale, q.shape[-1]),
-                           deterministic)
+                           deterministic)[:3]
 
 
 def _descriptor(t: torch.Tensor, block: list[int], layout) -> TensorDescriptor:
@@ -580,7 +580,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
                 **{flag: cfg[flag] for flag in SCHEDULE}, **launch_options()), cache, ("gluon-bwd", *key))
     launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, scale),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-dq", *key))
-    return dq, dk, dv
+    return dq, dk, dv, rows[1].view(B, H, n_q_pad)[..., :n_q]   # Delta, for the sinks' gradient
 
 
 def compile_aux_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
