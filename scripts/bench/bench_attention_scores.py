@@ -2,6 +2,7 @@
 
     python scripts/bench/bench_attention_scores.py --out benchmarks/attention   # H200: about 2 minutes
     python scripts/bench/bench_attention_scores.py --smoke                      # CPU plumbing check, not a benchmark
+    python scripts/bench/bench_attention_scores.py --cases sinks --out DIR      # none and one case
 
 One shape: gpt2-small's heads (12 of 64) at T = 4096 with B = 4 (16K tokens a batch, as
 scripts/bench/bench_attention.py --training times it), bf16, causal, q, k and v strided views of one
@@ -113,8 +114,14 @@ def write_outputs(stem, report: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = _common.argument_parser(__doc__)
     parser.add_argument("--smoke", action="store_true", help="CPU-sized shapes that only check the plumbing")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated cases of {', '.join(CASES)} (none, their base, always runs)")
     add_out_argument(parser, "bench_attention_scores")
     args = parser.parse_args(argv)
+    cases = ["none"] + [c for c in dict.fromkeys(args.cases.split(",")) if c and c != "none"]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise ValueError(f"--cases: {', '.join(unknown)} not among {', '.join(CASES)}")
     device = kernel_bench_device(args.smoke)
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the interpreter's bf16 is not the GPU's
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     stem = args.out / f"attention_scores_{device_slug(device)}"
     report = {"metadata": environment(device), "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
               "timing": timing, "targets": TARGETS, "results": []}
-    for case in CASES:
+    for case in cases:
         for word in WORDS:
             row = measure(case, word, shape, dtype, device, bench)
             report["results"].append(row)
