@@ -175,6 +175,25 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
 def sink_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The sinks' gradient, -sum over batch and rows of exp(sink - L) Delta, from Delta and lse (B, H, Nq).
     The backward kernels compute Delta anyway: taking theirs spares reading dO and O again in
-    float32 copies (~0.1 ms of a ~1 ms backward at gpt2-small's 4K shape)."""
+    float32 copies (~0.1 ms of a ~1 ms backward at gpt2-small's 4K shape). Traced by torch.compile,
+    it runs as the opaque op below, so that compiled and eager training reduce in the same order
+    and get the same bits (Inductor would fuse the expression into a reduction of its own order)."""
+    if torch.compiler.is_compiling():
+        return sink_grad_op(delta, lse, sinks)
+    return _sink_grad_from_delta(delta, lse, sinks)
+
+
+def _sink_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     acc = torch.promote_types(lse.dtype, torch.float32)
     return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta.to(acc)).sum((0, 2)).to(sinks.dtype)
+
+
+@torch.library.custom_op("flashtrain::sink_grad", mutates_args=())
+def sink_grad_op(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """sink_grad_from_delta as one opaque op (eager's computation, under torch.compile too)."""
+    return _sink_grad_from_delta(delta, lse, sinks)
+
+
+@sink_grad_op.register_fake
+def _sink_grad_fake(delta, lse, sinks):
+    return sinks.new_empty(sinks.shape)
