@@ -17,7 +17,8 @@ projection as the model passes them:
   (torch.autograd.grad);
 - forward+backward wall: the same with the GPU synchronised at the end, per call: the larger of
   the host and the GPU time, what an eager training step pays.
-Each is the median of `--rounds` rounds, a round measuring every implementation in turn: the
+Each is the median of `--rounds` rounds, a round measuring every implementation in turn (from a
+different first one each round): the
 GPU machine's host speed drifts by tens of percent within minutes, and interleaving lets the drift
 reach every implementation alike (the JSON keeps every round).
 Then cProfile over our calls: the functions that spend the host time.
@@ -180,8 +181,10 @@ def measure_gpu(shape, kernels: list[str], profile: int, rounds: int = 5) -> dic
             return torch.autograd.grad(fn(q, k, v, causal=True), leaf, dout)
         calls[name] = (forward, step)
     samples: dict = {name: {} for name in calls}
-    for _ in range(rounds):
-        for name, (forward, step) in calls.items():
+    names = list(calls)
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:   # each round starts elsewhere
+            forward, step = calls[name]
             fwd_issue, _ = issue_and_wall(forward)
             step_issue, step_wall = issue_and_wall(step)
             measured = {"forward_issue_us": fwd_issue, "step_issue_us": step_issue, "step_wall_us": step_wall,
