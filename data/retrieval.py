@@ -83,7 +83,8 @@ def dense_document(length: int, pairs: int, key_digits: int, rng: np.random.Gene
                                                                  enumerate(zip(start, distance))])
     words = [" " + w for w in FILLER.split()]
     pieces, cursor, cycle = [], 0, itertools.count()
-    names, keys, stated, asked, open_names, pending = {}, {}, {}, {}, set(), 0
+    names, keys, stated, asked, pending = {}, {}, {}, {}, 0
+    free = NAMES[: 2 * pairs + 1]    # more than can be open at once; "secret" among them
 
     def background(until: float) -> None:
         nonlocal cursor
@@ -103,17 +104,18 @@ def dense_document(length: int, pairs: int, key_digits: int, rng: np.random.Gene
             if cursor + size(piece) > budget - spare:
                 continue
             asked[j] = cursor
-            open_names.discard(names[j])
+            free.append(names[j])
             pending -= size(piece)
         else:
-            free = [n for n in NAMES[: 2 * pairs + 1] if n not in open_names]
-            name, key = free[int(rng.integers(len(free)))], random_key(rng, key_digits)
+            pick = int(rng.integers(len(free)))
+            name, key = free[pick], random_key(rng, key_digits)
             piece = statement_text(name, key)
             owed = size(question_text(name, key))
             if cursor + size(piece) + pending + owed > budget - spare:   # room for every open key's question
                 continue
             names[j], keys[j], stated[j] = name, key, cursor
-            open_names.add(name)
+            free[pick] = free[-1]
+            free.pop()
             pending += owed
         pieces.append(piece)
         cursor += size(piece)
