@@ -111,8 +111,8 @@ PY
 # a checkpoint (exit 143) and the next one continues from it.
 DENSE_STAGES=(
   "data.passkey.kind=single data.passkey.pairs=null data.passkey.length=32 data.passkey.num_docs=100000 trainer.max_steps=400"
-  "data.passkey.length=2048 data.passkey.pairs=8 data.passkey.num_docs=4000 trainer.max_steps=650"
-  "data.passkey.length=8192 data.passkey.pairs=48 data.passkey.num_docs=1000 trainer.max_steps=900"
+  "data.passkey.length=2048 data.passkey.pairs=1 data.passkey.num_docs=4000 trainer.max_steps=650"
+  "data.passkey.length=8192 data.passkey.pairs=4 data.passkey.num_docs=1000 trainer.max_steps=900"
   ""
 )
 dense() {
