@@ -25,6 +25,13 @@
 # session can do (NAIVE_STEPS=N trains N steps instead of the preset's 1,920, from its first call on).
 # Last, on any machine (CPU): `bash benchmarks/long_context_runs.sh compare`, both runs' tokens/s
 # and peak memory in benchmarks/evals/long_context_passkey_h200.{md,json,png}.
+#
+# The dense-retrieval curriculum (experiment=long-context-dense), one session, ~11 minutes of
+# device time in two calls made one right after the other on the same machine:
+#   bash benchmarks/long_context_runs.sh dense        # ~8-9.5 min: BPE, caches, the four stages
+#   bash benchmarks/long_context_runs.sh dense-eval   # ~1.5 min: passkey grid 2K-32K x depths 0-1, loss by position
+# then commit $OUT's files under benchmarks/evals/ as above (long_context_passkey_dense/ for the
+# run's config.yaml and metrics.jsonl).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
 OUT=${OUT:-outputs/long_context_runs}
@@ -97,8 +104,33 @@ sys.exit(0 if flash == naive else "error: naive's BPE is not flash's: its losses
 PY
 }
 
+# The curriculum's four stages, each a continuation of the last (resume=auto) in the same
+# 32,768-token windows: the copy first, on passkey documents that are nothing but a key sentence and
+# its question (the CPU probes: dense documents from scratch never formed it), then dense-retrieval
+# documents of 2,048, 8,192 and 32,768 tokens (the preset's). A stage cut short by the deadline saves
+# a checkpoint (exit 143) and the next one continues from it.
+DENSE_STAGES=(
+  "data.passkey.kind=single data.passkey.pairs=null data.passkey.length=32 data.passkey.num_docs=100000 trainer.max_steps=400"
+  "data.passkey.length=2048 data.passkey.pairs=1 data.passkey.num_docs=4000 trainer.max_steps=650"
+  "data.passkey.length=8192 data.passkey.pairs=4 data.passkey.num_docs=1000 trainer.max_steps=900"
+  ""
+)
+dense() {
+  local stage=0 more=()
+  for overrides in "${DENSE_STAGES[@]}"; do
+    stage=$((stage + 1))
+    # shellcheck disable=SC2086 (the overrides are words)
+    train dense long-context-dense "${more[@]}" $overrides
+    step "dense: stage $stage done"
+    more=(data.allow_changed=true 'allow_changes=[trainer.max_steps]')
+  done
+}
+
 case "${1:-}" in
 flash) shift; train flash long-context-passkey "$@" ;;
+dense) dense ;;
+# 12 held-out windows of 32,768, as for flash
+dense-eval) evaluate dense flash 12 ;;
 naive)
   shift
   [[ "${1:-}" == continue ]] || same_tokenizer_as_flash
@@ -111,6 +143,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | compare" >&2; exit 2 ;;
 esac
 step done

@@ -12,8 +12,14 @@ from typing import Callable
 import numpy as np
 
 FILLER = "The river runs past the old mill. The fields are quiet and the clouds drift east. "
-KEY_SENTENCE = "Remember this: the secret key is {key}. The secret key is {key}. "
-QUESTION = "What is the secret key? The secret key is"
+# The sentence forms with a name, which dense-retrieval training documents (data/retrieval.py) use for
+# many keys at once; the eval's single key is the one named "secret", so the forms it asks in are
+# exactly the ones trained on.
+STATEMENT_FORM = "Remember this: the {name} key is {key}. The {name} key is {key}. "
+QUESTION_FORM = "What is the {name} key? The {name} key is"
+EVAL_NAME = "secret"
+KEY_SENTENCE = STATEMENT_FORM.replace("{name}", EVAL_NAME)
+QUESTION = QUESTION_FORM.format(name=EVAL_NAME)
 
 
 def random_key(rng: np.random.Generator, digits: int) -> str:

@@ -101,3 +101,52 @@ def test_the_gpu_script_refuses_to_continue_a_run_its_machine_does_not_hold(tmp_
     assert first.returncode == 2 and "long_context_passkey_flash/config.yaml is not committed" in first.stdout
     bad = subprocess.run(["bash", str(script), "nope"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("usage: ")
+
+
+def dense_stages() -> list[list[str]]:
+    """The overrides of each stage of benchmarks/long_context_runs.sh's `dense`, as the script has them."""
+    import re
+
+    text = (REPO / "benchmarks" / "long_context_runs.sh").read_text()
+    block = re.search(r"DENSE_STAGES=\((.*?)\n\)", text, re.S).group(1)
+    return [stage.split() for stage in re.findall(r'"([^"]*)"', block)]
+
+
+@pytest.mark.parametrize("experiment,stages", [
+    ("long-context-dense", dense_stages()),
+    # the CPU curriculum's stages, as configs/experiment/long-context-dense-cpu.yaml documents them
+    ("long-context-dense-cpu", [["data.passkey.kind=single", "data.passkey.pairs=null", "data.passkey.length=32",
+                                 "data.passkey.num_docs=40000", "trainer.max_steps=1500"],
+                                ["data.passkey.length=256", "data.passkey.pairs=1", "data.passkey.num_docs=8000",
+                                 "trainer.max_steps=3300"], []]),
+])
+def test_the_dense_curriculum_stages_fill_whole_windows_up_to_the_last(experiment, stages):
+    """A first stage of bare key sentences and questions may come first (where the copy forms);
+    then each stage's dense documents tile its windows exactly (a whole number of documents a window,
+    and of windows in all), so under data.windows=fixed no document straddles two windows; the
+    documents grow, the steps only go up, and the last stage's documents are as long as the window."""
+    steps, lengths = [], []
+    for i, overrides in enumerate(stages):
+        cfg = composed_with(experiment, overrides)
+        p, seq_len = cfg.data.passkey, cfg.trainer.seq_len
+        steps.append(cfg.trainer.max_steps)
+        assert cfg.data.windows == "fixed"
+        if p.kind == "single":
+            assert i == 0 and p.length <= 64   # filler-free passkey documents, the first stage only
+            continue
+        assert p.kind == "dense" and p.pairs >= 1
+        assert seq_len % p.length == 0 and (p.num_docs * p.length) % seq_len == 0
+        lengths.append(p.length)
+    assert steps == sorted(steps) and lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
+    assert lengths[-1] == seq_len and stages[-1] == []   # the last stage is the preset as it is
+    if experiment == "long-context-dense":
+        assert seq_len == 32768 and cfg.attention.name == "flash"
+
+
+def composed_with(experiment: str, overrides: list[str]):
+    from training.config import compose
+    from training.config.checks import validate_config
+
+    cfg = compose([f"experiment={experiment}", *overrides])
+    validate_config(cfg)
+    return cfg

@@ -33,6 +33,8 @@ NOT_RUN = {
     ("eval_passkey", "16384"): "about 70 s of 16K-token prompts on a CPU (test_data_scripts.py runs it smaller)",
     ("eval_passkey", "runs/probe"): "evaluates the passkey probe of docs/long-context.md, whose training is about "
                                     "6 minutes on a CPU (test_data_scripts.py runs the tool on a small run)",
+    ("eval_passkey", "runs/dense"): "evaluates the dense curriculum of docs/long-context.md, whose three stages "
+                                    "train for about 15 minutes on a CPU (test_data_scripts.py runs the tool on a small run)",
     ("eval_loss_by_position", "--beside"): "needs runs/a's own result under outputs/eval/ first "
                                            "(test_long_context_passkey.py runs both)",
     ("bench_ring_balance", ""): "about a minute of counting (test_bench_ring_balance.py runs it smaller)",

@@ -32,8 +32,14 @@ class MixSource:
         return MixSource(self.corpus.for_tokenizer(tokenizer), self.synthetic.for_tokenizer(tokenizer))
 
     def documents(self):
-        yield from self.corpus.documents()
-        yield from self.synthetic.documents()
+        """The corpus's documents, then the synthetic ones; dense-retrieval documents (exactly one window
+        each, data/retrieval.py) come first instead, so that under data.windows=fixed every one of
+        them is a whole window (the corpus after them is cut into windows as it falls)."""
+        parts = (self.corpus, self.synthetic)
+        if getattr(self.synthetic, "kind", None) == "dense":
+            parts = parts[::-1]
+        for part in parts:
+            yield from part.documents()
 
     def tokenizer_corpus(self):
         """The source a BPE trains on and is keyed by: the corpus alone."""

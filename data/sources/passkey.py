@@ -1,4 +1,6 @@
-"""`data=passkey`: a corpus of passkey-retrieval documents (prompt + answer) to train on."""
+"""`data=passkey`: a corpus of passkey-retrieval documents to train on: `kind=single`, one key in
+filler (prompt + answer, data/passkey.py); `kind=dense`, many named keys each asked for later
+(data/retrieval.py), documents of exactly `length` tokens with their end-of-text token."""
 from __future__ import annotations
 
 import hashlib
@@ -7,6 +9,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from data.passkey import FILLER, filler_tokens, passkey_prompt, random_key
+from data.retrieval import dense_document
+
+KINDS = ("single", "dense")
 
 
 def utf8_length(text: str) -> int:
@@ -17,21 +22,33 @@ class PasskeySource:
     name = "passkey"
 
     def __init__(self, num_docs: int, length: int, depths: list[float] | None, key_digits: int, seed: int,
-                 count_tokens: Callable[[str], int] = utf8_length):
+                 count_tokens: Callable[[str], int] = utf8_length, kind: str = "single", pairs: int | None = None):
         if num_docs < 2 or length < 1 or key_digits < 1:
             raise ValueError(f"data=passkey needs num_docs >= 2, length >= 1, key_digits >= 1 (got {num_docs}, {length}, {key_digits})")
+        if kind not in KINDS:
+            raise ValueError(f"data.passkey.kind={kind!r}: expected one of {', '.join(KINDS)}")
+        if kind == "dense" and (pairs is None or pairs < 1):
+            raise ValueError(f"data.passkey.pairs={pairs}: kind=dense needs the number of keys per document (>= 1)")
+        if kind == "dense" and depths is not None:
+            raise ValueError("data.passkey.depths: kind=dense spreads its keys' distances itself; set depths=null")
+        if kind == "single" and pairs is not None:
+            raise ValueError(f"data.passkey.pairs={pairs}: only kind=dense has several keys; set pairs=null")
         self.num_docs, self.length, self.key_digits, self.seed = int(num_docs), int(length), int(key_digits), int(seed)
         self.depths = None if depths is None else [float(d) for d in depths]
+        self.kind, self.pairs = kind, None if pairs is None else int(pairs)
         self.count_tokens = count_tokens
         self.num_documents = self.num_docs
         settings = f"{self.num_docs}|{self.length}|{self.depths}|{self.key_digits}|{self.seed}"
+        if kind == "dense":   # single's fingerprint as before, so its token caches stay valid
+            settings += f"|dense|{self.pairs}"
         self.fingerprint = f"passkey-L{self.length}-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
 
     @classmethod
     def from_config(cls, cfg) -> "PasskeySource":
-        depths = cfg.get("depths")
+        depths, pairs = cfg.get("depths"), cfg.get("pairs")
         return cls(int(cfg.num_docs), int(cfg.length), None if depths is None else list(depths),
-                   int(cfg.get("key_digits", 5)), int(cfg.get("seed", 0)))
+                   int(cfg.get("key_digits", 5)), int(cfg.get("seed", 0)), kind=str(cfg.get("kind", "single")),
+                   pairs=None if pairs is None else int(pairs))
 
     def for_tokenizer(self, tokenizer) -> "PasskeySource":
         """Same documents, sized in the run's tokens instead of bytes (the cache key has the tokenizer).
@@ -39,8 +56,9 @@ class PasskeySource:
         differ from those built before filler was counted within a run, and the fingerprint says so,
         so that no token cache of the old texts is taken for the new."""
         count = lambda text: len(tokenizer.encode(text))  # noqa: E731
-        source = PasskeySource(self.num_docs, self.length, self.depths, self.key_digits, self.seed, count_tokens=count)
-        if filler_tokens(count) != count(FILLER):
+        source = PasskeySource(self.num_docs, self.length, self.depths, self.key_digits, self.seed, count_tokens=count,
+                               kind=self.kind, pairs=self.pairs)
+        if self.kind == "single" and filler_tokens(count) != count(FILLER):
             source.fingerprint += "-runs"
         return source
 
@@ -50,6 +68,10 @@ class PasskeySource:
 
     def documents(self) -> Iterator[tuple[str, str]]:
         rng = np.random.default_rng(self.seed)
+        if self.kind == "dense":
+            for name in self.names():
+                yield name, dense_document(self.length, self.pairs, self.key_digits, rng, self.count_tokens)[0]
+            return
         for i, name in enumerate(self.names()):
             depth = self.depths[i % len(self.depths)] if self.depths else float(rng.uniform())
             prompt, answer = passkey_prompt(self.length, depth, random_key(rng, self.key_digits), self.count_tokens)

@@ -31,6 +31,7 @@ Schedule = _choice("Schedule", "cosine", "constant")
 WandbMode = _choice("WandbMode", "online", "offline", "disabled")
 Download = _choice("Download", "full", "lazy")
 Windows = _choice("Windows", "moving", "fixed")          # data.sampler.WINDOWS
+PasskeyKind = _choice("PasskeyKind", "single", "dense")  # data.sources.passkey.KINDS
 Kernel = _choice("Kernel", *CHOICES)                    # our kernel's words (kernels/plan.py)
 
 
@@ -102,6 +103,8 @@ class PasskeyDocs:
     depths: Optional[List[float]] = None
     key_digits: int = ranged(5, ge=1)
     seed: int = 0
+    kind: PasskeyKind = PasskeyKind.single        # single: one key in filler; dense: many named keys (data/retrieval.py)
+    pairs: Optional[int] = ranged(None, ge=1)     # kind=dense: keys (each asked for later) per document
 
 
 @dataclass

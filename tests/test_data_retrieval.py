@@ -1,0 +1,135 @@
+"""Dense-retrieval documents (data/retrieval.py, data.passkey.kind=dense): every question's answer is
+the key stated last under its name, distances spread over the whole document, lengths exact in the
+run's tokens, the eval's sentences are the trained ones, and under data.windows=fixed each training
+window is one whole document."""
+import re
+import shlex
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from data.passkey import KEY_SENTENCE, QUESTION, passkey_prompt
+from data.retrieval import dense_document
+from data.sources.files import FilesSource
+from data.sources.passkey import PasskeySource
+from data.tokenizer import ByteTokenizer, build_tokenizer
+from tests.test_data_sources import bundle_for
+
+STATEMENT = re.compile(r"Remember this: the (\w+) key is (\d+)\. The \1 key is \2\.")
+ASKED = re.compile(r"What is the (\w+) key\? The \1 key is (\d+)\.")
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A byte-level BPE trained on real text (~40 KB of the standard library's source)."""
+    tmp = tmp_path_factory.mktemp("bpe")
+    (tmp / "texts").mkdir()
+    for module in (textwrap, shlex):
+        (tmp / "texts" / f"{module.__name__}.txt").write_text(Path(module.__file__).read_text())
+    source = FilesSource(OmegaConf.create({"paths": [str(tmp / "texts")]}), tmp / "cache")
+    cfg = OmegaConf.create({"name": "bpe", "vocab_size": 400, "min_frequency": 2, "train_max_bytes": None})
+    return build_tokenizer(cfg, source, tmp / "cache", progress=False)
+
+
+def tokenizers(bpe):
+    return {"bytes": ByteTokenizer(), "bpe": bpe}
+
+
+def events(text: str) -> list[tuple[int, str, str, str]]:
+    """(character offset, 'state' or 'ask', name, key) in text order."""
+    found = [(m.start(), "state", *m.groups()) for m in STATEMENT.finditer(text)]
+    found += [(m.start(), "ask", *m.groups()) for m in ASKED.finditer(text)]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", ["bytes", "bpe"])
+@pytest.mark.parametrize("length,pairs", [(256, 2), (1024, 6), (4096, 24)])
+def test_every_answer_is_the_key_stated_last_under_its_name(bpe, name, length, pairs):
+    tok = tokenizers(bpe)[name]
+    count = lambda s: len(tok.encode(s))  # noqa: E731
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        text, found = dense_document(length, pairs, 5, rng, count)
+        ids = tok.encode(text)
+        assert len(ids) == length - 1                  # with its end-of-text token: one window of `length`
+        latest, asked = {}, 0
+        for _, what, who, key in events(text):
+            if what == "state":
+                latest[who] = key
+            else:
+                assert latest.get(who) == key, (who, key, latest.get(who))
+                asked += 1
+        assert asked == sum(p.question is not None for p in found) >= 1
+        assert len(events(text)) == len(found) + asked  # nothing else reads as a statement or question
+        for p in found:                                  # the token positions the pairs report are right
+            assert tok.decode(ids[p.statement:]).lstrip().startswith("Remember this: the " + p.name)
+            if p.question is not None:
+                assert tok.decode(ids[p.question:]).lstrip().startswith(f"What is the {p.name} key? The {p.name} "
+                                                                        f"key is {p.key}.")
+
+
+def test_distances_spread_over_the_whole_document(bpe):
+    count = lambda s: len(bpe.encode(s))  # noqa: E731
+    rng, length = np.random.default_rng(0), 2048
+    distances = []
+    for _ in range(20):
+        _, found = dense_document(length, 20, 5, rng, count)
+        distances += [p.question - p.statement for p in found if p.question is not None]
+    distances = np.array(distances) / length
+    assert len(distances) >= 300
+    assert distances.min() < 0.1 and distances.max() > 0.9
+    counts = np.histogram(distances, bins=4, range=(0, 1))[0] / len(distances)
+    assert (counts > 0.12).all(), counts              # every quarter of the window, not just short distances
+
+
+def test_the_eval_asks_in_the_trained_sentences(bpe):
+    """A key named "secret" in a training document is exactly the eval's key sentence and question."""
+    prompt, answer = passkey_prompt(200, 0.0, "12345", len)
+    assert prompt.startswith(KEY_SENTENCE.format(key="12345")) and prompt.endswith(QUESTION)
+    rng = np.random.default_rng(0)
+    texts = [dense_document(1024, 12, 5, rng, lambda s: len(bpe.encode(s)))[0] for _ in range(20)]
+    secret = [m for t in texts for m in ASKED.finditer(t) if m.group(1) == "secret"]
+    assert secret and all(QUESTION + " " + m.group(2) in m.group(0) for m in secret)
+    assert any(KEY_SENTENCE.format(key=m.group(2)).strip() in t for t in texts for m in STATEMENT.finditer(t)
+               if m.group(1) == "secret")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"pairs": None}, "data.passkey.pairs=None"),
+    ({"pairs": 0}, "data.passkey.pairs=0"),
+    ({"depths": [0.5]}, "data.passkey.depths"),
+    ({"kind": "many"}, "data.passkey.kind='many'"),
+])
+def test_bad_settings_are_refused_naming_the_key(kwargs, match):
+    settings = {"num_docs": 4, "length": 512, "depths": None, "key_digits": 5, "seed": 0, "kind": "dense", "pairs": 4}
+    with pytest.raises(ValueError, match=re.escape(match)):
+        PasskeySource.from_config(OmegaConf.create(settings | kwargs))
+    with pytest.raises(ValueError, match=re.escape("data.passkey.pairs=3: only kind=dense")):
+        PasskeySource.from_config(OmegaConf.create(settings | {"kind": "single", "pairs": 3}))
+
+
+def test_too_many_pairs_or_too_short_a_document_is_refused():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=r"data.passkey.pairs=5: at most 2 keys"):
+        dense_document(300, 5, 5, rng, len)
+    with pytest.raises(ValueError, match=r"data.passkey.length=64: a dense document needs at least"):
+        dense_document(64, 1, 5, rng, len)
+
+
+def test_fixed_windows_are_whole_documents_in_the_mix(tmp_path):
+    """data=stdlib-passkey with dense documents and data.windows=fixed: the dense documents come
+    first, so window k of the training stream is dense document k, end-of-text token and all."""
+    length = 512
+    data = {"name": "stdlib-passkey", "min_doc_bytes": 100_000, "max_bytes": 400_000, "val_fraction": 0.2,
+            "windows": "fixed", "passkey": {"num_docs": 6, "length": length, "depths": None, "key_digits": 5,
+                                            "seed": 0, "kind": "dense", "pairs": 3}}
+    b = bundle_for(tmp_path, data, seq_len=length)
+    sampler, eot = b.train, b.tokenizer.eot_id
+    for k in range(6):
+        window = sampler.window(k, epoch=3)
+        assert window[length - 1] == eot and eot not in window[: length - 1]
+        assert b.tokenizer.decode(window[:4].tolist()) in ("Reme", "The ")   # a document's first words
+    assert b.tokenizer.decode(sampler.window(6, epoch=0)[:5].tolist()) != "Remem"  # then the corpus
