@@ -29,8 +29,7 @@ HYDRA_ERRORS = [
     (["model=gpt2small"], "error: In 'train': Could not find 'model/gpt2small'; Available options in 'model': "
                           "gpt-1b, gpt2-medium, gpt2-small, tiny"),
     (["experiment=cpu-smal"], "error: In 'train': Could not find 'experiment/cpu-smal'; Available options in "
-                              "'experiment': cpu-small, gpt2-small-4k, long-context-flash, long-context-passkey, "
-                              "long-context-passkey-cpu, long-context-passkey-naive, passkey, shakespeare-char"),
+                              "'experiment': " + ", ".join(sorted(p.stem for p in (REPO / "configs/experiment").glob("*.yaml")))),
     (["data=files", "data.paths=[~/corpus]"], "error: LexerNoViableAltException: data.paths=[~/corpus]; ^; a value "
      "holding ~, spaces or other special characters goes in quotes, e.g. 'data.paths=[\"~/corpus\"]'"),
 ]

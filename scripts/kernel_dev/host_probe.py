@@ -16,7 +16,6 @@ Prints everything, and writes DIR/host_probe.json.
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -24,9 +23,11 @@ import pstats
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))            # scripts/, for _common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))   # for the host benchmark's timers
+import _common  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
+from _common import run_cli  # noqa: E402
 from bench_attention_host import idle_issue, issue_and_wall  # noqa: E402
 
 from kernels import flash_attention  # noqa: E402
@@ -121,12 +122,17 @@ def stub_launches():
     CompiledKernel.__getitem__ = lambda self, grid: (lambda *a, **kw: None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--shape", default="16/1024/12/64")
-    args = parser.parse_args()
-    B, N, H, D = (int(x) for x in args.shape.split("/"))
+def main(argv: list[str] | None = None) -> None:
+    parser = _common.argument_parser(__doc__)
+    parser.add_argument("--out", type=Path, help="folder for host_probe.json")
+    parser.add_argument("--shape", default="16/1024/12/64", help="B/T/H/D")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA device: the probe times CUDA calls (bench_attention_host.py --stub times the Python alone)")
+    try:
+        B, N, H, D = (int(x) for x in args.shape.split("/"))
+    except ValueError:
+        raise ValueError(f"--shape={args.shape!r}: expected B/T/H/D, four integers") from None
     qkv = torch.randn(B, N, 3 * H * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     q, k, v = (t.unflatten(-1, (-1, D)) for t in qkv.split([H * D] * 3, -1))
     dout = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
@@ -169,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
