@@ -81,6 +81,26 @@ def test_matches_float64_reference(shape, causal, dtype, deterministic):
 
 
 @requires_hopper
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] > s[4]], ids=lambda s: "B{}_q{}_k{}_H{}_kv{}_D{}".format(*s))
+def test_gqa_group_loop_matches_float64_reference(monkeypatch, shape, causal, deterministic):
+    """GQA past SPLIT_MAX_BYTES: a program loops over its KV head's query heads, where the default
+    (test_matches_float64_reference's GQA shapes) gives each query head programs of its own."""
+    monkeypatch.setattr("kernels.gluon.backward.SPLIT_MAX_BYTES", 0)
+    check_against_reference(*make_inputs(*shape, torch.bfloat16), causal, deterministic)
+
+
+def test_gqa_split_decision():
+    """One program per query head for GQA while the float32 dK/dV shares fit SPLIT_MAX_BYTES."""
+    from kernels.gluon.backward import SPLIT_MAX_BYTES, split_group
+    assert not split_group(1, 8, 8, 4096, 128)                      # one query head per KV head: nothing to split
+    assert split_group(1, 32, 8, 16384, 128)                        # 512 MiB of shares
+    assert 2 * 32 * 65536 * 128 * 4 == SPLIT_MAX_BYTES and split_group(1, 32, 8, 65536, 128)
+    assert not split_group(1, 32, 8, 65536 + 1, 128)
+
+
+@requires_hopper
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_qkv_views(head_dim):
     """q, k, v as unbound views of one (B, N, 3, H, D) projection, as the model passes them."""
@@ -103,10 +123,14 @@ def test_very_negative_scores_with_a_ragged_key_tile():
 
 
 @requires_hopper
+@pytest.mark.parametrize("split", [True, False], ids=["split", "group-loop"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_deterministic_backward_is_bit_identical(causal, head_dim):
-    """20 repeats, each dQ tile summed over 16 key tiles by writers of programs running at once."""
+def test_deterministic_backward_is_bit_identical(monkeypatch, causal, head_dim, split):
+    """20 repeats, each dQ tile summed over 16 key tiles by writers of programs running at once
+    (GQA 8/2: one program per query head, or per KV head looping over its group)."""
+    if not split:
+        monkeypatch.setattr("kernels.gluon.backward.SPLIT_MAX_BYTES", 0)
     q, k, v, do = make_inputs(2, 2048, 2048, 8, 2, head_dim, torch.bfloat16)
     first = forward_backward(gluon_attention, q, k, v, do, causal)
     for _ in range(20):
@@ -206,8 +230,9 @@ def test_backward_compiles_for_sm90():
     first (kernels/LOG.md has the registers)."""
     variants = [dict(head_dim=d, causal=c, deterministic=det) for d in (64, 128) for c in (True, False)
                 for det in (True, False)]
+    variants += [dict(head_dim=d, causal=True, deterministic=True, config=dict(SPLIT_GROUP=True)) for d in (64, 128)]
     rows = compile_variants(variants)
-    assert [r["head_dim"] for r in rows if r.get("kernel") == "aux"] == [64, 64, 128, 128]
+    assert [r["head_dim"] for r in rows if r.get("kernel") == "aux"] == [64, 64, 64, 128, 128, 128]
     assert [r["wgmma"] > 0 for r in rows if r.get("kernel") == "v1"] == [True]
     for row in (r for r in rows if r.get("kernel") is None):
         assert row["wgmma"] > 0 and row["reduce"] > 0 and row["shared"] <= 232448, row

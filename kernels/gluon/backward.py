@@ -81,6 +81,11 @@ TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False,
          128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
                   HANDOFF_AT_END=True)}
 SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
+# GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
+# memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
+# loops over the group.
+SPLIT_MAX_BYTES = 2 << 30
+DKDV_ROWS = 32   # key rows per program of the shares' sum (two float32 tiles in registers)
 CONSUMER_WARPS = 8                               # two warpgroups
 WORKER_REGS: gl.constexpr = gl.constexpr(24)     # producer and dQ writer; setmaxnreg gives the rest to the consumers
 
@@ -134,6 +139,32 @@ def gluon_bwd_dq_kernel(DQacc, dQ, stride_b, stride_n, stride_h, stride_d, n_hea
              (acc * sm_scale).to(dQ.dtype.element_ty), mask=(rows < n_q)[:, None])
 
 
+@triton.jit
+def gluon_bwd_dkdv_kernel(DKVpart, dK, dV, stride_b, stride_n, stride_h, stride_d, n_heads, n_kv_heads, n_k,
+                          sm_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """SPLIT_GROUP's epilogue: dK = scale * the sum, and dV = the sum, of a KV head's query heads'
+    float32 shares (`_store_dk_dv_share`), added in head order (bit-identical run to run), in dK's
+    dtype and layout. One (key tile, batch x KV head) program."""
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (pid // n_kv_heads).to(tl.int64)
+    h_kv = (pid % n_kv_heads).to(tl.int64)
+    group = n_heads // n_kv_heads
+    part_size = (tl.num_programs(1) // n_kv_heads).to(tl.int64) * n_heads * n_k * HEAD_DIM
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, HEAD_DIM)
+    in_k = (rows < n_k)[:, None]
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for g in range(group):
+        offs = ((b * n_heads + h_kv * group + g) * n_k + rows[:, None]) * HEAD_DIM + cols[None, :]
+        dk += tl.load(DKVpart + offs, mask=in_k, other=0.0)
+        dv += tl.load(DKVpart + part_size + offs, mask=in_k, other=0.0)
+    out = b * stride_b + h_kv * stride_h + rows[:, None].to(tl.int64) * stride_n + cols[None, :] * stride_d
+    tl.store(dK + out, (dk * sm_scale).to(dK.dtype.element_ty), mask=in_k)
+    tl.store(dV + out, dv.to(dV.dtype.element_ty), mask=in_k)
+
+
 # ---- the main kernel ------------------------------------------------------------------------
 
 @gluon.constexpr_function
@@ -156,17 +187,27 @@ def _row_vector(buf, parent: gl.constexpr):
 
 @gluon.jit
 def _work_item(Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr):
-    """This program's key tile, from a ticket (KV heads in order, key tiles descending within each),
-    and the query tiles it visits per query head of its GQA group: [lo, mid) masked, [mid, n_m)
-    not (causal: [lo, n_m) are the tiles that see any of its keys; a ragged last key tile masks all)."""
+               CAUSAL: gl.constexpr, SPLIT_GROUP: gl.constexpr):
+    """This program's key tile, from a ticket (heads in order, key tiles descending within each),
+    the query heads it visits (SPLIT_GROUP: one; otherwise every query head of its KV head's GQA
+    group) and the query tiles it visits per query head: [lo, mid) masked, [mid, n_m) not (causal:
+    [lo, n_m) are the tiles that see any of its keys; a ragged last key tile masks all).
+    Returns (b, h_kv, h0, pid_n, start_n, lo, mid, n_m, heads): query heads h0 .. h0 + heads - 1."""
     n_kt = gl.cdiv(n_k, BLOCK_N)
     ticket = gl.atomic_add(Ticket, 1, sem="relaxed")
-    bh_kv = ticket // n_kt
+    unit = ticket // n_kt
     pid_n = n_kt - 1 - ticket % n_kt
-    b = bh_kv // n_kv_heads
-    h_kv = bh_kv % n_kv_heads
     group = n_heads // n_kv_heads
+    if SPLIT_GROUP:   # unit = b * H + h: one query head
+        b = unit // n_heads
+        h0 = unit % n_heads
+        h_kv = h0 // group
+        heads = group * 0 + 1
+    else:             # unit = b * Hkv + h_kv: the whole group
+        b = unit // n_kv_heads
+        h_kv = unit % n_kv_heads
+        h0 = h_kv * group
+        heads = group
     start_n = pid_n * BLOCK_N
     n_m = gl.cdiv(n_q, BLOCK_M)
     if CAUSAL:   # query i sees keys j <= i + n_k - n_q (bottom-right)
@@ -178,7 +219,7 @@ def _work_item(Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M: gl.constexpr, BLO
         mid = n_m * 0
     if start_n + BLOCK_N > n_k:
         mid = n_m
-    return b, h_kv, h_kv * group, pid_n, start_n, lo, mid, n_m, group
+    return b, h_kv, h0, pid_n, start_n, lo, mid, n_m, heads
 
 
 @gluon.jit
@@ -427,15 +468,33 @@ def _store_dk_dv(dk_desc, dv_desc, k_s4, v_s4, dk, dv, sm_scale, b, start_n, h_k
     tma.store_wait(0)
 
 
+@gluon.jit
+def _store_dk_dv_share(DKVpart, dk, dv, bh, start_n, n_k, part_size):
+    """SPLIT_GROUP: this query head's share of dK (unscaled) and dV in float32, rows start_n.. of
+    head bh = b * H + h of the (2, B H, Nk, D) buffer (dK then dV, part_size apart), for
+    `gluon_bwd_dkdv_kernel` to sum over the group. Stored from the wgmma accumulators' registers:
+    once a program, so no shared-memory staging."""
+    BLOCK_N: gl.constexpr = dk.shape[0]
+    HEAD_DIM: gl.constexpr = dk.shape[1]
+    layout: gl.constexpr = dk.type.layout
+    rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offs = (bh.to(gl.int64) * n_k + rows[:, None]) * HEAD_DIM + cols[None, :]
+    in_k = (rows < n_k)[:, None] & (cols < HEAD_DIM)[None, :]
+    gl.store(DKVpart + offs, dk, mask=in_k)
+    gl.store(DKVpart + part_size + offs, dv, mask=in_k)
+
+
 @gluon.jit(do_not_specialize=["n_heads", "n_kv_heads", "n_q", "n_k", "n_q_pad"])
 def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-                     Sem, Ticket, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
+                     Sem, Ticket, DKVpart, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
                      STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
-                     DETERMINISTIC: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-                     HANDOFF_AT_END: gl.constexpr):
-    """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,). Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv
-    (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2 and Delta (B H, Nq_pad) in blocks [1, BLOCK_M];
-    the dQ accumulator (B H Nq_pad, D) float32 in blocks [BLOCK_M, D]."""
+                     DETERMINISTIC: gl.constexpr, SPLIT_GROUP: gl.constexpr, DV_EARLY: gl.constexpr,
+                     DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr):
+    """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,), or (cdiv(Nk, BLOCK_N) * B * H,) with SPLIT_GROUP.
+    Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
+    and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
+    blocks [BLOCK_M, D]. DKVpart: SPLIT_GROUP's (2, B H, Nk, D) float32 shares of dK and dV."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -443,7 +502,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each consumer warp owns 16 key rows")
     gl.static_assert(BLOCK_M % 64 == 0 and BLOCK_M <= 128, "query tiles of 64 or 128 rows")
     gl.static_assert(STAGES >= 2, "the ring needs a stage to fill while one is read")
-    work = _work_item(Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    work = _work_item(Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_GROUP)
     k_s4, v_s4, smem, bars = _allocate(q_desc, k_desc, lse_desc, dq_desc, STAGES, DQ_BUFS)
     k_s = k_s4.reshape([BLOCK_N, HEAD_DIM])
     v_s = v_s4.reshape([BLOCK_N, HEAD_DIM])
@@ -454,7 +513,12 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
         (_producer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL)),
         (_dq_writer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL, DETERMINISTIC)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
-    _store_dk_dv(dk_desc, dv_desc, k_s4, v_s4, dk, dv, sm_scale, work[0], work[4], work[1])
+    if SPLIT_GROUP:
+        bh = work[0] * n_heads + work[2]
+        _store_dk_dv_share(DKVpart, dk, dv, bh, work[4], n_k, gl.num_programs(0).to(gl.int64) // gl.cdiv(n_k, BLOCK_N)
+                           * n_k * HEAD_DIM)
+    else:
+        _store_dk_dv(dk_desc, dv_desc, k_s4, v_s4, dk, dv, sm_scale, work[0], work[4], work[1])
 
 
 # ---- host side ------------------------------------------------------------------------------
@@ -504,13 +568,14 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                  "do_desc": desc(q_block, qlay), "dk_desc": desc(k_block, klay), "dv_desc": desc(k_block, klay),
                  "lse_desc": desc([1, cfg["BLOCK_M"]], llay, "fp32"), "delta_desc": desc([1, cfg["BLOCK_M"]], llay, "fp32"),
                  "dq_desc": desc([cfg["BLOCK_M"], head_dim], dqlay, "fp32"), "Sem": "*i32", "Ticket": "*i32",
+                 "DKVpart": "*fp32",
                  "n_heads": "i32", "n_kv_heads": "i32", "n_q": "i32", "n_k": "i32", "n_q_pad": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32"}
     consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
-                  **{flag: cfg[flag] for flag in SCHEDULE})
+                  SPLIT_GROUP=bool(cfg.get("SPLIT_GROUP")), **{flag: cfg[flag] for flag in SCHEDULE})
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("Sem", "Ticket")}
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("Sem", "Ticket", "DKVpart")}
     source = GluonASTSource(fn=gluon_bwd_kernel, signature={n: signature[n] for n in names}, constexprs=consts,
                             attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch_options())
@@ -539,6 +604,13 @@ def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, det
                            deterministic)[:3]
 
 
+def split_group(batch: int, heads: int, kv_heads: int, n_k: int, head_dim: int) -> bool:
+    """Whether a GQA call's programs each take one query head (SPLIT_GROUP), their float32 shares of
+    dK and dV summed afterwards, rather than one program looping over the group: group > 1, and
+    the shares (2 B H Nk D float32) within SPLIT_MAX_BYTES."""
+    return heads > kv_heads and 2 * batch * heads * n_k * head_dim * 4 <= SPLIT_MAX_BYTES
+
+
 def _descriptor(t: torch.Tensor, block: list[int], layout) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), tma_strides(t) if t.dim() == 4 else list(t.stride()), block, layout)
 
@@ -563,6 +635,10 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=dev)
     dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=dev)
+    split = cfg.get("SPLIT_GROUP")
+    if split is None:
+        split = split_group(B, H, h_kv, n_k, D)
+    shares = torch.empty((2, B * H, n_k, D), dtype=torch.float32, device=dev) if split else dq_acc
 
     launch(gluon_bwd_prep_kernel, (n_m, B * H),
            (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad),
@@ -574,10 +650,15 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
               ([1, block_m], llay), ([1, block_m], llay), ([block_m, D], dqlay))
     described = descriptors(cache, ("gluon-bwd-tma", *key), tensors,
                             lambda: [_descriptor(t, *block) for t, block in zip(tensors, blocks)])
-    args = (*described, sem, ticket, H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
-    launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * h_kv,), args,
+    args = (*described, sem, ticket, shares, H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
+    launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * (H if split else h_kv),), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
-                **{flag: cfg[flag] for flag in SCHEDULE}, **launch_options()), cache, ("gluon-bwd", *key))
+                SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, **launch_options()), cache,
+           ("gluon-bwd", *key))
+    if split:
+        launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (shares, dk, dv, *dk.stride(), H, h_kv, n_k,
+                                                                           scale),
+               dict(HEAD_DIM=D, BLOCK_N=DKDV_ROWS, num_warps=4), cache, ("gluon-bwd-dkdv", *key))
     launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, scale),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-dq", *key))
     return dq, dk, dv, rows[1].view(B, H, n_q_pad)[..., :n_q]   # Delta, for the sinks' gradient
@@ -591,10 +672,10 @@ def compile_aux_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     compiled = []
     for kernel, pointers in ((gluon_bwd_prep_kernel, dict(Out=dt, dOut=dt, Sem="i32", Ticket="i32")),
-                             (gluon_bwd_dq_kernel, dict(dQ=dt))):
+                             (gluon_bwd_dq_kernel, dict(dQ=dt)), (gluon_bwd_dkdv_kernel, dict(dK=dt, dV=dt))):
         signature = {}
         for name in kernel.arg_names:
-            if name in ("HEAD_DIM", "BLOCK_M"):
+            if name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N"):
                 signature[name] = "constexpr"
             elif name.startswith("stride_") or name.startswith("n_"):
                 signature[name] = "i32"
@@ -602,7 +683,8 @@ def compile_aux_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
                 signature[name] = "fp32"
             else:
                 signature[name] = "*" + pointers.get(name, "fp32")
-        consts = dict(HEAD_DIM=head_dim, BLOCK_M=TILES[head_dim]["BLOCK_M"])
+        consts = {name: value for name, value in (("HEAD_DIM", head_dim), ("BLOCK_M", TILES[head_dim]["BLOCK_M"]),
+                                                  ("BLOCK_N", DKDV_ROWS)) if name in kernel.arg_names}
         compiled.append(triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
     return compiled

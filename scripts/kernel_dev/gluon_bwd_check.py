@@ -4,7 +4,9 @@
     python scripts/kernel_dev/gluon_bwd_check.py --out DIR --variants fa3,v1 --groups quick,warm
 
 Variants: `fa3`, kernels/gluon/backward.py (what a kernel plan runs); `fa3-m64`, `fa3-end`, `fa3-dv`,
-the same with one setting of its TILES changed (64-row query tiles; HANDOFF_AT_END; DV_EARLY); `v1`,
+the same with one setting of its TILES changed (64-row query tiles; HANDOFF_AT_END; DV_EARLY);
+`fa3-loop`, GQA's programs one per KV head looping over its group (what calls past SPLIT_MAX_BYTES
+run; `fa3` gives each query head programs of its own); `v1`,
 the earlier design kept in kernels/lab/gluon_backward_v1.py (its fastest variant).
 
 Correctness (one subprocess per variant, all at once, each with a time limit, so that a variant
@@ -55,7 +57,7 @@ def _v1(do, q, k, v, o, lse, causal, scale, deterministic):
 # name -> the backward's launch (dout, q, k, v, out, lse, causal, scale, deterministic) -> dq, dk, dv: the
 # production kernel (its TILES), the same with one setting changed, and the earlier design
 VARIANTS = {"fa3": _fa3({}), "fa3-m64": _fa3(dict(BLOCK_M=64)), "fa3-end": _fa3(dict(HANDOFF_AT_END=True)),
-            "fa3-dv": _fa3(dict(DV_EARLY=True)), "v1": _v1}
+            "fa3-dv": _fa3(dict(DV_EARLY=True)), "fa3-loop": _fa3(dict(SPLIT_GROUP=False)), "v1": _v1}
 
 
 # (B, Nq, Nk, H, Hkv, D)
