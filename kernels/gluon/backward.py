@@ -8,10 +8,15 @@ With S = scale * Q K^T, P = softmax(S) and O = P V, the gradients are (kernels/f
 and P is recomputed tile by tile from the forward's log-sum-exp L: P = exp2(S log2(e) - L log2(e)).
 Five matmuls per (key tile, query tile) pair, all wgmma.
 
-Work split. One program (CTA) owns BLOCK_N = 128 keys of one (batch, KV head): their K and V stay
-in shared memory and their dK, dV accumulate in registers while it streams every query tile that
-sees any of those keys, for every query head of the GQA group (so dK, dV come out summed over the
-group). Three partitions (gl.warp_specialize):
+Work split. One program (CTA) owns BLOCK_N = 128 keys of one (batch, query head): their K and V
+stay in shared memory and their dK, dV accumulate in registers while it streams every query tile
+that sees any of those keys. With GQA, the query heads of a KV head share its K and V (in L2), and
+each program stores its float32 shares of dK and dV, which `gluon_bwd_dkdv_kernel` sums over the
+group in head order (FlashAttention-3 splits the group the same way). Past SPLIT_MAX_BYTES of
+shares one program per (batch, KV head) loops over the group's query heads instead, summing in
+its registers: 15-22% slower at 32/8 (benchmarks/gluon/gluon_bwd_gqa_split_h200.md), since its
+programs are group times longer (the causal grid's tail) and keep the whole group's Q, dO and dQ
+in flight. Three partitions (gl.warp_specialize):
 
     consumers  8 warps (two warpgroups, 240 registers a thread): the matmuls and the softmax;
     producer   1 warp  (24 registers): K and V once, then each step's Q, dO, L2 and Delta through
@@ -44,7 +49,7 @@ then increments it. Programs take their (KV head, key tile) from an atomic ticke
 descending within each head, so a writer only waits on programs that started earlier, which are
 running or done: no deadlock. Otherwise the shares are added in arrival order.
 
-Three launches: `gluon_bwd_prep_kernel` writes Delta and L2 = L log2(e) into padded rows TMA can
+Three launches (four with GQA's shares): `gluon_bwd_prep_kernel` writes Delta and L2 = L log2(e) into padded rows TMA can
 load (+inf for rows that see no key, so their P is 0), zeroes the accumulator and the counters;
 the main kernel; `gluon_bwd_dq_kernel` writes dQ = scale * accumulator in q's dtype and layout.
 
