@@ -256,8 +256,9 @@ def _gluon_forward(q, k, v, causal, softmax_scale, doc_bounds=None, window=0, ca
 def _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=None, window=0, deterministic=True,
                     cache=None, key=(), *, softcap=0.0, dropout_p=0.0, rng=None):
     # sinks need nothing here: lse includes them (kernels/scores.py)
-    assert not (softcap or dropout_p), "the plan runs dropout and soft-capping on the Triton backward"
-    return gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, cache=cache, key=key)
+    assert not dropout_p, "the plan runs dropout on the Triton backward"
+    return gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, cache=cache, key=key,
+                          softcap=softcap)
 
 
 # ---- the families, the autograd formula and the entry point ------------------------------------

@@ -253,6 +253,21 @@ def test_sinks_through_the_gluon_backward(head_dim):
     check(q, k, v, do, True, sinks=heads(8), kernel=("triton", "gluon"))
 
 
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 (Hopper) GPU")
+@DETERMINISTIC
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 64), (1, 300, 517, 4, 4, 128), (1, 517, 300, 4, 1, 64)],
+                         ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_softcap_through_the_gluon_backward(shape, causal, dtype, deterministic):
+    """The Gluon backward caps the scores it recomputes: GQA split and not, ragged tiles, Nq != Nk,
+    a cap of 5 that most scores reach (scaled-up inputs), with sinks on one case."""
+    q, k, v, do = make_inputs(*shape, dtype)
+    q = (q.float() * 4).to(dtype)
+    sinks = heads(shape[3]) if shape[3] == 8 else None
+    check(q, k, v, do, causal, sinks=sinks, softcap=5.0, deterministic=deterministic, kernel=("triton", "gluon"))
+
+
 @requires_cuda
 def test_torch_compile_fullgraph_traces_every_option():
     """torch.compile(fullgraph=True) traces soft-capping, sinks and the dropout seed's draw; with

@@ -231,6 +231,7 @@ def test_backward_compiles_for_sm90():
     variants = [dict(head_dim=d, causal=c, deterministic=det) for d in (64, 128) for c in (True, False)
                 for det in (True, False)]
     variants += [dict(head_dim=d, causal=True, deterministic=True, config=dict(SPLIT_GROUP=True)) for d in (64, 128)]
+    variants += [dict(head_dim=d, causal=True, deterministic=True, softcap=50.0) for d in (64, 128)]
     rows = compile_variants(variants)
     assert [r["head_dim"] for r in rows if r.get("kernel") == "aux"] == [64, 64, 64, 128, 128, 128]
     assert [r["wgmma"] > 0 for r in rows if r.get("kernel") == "v1"] == [True]

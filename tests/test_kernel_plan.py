@@ -77,7 +77,7 @@ def test_settings_the_gluon_kernels_refuse(changes, match):
 
 @pytest.mark.parametrize("changes, directions, match", [
     (dict(dropout=True), ("forward", "backward"), "it implements no attention dropout"),
-    (dict(softcap=True), ("forward", "backward"), "it implements no logit soft-capping"),
+    (dict(softcap=True), ("forward",), "it implements no logit soft-capping"),
     (dict(sinks=True), ("forward",), "it implements no attention sinks"),
     (dict(dropout=True, softcap=True, sinks=True), ("forward",),
      "it implements no attention dropout or logit soft-capping or attention sinks"),
@@ -93,11 +93,13 @@ def test_score_options_the_gluon_kernels_refuse(changes, directions, match):
         assert getattr(plan, direction).family == "triton"
 
 
-def test_sinks_keep_the_gluon_backward():
-    """The backward takes the sinks in through the forward's LSE, so Gluon's serves them."""
-    plan = plan_kernels(setting(sinks=True, length=1 << 20))
+@pytest.mark.parametrize("option", ["sinks", "softcap"])
+def test_sinks_and_softcap_keep_the_gluon_backward(option):
+    """The backward takes the sinks in through the forward's LSE and caps the scores it recomputes,
+    so Gluon's serves both."""
+    plan = plan_kernels(setting(**{option: True}, length=1 << 20))
     assert (plan.forward.family, plan.backward.family) == ("triton", "gluon")
-    assert plan_kernels(setting(sinks=True, backward="gluon")).backward.family == "gluon"
+    assert plan_kernels(setting(**{option: True}, backward="gluon")).backward.family == "gluon"
 
 
 @pytest.mark.parametrize("head_dim, causal, length, want", [
@@ -193,9 +195,13 @@ LAUNCHED = {
 }
 
 
-def _expected(plan_text: str) -> tuple[list[str], list[str]]:
+def _expected(plan_text: str, gqa: bool = False) -> tuple[list[str], list[str]]:
+    """The kernels a plan launches; the Gluon backward sums GQA's dK/dV shares in one more."""
     forward, backward = re.fullmatch(r"forward=(\S+) \(.*?\), backward=(\S+) \(.*\)", plan_text).groups()
-    return LAUNCHED["forward"][forward.split("-")[0]], LAUNCHED["backward"][backward]
+    launched = list(LAUNCHED["backward"][backward])
+    if gqa and backward.startswith("gluon"):
+        launched.insert(launched.index("gluon_bwd_kernel") + 1, "gluon_bwd_dkdv_kernel")
+    return LAUNCHED["forward"][forward.split("-")[0]], launched
 
 
 def _doc_rows() -> list[tuple[str, str]]:
@@ -244,7 +250,7 @@ def test_the_kernels_that_launch_are_the_plans(monkeypatch, launches, words, hea
     monkeypatch.setattr("kernels.flash_op._CALLS", {})
     model = model_from_config(cfg, vocab_size=64).half()   # float16: what the interpreter's checks let through
     tokens = torch.randint(0, 64, (1, length))
-    forward, backward = _expected(cfg.attention.plan)
+    forward, backward = _expected(cfg.attention.plan, gqa=cfg.model.n_kv_head < cfg.model.n_head)
     out = model(tokens)
     assert launches == forward, (cfg.attention.plan, launches)
     launches.clear()

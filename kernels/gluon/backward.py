@@ -86,6 +86,9 @@ TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False,
          128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
                   HANDOFF_AT_END=True)}
 SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
+# Soft-capping keeps tanh's tile alive from S^T to dS^T: at head dim 64 the 128-query step then
+# spills ~1 KB a thread (ptxas, triton 3.6), the 64-query one nothing, so capped calls take it.
+SOFTCAP_TILES = {64: dict(BLOCK_M=64)}
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.
@@ -255,7 +258,7 @@ def _stage_range(STAGE: gl.constexpr, lo, mid, n_m):
 def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
           ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale,
           CAUSAL: gl.constexpr, MASK: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-          HANDOFF_AT_END: gl.constexpr):
+          HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer step i over query tile start_m: accumulate dK and dV, leave the dQ share in its buffer.
     The schedule flags (TILES) order the same work differently: DV_EARLY issues dV += P^T dO before
     dP^T is waited for; DQ_OVERLAP stores dQ while dK += dS^T Q runs; HANDOFF_AT_END hands the step's
@@ -281,7 +284,11 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     lse2 = _row_vector(lse_bufs.index(s), s_layout)
     s_t = warpgroup_mma_wait(1, deps=(s_t,))
-    p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+    if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
+        u = _hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
+        p_t = gl.exp2(u * (SOFTCAP * LOG2E) - lse2[None, :])
+    else:
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
     if MASK:  # key j of query i: j < n_k, and causal j <= i + n_k - n_q
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -291,6 +298,8 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         p_t = gl.where(seen, p_t, 0.0)
     # A operands in registers are read while their wgmma runs: they stay in the final wait's deps
     p_op = gl.convert_layout(p_t.to(k_s.dtype), a_layout)
+    if SOFTCAP > 0:   # dS = P (dP - Delta) (1 - u^2): fold the cap's derivative into the P that dS reads
+        p_t = p_t * (1.0 - u * u)
     if DV_EARLY:   # dV queued behind dP^T: the tensor cores run it while dS is computed and stored
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
     delta = _row_vector(delta_bufs.index(s), s_layout)
@@ -330,8 +339,15 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
 
 
 @gluon.jit
+def _hardware_tanh(x):
+    """tanh of float32 x in one special-function instruction (PTX tanh.approx.f32), as the Triton
+    kernels take it for 16-bit inputs (kernels/scores.py: its error is below a 16-bit score's rounding)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL: gl.constexpr, DV_EARLY: gl.constexpr,
-               DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr):
+               DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr):
     """The two consumer warpgroups: every step of the program, then dK (unscaled) and dV, float32."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
@@ -352,7 +368,7 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL: gl.constexpr
             for m in range(first, end):
                 dk, dv = _step(i, m * BLOCK_M, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
                                ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, CAUSAL, stage == 0,
-                               DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END)
+                               DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END, SOFTCAP)
                 i += 1
     if not HANDOFF_AT_END:
         compat.thread_barrier()   # the last step's dQ is in its buffer
@@ -495,7 +511,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
                      Sem, Ticket, DKVpart, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
                      STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
                      DETERMINISTIC: gl.constexpr, SPLIT_GROUP: gl.constexpr, DV_EARLY: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr):
+                     DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr = 0.0):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,), or (cdiv(Nk, BLOCK_N) * B * H,) with SPLIT_GROUP.
     Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
     and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
@@ -514,7 +530,8 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, Sem)
     sizes = (n_heads, n_q, n_k, n_q_pad)
     dk, dv = gl.warp_specialize([
-        (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL, DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END)),
+        (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL, DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END,
+                      SOFTCAP)),
         (_producer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL)),
         (_dq_writer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL, DETERMINISTIC)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -531,9 +548,14 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def tiles(head_dim: int) -> str:
+def config_for(head_dim: int, softcap: bool = False, config: dict | None = None) -> dict:
+    """TILES of a head dim, with SOFTCAP_TILES' changes for soft-capped calls and `config`'s on top."""
+    return dict(TILES[head_dim], **(SOFTCAP_TILES.get(head_dim, {}) if softcap else {}), **(config or {}))
+
+
+def tiles(head_dim: int, softcap: bool = False) -> str:
     """The tiles of a head dim, as a kernel plan names them."""
-    cfg = TILES[head_dim]
+    cfg = config_for(head_dim, softcap)
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}, {cfg['STAGES']} stages"
 
 
@@ -555,13 +577,13 @@ def launch_options() -> dict:
 
 
 def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
-                     deterministic: bool = True, config: dict | None = None):
+                     deterministic: bool = True, config: dict | None = None, softcap: float = 0.0):
     """The main kernel compiled for sm_90a without a GPU (a launch's signature: descriptors, the
     pointers 16-byte aligned): CI checks it compiles, and kernel reports read its registers."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = dict(TILES[head_dim], **(config or {}))
+    cfg = config_for(head_dim, softcap > 0, config)
     qlay, klay, llay, dqlay = _layouts(dtype, cfg["BLOCK_M"], cfg["BLOCK_N"], head_dim)
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -577,7 +599,8 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                  "n_heads": "i32", "n_kv_heads": "i32", "n_q": "i32", "n_k": "i32", "n_q_pad": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32"}
     consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
-                  SPLIT_GROUP=bool(cfg.get("SPLIT_GROUP")), **{flag: cfg[flag] for flag in SCHEDULE})
+                  SPLIT_GROUP=bool(cfg.get("SPLIT_GROUP")), **{flag: cfg[flag] for flag in SCHEDULE},
+                  SOFTCAP=float(softcap))
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("Sem", "Ticket", "DKVpart")}
@@ -586,15 +609,15 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch_options())
 
 
-def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic=True):
+def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic=True, softcap=0.0):
     """dq, dk, dv of attention from its output `out` and log-sum-exp `lse`, on Hopper.
 
     Layouts as kernels.flash_attention_backward: q, dout, out (B, Nq, H, D); k, v (B, Nk, Hkv, D);
     lse (B, H, Nq) float32, natural log, -inf for rows that see no key; causal aligned bottom-right.
     dk, dv are summed over each GQA group. deterministic=True (default): dq's float32 sums are
     formed in a fixed order, so the gradients are bit-identical run to run; False: in arrival
-    order. Inputs no kernel takes, or that the Gluon kernels refuse (kernels.gluon.refusal), raise
-    ValueError naming why.
+    order. softcap > 0: the forward's scores were soft-capped at it (kernels/scores.py). Inputs no
+    kernel takes, or that the Gluon kernels refuse (kernels.gluon.refusal), raise ValueError naming why.
     """
     check_inputs(q, k, v)
     check_like_q(q, dout=dout, out=out)
@@ -606,7 +629,7 @@ def gluon_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, det
     if reason is not None:
         raise ValueError(f"the Gluon backward cannot run this call: {reason}")
     return launch_backward(dout, q, k, v, out, lse, causal, softmax_scale_for(softmax_scale, q.shape[-1]),
-                           deterministic)[:3]
+                           deterministic, softcap=softcap)[:3]
 
 
 def split_group(batch: int, heads: int, kv_heads: int, n_k: int, head_dim: int) -> bool:
@@ -621,12 +644,12 @@ def _descriptor(t: torch.Tensor, block: list[int], layout) -> TensorDescriptor:
 
 
 def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, cache=None, key=(),
-                    config: dict | None = None):
-    """The three launches on inputs a kernel plan has accepted (no checks: kernels/flash_op.py's
-    path); `cache` and `key` as kernels/launch.py's, `config` overrides TILES (the benchmarks')."""
+                    config: dict | None = None, softcap: float = 0.0):
+    """The launches on inputs a kernel plan has accepted (no checks: kernels/flash_op.py's path);
+    `cache` and `key` as kernels/launch.py's, `config` overrides TILES (the benchmarks')."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    cfg = dict(TILES[D], **(config or {}))
+    cfg = config_for(D, softcap > 0, config)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     n_m = cdiv(n_q, block_m)
     n_q_pad = n_m * block_m
@@ -658,7 +681,8 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     args = (*described, sem, ticket, shares, H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
     launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * (H if split else h_kv),), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
-                SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, **launch_options()), cache,
+                SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, SOFTCAP=float(softcap),
+                **launch_options()), cache,
            ("gluon-bwd", *key))
     if split:
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (shares, dk, dv, *dk.stride(), H, h_kv, n_k,
