@@ -49,12 +49,16 @@ then increments it. Programs take their (KV head, key tile) from an atomic ticke
 descending within each head, so a writer only waits on programs that started earlier, which are
 running or done: no deadlock. Otherwise the shares are added in arrival order.
 
-Three launches (four with GQA's shares): `gluon_bwd_prep_kernel` writes Delta and L2 = L log2(e) into padded rows TMA can
-load (+inf for rows that see no key, so their P is 0), zeroes the accumulator and the counters;
-the main kernel; `gluon_bwd_dq_kernel` writes dQ = scale * accumulator in q's dtype and layout.
+Three launches (four with GQA's shares): `gluon_bwd_prep_kernel` writes Delta and L2 = L log2(e)
+into padded rows TMA can load (+inf for rows that see no key, so their P is 0), zeroes the
+accumulator and the counters; the main kernel; `gluon_bwd_dq_kernel` writes dQ = scale *
+accumulator in q's dtype and layout (and `gluon_bwd_dkdv_kernel` sums GQA's dK/dV shares).
 
-Tiles (TILES): head dim 64, 128 queries x 128 keys; head dim 128, 64 x 128 (the dK, dV, S^T and dP^T
-accumulators and the dQ tile must fit 240 registers). Causal: query tiles that see none of a key
+Soft-capping (kernels/scores.py): S^T is capped as the forward capped it, P^T follows from the capped
+scores, and the cap's derivative 1 - tanh^2 is folded into the P^T that dS^T reads.
+
+Tiles (TILES): head dim 64, 128 queries x 128 keys (64 x 128 when soft-capped: SOFTCAP_TILES); head
+dim 128, 64 x 128 (the dK, dV, S^T and dP^T accumulators and the dQ tile must fit 240 registers). Causal: query tiles that see none of a key
 tile's keys are never visited, and only those that see some but not all run the masked step.
 """
 from __future__ import annotations
