@@ -32,6 +32,10 @@
 #   bash benchmarks/long_context_runs.sh dense-eval   # ~1.5 min: passkey grid 2K-32K x depths 0-1, loss by position
 # then commit $OUT's files under benchmarks/evals/ as above (long_context_passkey_dense/ for the
 # run's config.yaml and metrics.jsonl).
+#
+# The mixed-length recipe (experiment=long-context-mixed), one stage, ~11 minutes in two calls:
+#   bash benchmarks/long_context_runs.sh mixed        # ~8.5 min: BPE, caches, 1,800 steps
+#   bash benchmarks/long_context_runs.sh mixed-eval   # ~1.5 min: the same grid and loss by position
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
 OUT=${OUT:-outputs/long_context_runs}
@@ -129,6 +133,9 @@ dense() {
 case "${1:-}" in
 flash) shift; train flash long-context-passkey "$@" ;;
 dense) dense ;;
+# one stage: documents of 64 to 32,768 tokens, one key each, document-masked (the preset's comments)
+mixed) shift; train mixed long-context-mixed "$@" ;;
+mixed-eval) evaluate mixed flash 12 ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
 naive)
@@ -143,6 +150,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-eval | compare" >&2; exit 2 ;;
 esac
 step done

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from data.passkey import KEY_SENTENCE, QUESTION, passkey_prompt
 from data.retrieval import dense_document
+from data.sampler import windows_to_batch
 from data.sources.files import FilesSource
 from data.sources.passkey import PasskeySource
 from data.tokenizer import ByteTokenizer, build_tokenizer
@@ -102,6 +103,9 @@ def test_the_eval_asks_in_the_trained_sentences(bpe):
     ({"pairs": 0}, "data.passkey.pairs=0"),
     ({"depths": [0.5]}, "data.passkey.depths"),
     ({"kind": "many"}, "data.passkey.kind='many'"),
+    ({"pieces": [1, 3]}, "data.passkey.pieces=[1, 3]: each count must be >= 1 and divide data.passkey.length=512"),
+    ({"pieces": [0]}, "data.passkey.pieces=[0]"),
+    ({"kind": "single", "pairs": None, "pieces": [2]}, "data.passkey.pieces: only kind=dense"),
 ])
 def test_bad_settings_are_refused_naming_the_key(kwargs, match):
     settings = {"num_docs": 4, "length": 512, "depths": None, "key_digits": 5, "seed": 0, "kind": "dense", "pairs": 4}
@@ -133,3 +137,31 @@ def test_fixed_windows_are_whole_documents_in_the_mix(tmp_path):
         assert window[length - 1] == eot and eot not in window[: length - 1]
         assert b.tokenizer.decode(window[:4].tolist()) in ("Reme", "The ")   # a document's first words
     assert b.tokenizer.decode(sampler.window(6, epoch=0)[:5].tolist()) != "Remem"  # then the corpus
+
+
+def test_pieces_fill_each_fixed_window_with_documents_of_one_length(tmp_path):
+    """data.passkey.pieces=[1, 4, 2]: unit k of `length` tokens is cut into 1, 4, 2, 1, ... documents,
+    each whole (its end-of-text token last) and exactly length / n tokens, so that under
+    data.windows=fixed window k holds those documents and nothing else; the document mask then
+    reads each on its own."""
+    length, cuts = 512, [1, 4, 2]
+    data = {"name": "stdlib-passkey", "min_doc_bytes": 100_000, "max_bytes": 400_000, "val_fraction": 0.2,
+            "windows": "fixed", "document_mask": True,
+            "passkey": {"num_docs": 5, "length": length, "depths": None, "key_digits": 5, "seed": 0,
+                        "kind": "dense", "pairs": 1, "pieces": cuts}}
+    b = bundle_for(tmp_path, data, seq_len=length)
+    eot = b.tokenizer.eot_id
+    for k in range(5):
+        window = b.train.window(k, epoch=1)
+        n = cuts[k % len(cuts)]
+        ends = np.flatnonzero(window[:length] == eot)
+        assert ends.tolist() == [(j + 1) * length // n - 1 for j in range(n)]
+        for j in range(n):
+            text = b.tokenizer.decode(window[j * length // n : (j + 1) * length // n - 1].tolist())
+            (stated,), (asked,) = STATEMENT.findall(text), ASKED.findall(text)
+            assert stated == asked                     # one key, asked for in the same document
+    x, _, doc_ids = windows_to_batch([b.train.window(1, epoch=1)], eot, return_doc_ids=True)
+    assert doc_ids[0, :: length // 4].tolist() == [0, 1, 2, 3]
+    source = PasskeySource(5, length, None, 5, 0, kind="dense", pairs=1, pieces=cuts)
+    assert source.num_documents == 1 + 4 + 2 + 1 + 4 and len(source.names()) == source.num_documents
+    assert source.fingerprint != PasskeySource(5, length, None, 5, 0, kind="dense", pairs=1).fingerprint

@@ -1,6 +1,12 @@
 """`data=passkey`: a corpus of passkey-retrieval documents to train on: `kind=single`, one key in
 filler (prompt + answer, data/passkey.py); `kind=dense`, many named keys each asked for later
-(data/retrieval.py), documents of exactly `length` tokens with their end-of-text token."""
+(data/retrieval.py), documents of exactly `length` tokens with their end-of-text token.
+
+`pieces` (dense only) cuts each `length`-token unit into that many documents of equal length, the
+count cycling through the list unit by unit: with `length` = the window and data.windows=fixed,
+every window holds whole documents of one length, short ones (many answers a window, where the copy
+forms) beside long ones (few answers, at distances up to the window) in one run, and with
+data.document_mask=true each document is read on its own, as the eval's prompt is."""
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +28,8 @@ class PasskeySource:
     name = "passkey"
 
     def __init__(self, num_docs: int, length: int, depths: list[float] | None, key_digits: int, seed: int,
-                 count_tokens: Callable[[str], int] = utf8_length, kind: str = "single", pairs: int | None = None):
+                 count_tokens: Callable[[str], int] = utf8_length, kind: str = "single", pairs: int | None = None,
+                 pieces: list[int] | None = None):
         if num_docs < 2 or length < 1 or key_digits < 1:
             raise ValueError(f"data=passkey needs num_docs >= 2, length >= 1, key_digits >= 1 (got {num_docs}, {length}, {key_digits})")
         if kind not in KINDS:
@@ -33,22 +40,30 @@ class PasskeySource:
             raise ValueError("data.passkey.depths: kind=dense spreads its keys' distances itself; set depths=null")
         if kind == "single" and pairs is not None:
             raise ValueError(f"data.passkey.pairs={pairs}: only kind=dense has several keys; set pairs=null")
+        if pieces is not None and kind != "dense":
+            raise ValueError("data.passkey.pieces: only kind=dense documents are cut into pieces; set pieces=null")
+        if pieces is not None and (not pieces or any(int(n) < 1 or length % int(n) for n in pieces)):
+            raise ValueError(f"data.passkey.pieces={list(pieces)}: each count must be >= 1 and divide "
+                             f"data.passkey.length={length}")
         self.num_docs, self.length, self.key_digits, self.seed = int(num_docs), int(length), int(key_digits), int(seed)
+        self.pieces = None if pieces is None else [int(n) for n in pieces]
         self.depths = None if depths is None else [float(d) for d in depths]
         self.kind, self.pairs = kind, None if pairs is None else int(pairs)
         self.count_tokens = count_tokens
-        self.num_documents = self.num_docs
+        self.num_documents = len(self.names())
         settings = f"{self.num_docs}|{self.length}|{self.depths}|{self.key_digits}|{self.seed}"
         if kind == "dense":   # single's fingerprint as before, so its token caches stay valid
             settings += f"|dense|{self.pairs}"
+        if self.pieces is not None:
+            settings += f"|pieces|{self.pieces}"
         self.fingerprint = f"passkey-L{self.length}-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
 
     @classmethod
     def from_config(cls, cfg) -> "PasskeySource":
-        depths, pairs = cfg.get("depths"), cfg.get("pairs")
+        depths, pairs, pieces = cfg.get("depths"), cfg.get("pairs"), cfg.get("pieces")
         return cls(int(cfg.num_docs), int(cfg.length), None if depths is None else list(depths),
                    int(cfg.get("key_digits", 5)), int(cfg.get("seed", 0)), kind=str(cfg.get("kind", "single")),
-                   pairs=None if pairs is None else int(pairs))
+                   pairs=None if pairs is None else int(pairs), pieces=None if pieces is None else list(pieces))
 
     def for_tokenizer(self, tokenizer) -> "PasskeySource":
         """Same documents, sized in the run's tokens instead of bytes (the cache key has the tokenizer).
@@ -57,20 +72,29 @@ class PasskeySource:
         so that no token cache of the old texts is taken for the new."""
         count = lambda text: len(tokenizer.encode(text))  # noqa: E731
         source = PasskeySource(self.num_docs, self.length, self.depths, self.key_digits, self.seed, count_tokens=count,
-                               kind=self.kind, pairs=self.pairs)
+                               kind=self.kind, pairs=self.pairs, pieces=self.pieces)
         if self.kind == "single" and filler_tokens(count) != count(FILLER):
             source.fingerprint += "-runs"
         return source
 
+    def _cuts(self) -> list[int]:
+        """How many documents each `length`-token unit is cut into."""
+        return [1 if self.pieces is None else self.pieces[i % len(self.pieces)] for i in range(self.num_docs)]
+
     def names(self) -> list[str]:
         """The documents' names, in order, without building their texts."""
-        return [f"passkey-{i}" for i in range(self.num_docs)]
+        if self.pieces is None:
+            return [f"passkey-{i}" for i in range(self.num_docs)]
+        return [f"passkey-{i}.{j}" for i, n in enumerate(self._cuts()) for j in range(n)]
 
     def documents(self) -> Iterator[tuple[str, str]]:
         rng = np.random.default_rng(self.seed)
         if self.kind == "dense":
-            for name in self.names():
-                yield name, dense_document(self.length, self.pairs, self.key_digits, rng, self.count_tokens)[0]
+            names = iter(self.names())
+            for n in self._cuts():
+                for _ in range(n):
+                    yield next(names), dense_document(self.length // n, self.pairs, self.key_digits, rng,
+                                                      self.count_tokens)[0]
             return
         for i, name in enumerate(self.names()):
             depth = self.depths[i % len(self.depths)] if self.depths else float(rng.uniform())
