@@ -238,5 +238,5 @@ def test_backward_compiles_for_sm90():
     assert [r["wgmma"] > 0 for r in rows if r.get("kernel") == "v1"] == [True]
     for row in (r for r in rows if r.get("kernel") is None):
         assert row["wgmma"] > 0 and row["reduce"] > 0 and row["shared"] <= 232448, row
-        # head dim 128 with soft-capping holds tanh's tile too: 60 B under triton 3.6 (the GPU's), 328 under 3.9
+        # head dim 128 with soft-capping holds tanh's tile too: 8 B under triton 3.6 (the GPU's), 236 under 3.9
         assert row["spill_bytes"] <= (512 if row["head_dim"] == 64 or row.get("softcap") else 128), row

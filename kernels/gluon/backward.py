@@ -152,7 +152,7 @@ def gluon_bwd_dq_kernel(DQacc, dQ, stride_b, stride_n, stride_h, stride_d, n_hea
 
 
 @triton.jit
-def gluon_bwd_dkdv_kernel(DKVpart, dK, dV, stride_b, stride_n, stride_h, stride_d, n_heads, n_kv_heads, n_k,
+def gluon_bwd_dkdv_kernel(DKpart, DVpart, dK, dV, stride_b, stride_n, stride_h, stride_d, n_heads, n_kv_heads, n_k,
                           sm_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """SPLIT_GROUP's epilogue: dK = scale * the sum, and dV = the sum, of a KV head's query heads'
     float32 shares (`_store_dk_dv_share`), added in head order (bit-identical run to run), in dK's
@@ -162,7 +162,6 @@ def gluon_bwd_dkdv_kernel(DKVpart, dK, dV, stride_b, stride_n, stride_h, stride_
     b = (pid // n_kv_heads).to(tl.int64)
     h_kv = (pid % n_kv_heads).to(tl.int64)
     group = n_heads // n_kv_heads
-    part_size = (tl.num_programs(1) // n_kv_heads).to(tl.int64) * n_heads * n_k * HEAD_DIM
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, HEAD_DIM)
     in_k = (rows < n_k)[:, None]
@@ -170,8 +169,8 @@ def gluon_bwd_dkdv_kernel(DKVpart, dK, dV, stride_b, stride_n, stride_h, stride_
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for g in range(group):
         offs = ((b * n_heads + h_kv * group + g) * n_k + rows[:, None]) * HEAD_DIM + cols[None, :]
-        dk += tl.load(DKVpart + offs, mask=in_k, other=0.0)
-        dv += tl.load(DKVpart + part_size + offs, mask=in_k, other=0.0)
+        dk += tl.load(DKpart + offs, mask=in_k, other=0.0)
+        dv += tl.load(DVpart + offs, mask=in_k, other=0.0)
     out = b * stride_b + h_kv * stride_h + rows[:, None].to(tl.int64) * stride_n + cols[None, :] * stride_d
     tl.store(dK + out, (dk * sm_scale).to(dK.dtype.element_ty), mask=in_k)
     tl.store(dV + out, dv.to(dV.dtype.element_ty), mask=in_k)
@@ -494,9 +493,9 @@ def _store_dk_dv(dk_desc, dv_desc, k_s4, v_s4, dk, dv, sm_scale, b, start_n, h_k
 
 
 @gluon.jit
-def _store_dk_dv_share(DKVpart, dk, dv, bh, start_n, n_k, part_size):
+def _store_dk_dv_share(DKpart, DVpart, dk, dv, bh, start_n, n_k):
     """SPLIT_GROUP: this query head's share of dK (unscaled) and dV in float32, rows start_n.. of
-    head bh = b * H + h of the (2, B H, Nk, D) buffer (dK then dV, part_size apart), for
+    head bh = b * H + h of the two (B H, Nk, D) buffers, for
     `gluon_bwd_dkdv_kernel` to sum over the group. Stored from the wgmma accumulators' registers:
     once a program, so no shared-memory staging."""
     BLOCK_N: gl.constexpr = dk.shape[0]
@@ -506,20 +505,20 @@ def _store_dk_dv_share(DKVpart, dk, dv, bh, start_n, n_k, part_size):
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     offs = (bh.to(gl.int64) * n_k + rows[:, None]) * HEAD_DIM + cols[None, :]
     in_k = (rows < n_k)[:, None] & (cols < HEAD_DIM)[None, :]
-    gl.store(DKVpart + offs, dk, mask=in_k)
-    gl.store(DKVpart + part_size + offs, dv, mask=in_k)
+    gl.store(DKpart + offs, dk, mask=in_k)
+    gl.store(DVpart + offs, dv, mask=in_k)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "n_kv_heads", "n_q", "n_k", "n_q_pad"])
 def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-                     Sem, Ticket, DKVpart, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
+                     Sem, Ticket, DKpart, DVpart, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
                      STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
                      DETERMINISTIC: gl.constexpr, SPLIT_GROUP: gl.constexpr, DV_EARLY: gl.constexpr,
                      DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr = 0.0):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,), or (cdiv(Nk, BLOCK_N) * B * H,) with SPLIT_GROUP.
     Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
     and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
-    blocks [BLOCK_M, D]. DKVpart: SPLIT_GROUP's (2, B H, Nk, D) float32 shares of dK and dV."""
+    blocks [BLOCK_M, D]. DKpart, DVpart: SPLIT_GROUP's (B H, Nk, D) float32 shares of dK and dV."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -541,8 +540,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
     if SPLIT_GROUP:
         bh = work[0] * n_heads + work[2]
-        _store_dk_dv_share(DKVpart, dk, dv, bh, work[4], n_k, gl.num_programs(0).to(gl.int64) // gl.cdiv(n_k, BLOCK_N)
-                           * n_k * HEAD_DIM)
+        _store_dk_dv_share(DKpart, DVpart, dk, dv, bh, work[4], n_k)
     else:
         _store_dk_dv(dk_desc, dv_desc, k_s4, v_s4, dk, dv, sm_scale, work[0], work[4], work[1])
 
@@ -599,7 +597,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                  "do_desc": desc(q_block, qlay), "dk_desc": desc(k_block, klay), "dv_desc": desc(k_block, klay),
                  "lse_desc": desc([1, cfg["BLOCK_M"]], llay, "fp32"), "delta_desc": desc([1, cfg["BLOCK_M"]], llay, "fp32"),
                  "dq_desc": desc([cfg["BLOCK_M"], head_dim], dqlay, "fp32"), "Sem": "*i32", "Ticket": "*i32",
-                 "DKVpart": "*fp32",
+                 "DKpart": "*fp32", "DVpart": "*fp32",
                  "n_heads": "i32", "n_kv_heads": "i32", "n_q": "i32", "n_k": "i32", "n_q_pad": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32"}
     consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
@@ -607,7 +605,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                   SOFTCAP=float(softcap))
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("Sem", "Ticket", "DKVpart")}
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("Sem", "Ticket", "DKpart", "DVpart")}
     source = GluonASTSource(fn=gluon_bwd_kernel, signature={n: signature[n] for n in names}, constexprs=consts,
                             attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch_options())
@@ -670,7 +668,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     split = cfg.get("SPLIT_GROUP")
     if split is None:
         split = split_group(B, H, h_kv, n_k, D)
-    shares = torch.empty((2, B * H, n_k, D), dtype=torch.float32, device=dev) if split else dq_acc
+    shares = torch.empty((2, B * H, n_k, D), dtype=torch.float32, device=dev) if split else (dq_acc, dq_acc)
 
     launch(gluon_bwd_prep_kernel, (n_m, B * H),
            (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad),
@@ -682,14 +680,14 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
               ([1, block_m], llay), ([1, block_m], llay), ([block_m, D], dqlay))
     described = descriptors(cache, ("gluon-bwd-tma", *key), tensors,
                             lambda: [_descriptor(t, *block) for t, block in zip(tensors, blocks)])
-    args = (*described, sem, ticket, shares, H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
+    args = (*described, sem, ticket, shares[0], shares[1], H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
     launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * (H if split else h_kv),), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                 SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, SOFTCAP=float(softcap),
                 **launch_options()), cache,
            ("gluon-bwd", *key))
     if split:
-        launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (shares, dk, dv, *dk.stride(), H, h_kv, n_k,
+        launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,
                                                                            scale),
                dict(HEAD_DIM=D, BLOCK_N=DKDV_ROWS, num_warps=4), cache, ("gluon-bwd-dkdv", *key))
     launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, scale),
