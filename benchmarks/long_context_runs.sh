@@ -33,9 +33,12 @@
 # then commit $OUT's files under benchmarks/evals/ as above (long_context_passkey_dense/ for the
 # run's config.yaml and metrics.jsonl).
 #
-# The mixed-length recipe (experiment=long-context-mixed), one stage, ~11 minutes in two calls:
-#   bash benchmarks/long_context_runs.sh mixed        # ~8.5 min: BPE, caches, 1,800 steps
-#   bash benchmarks/long_context_runs.sh mixed-eval   # ~1.5 min: the same grid and loss by position
+# The mixed-length recipe (experiment=long-context-mixed), ~12 minutes in calls made one right after
+# the other on the same machine (the evaluation may share a call with either training stage):
+#   bash benchmarks/long_context_runs.sh mixed        # ~5.7 min: BPE, caches (~2 min), 1,700 steps
+#   bash benchmarks/long_context_runs.sh mixed-long   # ~4.3 min: 1,200 steps more on long-heavy units
+#   bash benchmarks/long_context_runs.sh mixed-eval   # ~1.3 min: the same grid and loss by position
+# (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
 OUT=${OUT:-outputs/long_context_runs}
@@ -119,6 +122,8 @@ DENSE_STAGES=(
   "data.passkey.length=8192 data.passkey.pairs=4 data.passkey.num_docs=1000 trainer.max_steps=900"
   ""
 )
+MIXED_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,512]'
+            data.passkey.num_docs=180 trainer.max_steps=2900 trainer.eval_every=1200 trainer.ckpt_every=1200)
 dense() {
   local stage=0 more=()
   for overrides in "${DENSE_STAGES[@]}"; do
@@ -135,6 +140,8 @@ flash) shift; train flash long-context-passkey "$@" ;;
 dense) dense ;;
 # one stage: documents of 64 to 32,768 tokens, one key each, document-masked (the preset's comments)
 mixed) shift; train mixed long-context-mixed "$@" ;;
+# its second stage, from the first's checkpoint: units weighted to long documents, 1,200 steps more
+mixed-long) train mixed long-context-mixed continue "${MIXED_LONG[@]}" ;;
 mixed-eval) evaluate mixed flash 12 ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
@@ -150,6 +157,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | compare" >&2; exit 2 ;;
 esac
 step done

@@ -150,3 +150,29 @@ def composed_with(experiment: str, overrides: list[str]):
     cfg = compose([f"experiment={experiment}", *overrides])
     validate_config(cfg)
     return cfg
+
+
+def mixed_long_overrides() -> list[str]:
+    """The overrides of benchmarks/long_context_runs.sh's `mixed-long`, as the script has them."""
+    import re
+    import shlex
+
+    text = (REPO / "benchmarks" / "long_context_runs.sh").read_text()
+    return shlex.split(re.search(r"MIXED_LONG=\((.*?)\)\n", text, re.S).group(1))
+
+
+def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
+    """experiment=long-context-mixed and its second stage (the script's `mixed-long`): each unit is
+    one window, cut into documents that tile it exactly; the document mask keeps them apart; the
+    second stage continues the first (more steps, the same window) on units weighted to long
+    documents."""
+    first = composed_with("long-context-mixed", [])
+    second = composed_with("long-context-mixed", mixed_long_overrides())
+    for cfg in (first, second):
+        p = cfg.data.passkey
+        assert cfg.attention.name == "flash" and cfg.trainer.seq_len == p.length == 32768
+        assert cfg.data.windows == "fixed" and cfg.data.document_mask and p.kind == "dense" and p.pairs == 1
+        assert all(p.length % n == 0 for n in p.pieces) and min(p.pieces) == 1
+    assert second.trainer.max_steps > first.trainer.max_steps and second.data.allow_changed
+    share = lambda pieces: sum(n <= 4 for n in pieces) / len(pieces)   # noqa: E731  units of >= 8K-token documents
+    assert share(second.data.passkey.pieces) > 2 * share(first.data.passkey.pieces)
