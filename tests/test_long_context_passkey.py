@@ -176,3 +176,22 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert second.trainer.max_steps > first.trainer.max_steps and second.data.allow_changed
     share = lambda pieces: sum(n <= 4 for n in pieces) / len(pieces)   # noqa: E731  units of >= 8K-token documents
     assert share(second.data.passkey.pieces) > 2 * share(first.data.passkey.pieces)
+
+
+@pytest.mark.slow
+def test_the_mixed_cpu_variant_trains_and_writes_the_grid(tmp_path, cache_dir):  # noqa: F811
+    """experiment=long-context-mixed-cpu: the mixed recipe's data (units cut into documents of one
+    key, the document mask) through training and the passkey grid, in seconds."""
+    cfg = composed("long-context-mixed-cpu")
+    p = cfg.data.passkey
+    assert cfg.data.document_mask and cfg.data.windows == "fixed" and p.length == cfg.trainer.seq_len
+    assert composed("long-context-mixed").data.passkey.pairs == p.pairs == 1
+    run = tmp_path / "run"
+    assert run_in_process(["experiment=long-context-mixed-cpu", f"run.dir={run}", f"data.cache_dir={cache_dir}",
+                           "trainer.progress=false"]) == 0
+    out = tmp_path / "eval"
+    eval_passkey.main([str(run), "--lengths", "128", "512", "--depths", "0", "1", "--trials", "2", "--out", str(out),
+                       "--name", "mixed"])
+    grid = json.loads((out / "passkey_mixed.json").read_text())
+    assert grid["trained_seq_len"] == 512 and grid["why_not"] == [None, None]
+    assert all(0 <= a <= 1 for row in grid["accuracy"] for a in row) and (out / "passkey_mixed.png").exists()
