@@ -29,31 +29,12 @@ from _common import (environment, human_bytes, markdown_table, new_figure, print
                      save_figure, write_json, write_text)
 from _eval import add_beside_argument, add_checkpoint_args, load_for_eval, memory_meter, read_beside, run_name
 from _memory import is_oom, release_memory
+from training.loop.evaluate import passkey_ids, score_prompt
 
 
 @torch.no_grad()
 def passkey_correct(model, tokenizer, length: int, depth: float, key: str, device, precision: str) -> bool:
-    return bool(score_prompt(model, passkey_ids(tokenizer, length, depth, key), device, precision))
-
-
-def passkey_ids(tokenizer, length: int, depth: float, key: str) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids) of one trial."""
-    from data.passkey import passkey_prompt
-
-    prompt, answer = passkey_prompt(length, depth, key, lambda text: len(tokenizer.encode(text)))
-    return tokenizer.encode(prompt), tokenizer.encode(answer)
-
-
-@torch.no_grad()
-def score_prompt(model, ids: tuple[list[int], list[int]], device, precision: str) -> bool:
-    from training.process.device import autocast
-
-    prompt_ids, answer_ids = ids
-    sequence = torch.tensor([prompt_ids + answer_ids], device=device)
-    with autocast(device, precision):
-        logits = model(sequence[:, :-1])
-    predicted = logits[0, len(prompt_ids) - 1 :].argmax(-1)
-    return bool((predicted == sequence[0, len(prompt_ids) :]).all())
+    return score_prompt(model, passkey_ids(tokenizer, length, depth, key), device, precision)
 
 
 MAX_KEY_DIGITS = 18  # keys are drawn as int64

@@ -164,6 +164,13 @@ def _check_masks(cfg: DictConfig) -> None:
     _require(cp == 1 or "gluon" not in kernel_words(cfg), "trainer.context_parallel", cp,
              "the ring's blocks run the Triton kernels (each block takes its share of the mask as key bounds, which "
              "the Gluon kernels do not): use attention.kernel=auto or triton, or trainer.context_parallel=1")
+    probe = list(cfg.trainer.get("passkey_probe") or [])
+    _require(cp == 1 or not probe, "trainer.context_parallel", cp,
+             "the passkey probe runs whole prompts through the model on each rank: use trainer.passkey_probe=[] "
+             "or trainer.context_parallel=1")
+    too_long = [n for n in probe if not 1 <= n <= cfg.model.max_seq_len]
+    _require(not too_long, "trainer.passkey_probe", probe,
+             f"lengths must be in [1, model.max_seq_len={cfg.model.max_seq_len}]")
     _require(not cfg.trainer.deterministic or cfg.attention.deterministic, "trainer.deterministic", True,
              "needs attention.deterministic=true (the atomic backward adds dQ in a different order each run)")
 

@@ -180,6 +180,8 @@ class TrainerConfig:
     context_parallel: int = ranged(1, ge=1)
     deterministic: bool = False        # true: every CUDA kernel of the step deterministic (bit-identical resume)
     cpu_threads: Optional[int] = ranged(None, ge=1)   # null: chosen at start (training.process.device.cpu_threads)
+    passkey_probe: List[int] = _list()    # prompt lengths whose passkey accuracy each evaluation logs
+    passkey_trials: int = ranged(4, ge=1)  # keys per depth (0, 0.5, 1) and length of the probe
 
 
 @dataclass

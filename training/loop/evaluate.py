@@ -1,7 +1,8 @@
-"""Held-out loss: the Trainer's evaluation, and the scripts' (training.builders.load_model_for_eval
-brings a trained model back from its checkpoint)."""
+"""Held-out loss and passkey retrieval: the Trainer's evaluations, and the scripts'
+(training.builders.load_model_for_eval brings a trained model back from its checkpoint)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,3 +36,43 @@ def evaluate_loss(model: nn.Module, batches: list, device: torch.device, precisi
     model.train(was_training)
     plan.all_reduce(total)
     return (total / len(batches)).item()
+
+
+def passkey_ids(tokenizer, length: int, depth: float, key: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of one passkey trial (data/passkey.py builds its text)."""
+    from data.passkey import passkey_prompt
+
+    prompt, answer = passkey_prompt(length, depth, key, lambda text: len(tokenizer.encode(text)))
+    return tokenizer.encode(prompt), tokenizer.encode(answer)
+
+
+@torch.no_grad()
+def score_prompt(model: nn.Module, ids: tuple[list[int], list[int]], device: torch.device, precision: str) -> bool:
+    """Whether the model, teacher-forced, ranks the right token first at every position of the
+    answer: exactly when greedy decoding would write the key."""
+    prompt_ids, answer_ids = ids
+    sequence = torch.tensor([prompt_ids + answer_ids], device=device)
+    with autocast(device, precision):
+        logits = model(sequence[:, :-1])
+    predicted = logits[0, len(prompt_ids) - 1 :].argmax(-1)
+    return bool((predicted == sequence[0, len(prompt_ids) :]).all())
+
+
+@torch.no_grad()
+def passkey_probe(model: nn.Module, tokenizer, lengths: list[int], depths: list[float], trials: int,
+                  device: torch.device, precision: str, key_digits: int = 5, seed: int = 0) -> dict[int, float]:
+    """Passkey accuracy per prompt length over `depths` x `trials` (the same keys at every call, from
+    `seed`, so that values compare along a run): the Trainer's `trainer.passkey_probe`, a small
+    slice of scripts/eval_passkey.py's grid logged while the run trains."""
+    from data.passkey import random_key
+
+    rng = np.random.default_rng(seed)
+    was_training = model.training
+    model.eval()
+    accuracy = {}
+    for length in lengths:
+        hits = [score_prompt(model, passkey_ids(tokenizer, length, depth, random_key(rng, key_digits)), device,
+                             precision) for depth in depths for _ in range(trials)]
+        accuracy[length] = sum(hits) / len(hits)
+    model.train(was_training)
+    return accuracy

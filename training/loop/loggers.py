@@ -2,7 +2,7 @@
 `logger=wandb`.
 
 One row per logged step: step, loss, lr, tokens, tokens_per_s (mfu on CUDA, val_loss on eval
-steps).
+steps, and passkey_<length> there with trainer.passkey_probe).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from training.builders import build_data, model_from_config, resolve_config
 from training.interop.huggingface import load_hf_weights
 from training.interop.weights import save_weights
-from training.loop.evaluate import evaluate_loss
+from training.loop.evaluate import evaluate_loss, passkey_probe
 from training.loop.loggers import Loggers
 from training.loop.optim import lr_at
 from training.loop.step import TrainStep
@@ -118,6 +118,19 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss; under several processes each evaluates its share of the batches."""
         return evaluate_loss(self.model, self.val_batches, self.device, self.cfg.trainer.precision, self.plan)
+
+    def probe_passkey(self) -> dict[str, float]:
+        """`trainer.passkey_probe`: passkey accuracy at each of its prompt lengths (depths 0, 0.5 and 1,
+        `passkey_trials` keys each, the same keys every time), as `passkey_<length>` metrics; so a
+        long-context run's log says when retrieval forms, which its per-token loss cannot. Every
+        rank runs the same prompts (FSDP's forwards gather weights on all of them)."""
+        t = self.cfg.trainer
+        lengths = list(t.get("passkey_probe") or [])
+        if not lengths:
+            return {}
+        accuracy = passkey_probe(self.model, self.data.tokenizer, lengths, [0.0, 0.5, 1.0], int(t.passkey_trials),
+                                 self.device, t.precision)
+        return {f"passkey_{n}": a for n, a in accuracy.items()}
 
     def save(self, config: dict, wandb_id: str | None, export: bool = False) -> Path | None:
         """Every rank takes part: the checkpoint store writes what the plan holds, in the format the
@@ -244,13 +257,15 @@ class Trainer:
             row["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if evaluate:
             row["val_loss"] = self.val_loss = self.evaluate()
+            row.update(self.probe_passkey())
         if self.plan.is_main:
             self._loggers.log(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s%s", self.step, t.max_steps,
+            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s%s%s%s", self.step, t.max_steps,
                      row["loss"], lr, row["tokens_per_s"],
                      f" | mfu {row['mfu']:.1%}" if self._peak else "",
-                     f" | val_loss {row['val_loss']:.4f}" if evaluate else "")
+                     f" | val_loss {row['val_loss']:.4f}" if evaluate else "",
+                     "".join(f" | {k} {v:.2f}" for k, v in row.items() if k.startswith("passkey_")))
 
     def _save_checked(self, export: bool = False) -> None:
         self._check_finite()  # never let a poisoned state replace the last good checkpoint

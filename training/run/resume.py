@@ -54,7 +54,7 @@ COMPUTE_KEYS = ("data.document_mask", "attention.window")
 # Keys that change how a run is observed, stored or executed, not the numbers it computes.
 FREE_ON_RESUME = {
     "trainer": ("progress", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_ckpts", "compile",
-                "peak_flops", "dist_timeout_s", "parallel", "context_parallel", "deterministic", "cpu_threads"),
+                "peak_flops", "dist_timeout_s", "parallel", "context_parallel", "deterministic", "cpu_threads", "passkey_probe", "passkey_trials"),
     "optim": ("fused",),
     "data": ("cache_dir", "verify_cache", "allow_changed"),
 }
