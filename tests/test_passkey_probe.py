@@ -65,6 +65,8 @@ def test_the_same_keys_every_time():
 @pytest.mark.parametrize("overrides,match", [
     (["trainer.passkey_probe=[99999999]"], "trainer.passkey_probe"),
     (["trainer.passkey_probe=[0]"], "trainer.passkey_probe"),
+    # a prompt of the model's whole length would run past it with its answer
+    (["model.max_seq_len=4096", "trainer.passkey_probe=[4096]"], r"model.max_seq_len - 64 = 4032"),
 ])
 def test_bad_probe_lengths_are_refused_in_one_line(overrides, match):
     from training.config import compose
@@ -72,3 +74,4 @@ def test_bad_probe_lengths_are_refused_in_one_line(overrides, match):
 
     with pytest.raises(ValueError, match=match):
         validate_config(compose(["model=tiny", *overrides]))
+    validate_config(compose(["model=tiny", "model.max_seq_len=4096", "trainer.passkey_probe=[4032]"]))

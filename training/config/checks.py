@@ -164,15 +164,25 @@ def _check_masks(cfg: DictConfig) -> None:
     _require(cp == 1 or "gluon" not in kernel_words(cfg), "trainer.context_parallel", cp,
              "the ring's blocks run the Triton kernels (each block takes its share of the mask as key bounds, which "
              "the Gluon kernels do not): use attention.kernel=auto or triton, or trainer.context_parallel=1")
+    _require(not cfg.trainer.deterministic or cfg.attention.deterministic, "trainer.deterministic", True,
+             "needs attention.deterministic=true (the atomic backward adds dQ in a different order each run)")
+
+
+# A probe prompt of n tokens runs past n by its answer and by the rounding of its filler to whole sentences
+PROBE_MARGIN = 64
+
+
+def _check_passkey_probe(cfg: DictConfig) -> None:
+    """`trainer.passkey_probe`'s lengths fit the model, and the probe runs whole prompts, which the
+    context-parallel ring does not take; refused before any training work is done."""
     probe = list(cfg.trainer.get("passkey_probe") or [])
+    cp, most = cfg.trainer.context_parallel, cfg.model.max_seq_len - PROBE_MARGIN
     _require(cp == 1 or not probe, "trainer.context_parallel", cp,
              "the passkey probe runs whole prompts through the model on each rank: use trainer.passkey_probe=[] "
              "or trainer.context_parallel=1")
-    too_long = [n for n in probe if not 1 <= n <= cfg.model.max_seq_len]
-    _require(not too_long, "trainer.passkey_probe", probe,
-             f"lengths must be in [1, model.max_seq_len={cfg.model.max_seq_len}]")
-    _require(not cfg.trainer.deterministic or cfg.attention.deterministic, "trainer.deterministic", True,
-             "needs attention.deterministic=true (the atomic backward adds dQ in a different order each run)")
+    _require(all(1 <= n <= most for n in probe), "trainer.passkey_probe", probe,
+             f"lengths must be in [1, model.max_seq_len - {PROBE_MARGIN} = {most}] (a prompt runs a few tokens "
+             f"past its length with its answer)")
 
 
 def kernel_words(cfg: DictConfig) -> tuple[str, str]:
@@ -201,6 +211,7 @@ def validate_config(cfg: DictConfig, root: str = "train") -> None:
     for group in groups:
         check_group(group, cfg[group])
     _check_masks(cfg)
+    _check_passkey_probe(cfg)
     if root == "train":
         _check_run_folders(cfg)
     top = {k: cfg[k] for k in cfg if k not in schema.GROUPS and not OmegaConf.is_missing(cfg, k)
