@@ -73,6 +73,8 @@ class GPTConfig:
     attention_dropout: float = ranged(0.0, ge=0, lt=1)  # attention probabilities (SDPA's dropout_p), in training
     attention_softcap: Optional[float] = ranged(None, gt=0)  # c: every score s -> c tanh(s / c) (Gemma 2); flash, naive
     attention_sinks: bool = False                     # a learned logit per head in each softmax's denominator (gpt-oss)
+    # L: each query scaled by s_h log(n), n the keys it sees, s_h learned per head from 1 / log(L) (Scalable-Softmax)
+    attention_length_scale: Optional[int] = ranged(None, ge=2)
     init_std: float = ranged(0.02, gt=0)
     init_from: Optional[str] = None                   # a Hugging Face folder to start from (training/interop/huggingface.py reads it)
     activation_checkpointing: Checkpointing = Checkpointing.none

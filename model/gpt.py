@@ -93,6 +93,8 @@ class GPT(nn.Module):
         self._check_call(document_ids, cache)
         positions = self._positions(idx, positions, document_ids, cache)
         x, rope = self._embed(idx, positions)
+        if self.config.attention_length_scale is not None:
+            rope = (*rope, self._log_keys_seen(positions, document_ids))
         x = self._run_blocks(x, rope, document_ids, cache)
         if targets is None:
             x = self.norm_out(x)
@@ -126,6 +128,14 @@ class GPT(nn.Module):
         if document_ids is not None and self.config.reset_positions:
             positions = self.document_positions(positions, document_ids)
         return positions
+
+    def _log_keys_seen(self, positions: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+        """log(n), n the keys each token's query sees: its position in its document + 1, at most the
+        sliding window; (T, 1) or (B, T, 1) float32, split with the RoPE table it rides on."""
+        if document_ids is not None and not self.config.reset_positions:
+            positions = self.document_positions(positions, document_ids)
+        seen = positions + 1 if self.window is None else (positions + 1).clamp(max=self.window)
+        return seen.to(torch.float32).log()[..., None]
 
     def _embed(self, idx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The token embeddings (plus learned position embeddings, after dropout) and the RoPE

@@ -75,6 +75,10 @@ class CausalSelfAttention(nn.Module):
     function as they are (it accepts any strides); only RoPE makes new q and k tensors.
     With `model.attention_sinks`, `sinks` holds one learned logit per query head (starting at 0)
     that joins each of its rows' softmax denominators; `model.attention_softcap` caps the scores.
+    With `model.attention_length_scale` = L, each query is multiplied by s_h log(n), n the number of
+    keys it sees (the RoPE table's third entry) and s_h a learned scale per head starting at
+    1 / log(L): Scalable-Softmax (Nakanishi 2025), so that one key's weight among n need not fade as
+    n grows, where a plain softmax spreads over every key a long prompt adds.
     """
 
     def __init__(self, config: GPTConfig, attention: AttentionFn):
@@ -84,6 +88,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, qkv_width, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.sinks = nn.Parameter(torch.zeros(config.n_head)) if config.attention_sinks else None
+        scale = config.attention_length_scale
+        self.length_scale = None if scale is None else nn.Parameter(torch.full((config.n_head,), 1 / math.log(scale)))
         self.softcap = config.attention_softcap
         self.attention = attention
 
@@ -99,7 +105,9 @@ class CausalSelfAttention(nn.Module):
         )
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, *rope[:2]), apply_rope(k, *rope[:2])
+        if self.length_scale is not None:   # rope[2]: log(n), (T, 1) or (B, T, 1)
+            q = q * (rope[2][..., None] * self.length_scale[:, None]).to(q.dtype)
         return q, k, v
 
 

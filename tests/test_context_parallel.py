@@ -41,6 +41,8 @@ STEP_CASES = {
     "C3-docs-reset-learned": (3, 3, [*DOCS, "model.reset_positions=true", "model.pos_emb=learned",
                                      f"model.max_seq_len={SEQ}"]),
     "DP2xC2-docs-window": (4, 2, [*DOCS, "attention.window=7"]),
+    # the scale's keys-seen count from the document starts a rank is handed, not its own positions
+    "C2-docs-length-scale-window": (2, 2, [*DOCS, "model.attention_length_scale=16", "attention.window=6"]),
 }
 
 

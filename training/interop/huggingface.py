@@ -44,6 +44,9 @@ def hf_architecture(c: GPTConfig) -> str:
         _refuse("model.attention_softcap", c.attention_softcap, "gpt2 and llama do not cap attention scores")
     if c.attention_sinks:
         _refuse("model.attention_sinks", c.attention_sinks, "gpt2 and llama have no attention sinks")
+    if c.attention_length_scale is not None:
+        _refuse("model.attention_length_scale", c.attention_length_scale,
+                "gpt2 and llama do not scale queries with the context length")
     if c.pos_emb == "learned":
         why = "learned positions export as GPT-2, which needs"
         if c.norm != "layernorm":
