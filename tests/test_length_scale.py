@@ -91,3 +91,17 @@ def test_unsupported_settings_are_refused_in_one_line():
 
     with pytest.raises(ValueError, match="model.attention_length_scale=16 does not map to a Hugging Face"):
         hf_architecture(tiny().config)
+
+
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_generation_with_and_without_the_cache_agrees(mode):
+    from model.generation import Sampling, decode
+
+    model = tiny("naive")
+    prompt = torch.randint(0, 50, (2, 5))
+    with torch.no_grad():
+        cached = list(decode(model, prompt, 8, Sampling(temperature=0), use_cache=True, mode=mode))
+        whole = list(decode(model, prompt, 8, Sampling(temperature=0), use_cache=False))
+    for (a, ta), (b, tb) in zip(cached, whole):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-8)
+        assert torch.equal(ta, tb)
