@@ -152,13 +152,13 @@ def composed_with(experiment: str, overrides: list[str]):
     return cfg
 
 
-def mixed_long_overrides() -> list[str]:
-    """The overrides of benchmarks/long_context_runs.sh's `mixed-long`, as the script has them."""
+def script_overrides(array: str) -> list[str]:
+    """The overrides benchmarks/long_context_runs.sh keeps in bash array `array` (MIXED_LONG, ...)."""
     import re
     import shlex
 
     text = (REPO / "benchmarks" / "long_context_runs.sh").read_text()
-    return shlex.split(re.search(r"MIXED_LONG=\((.*?)\)\n", text, re.S).group(1))
+    return shlex.split(re.search(rf"{array}=\((.*?)\)(?:\s*#[^\n]*)?\n", text, re.S).group(1))
 
 
 def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
@@ -167,7 +167,7 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     second stage continues the first (more steps, the same window) on units weighted to long
     documents."""
     first = composed_with("long-context-mixed", [])
-    second = composed_with("long-context-mixed", mixed_long_overrides())
+    second = composed_with("long-context-mixed", script_overrides("MIXED_LONG"))
     for cfg in (first, second):
         p = cfg.data.passkey
         assert cfg.attention.name == "flash" and cfg.trainer.seq_len == p.length == 32768
@@ -176,6 +176,11 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert second.trainer.max_steps > first.trainer.max_steps and second.data.allow_changed
     share = lambda pieces: sum(n <= 4 for n in pieces) / len(pieces)   # noqa: E731  units of >= 8K-token documents
     assert share(second.data.passkey.pieces) > 2 * share(first.data.passkey.pieces)
+    # the scaled variant: the same two stages with model.attention_length_scale, nothing else changed
+    scaled = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_LONG"))
+    assert scaled.model.attention_length_scale >= 2
+    scaled.model.attention_length_scale = None
+    assert scaled == second
 
 
 @pytest.mark.slow
