@@ -23,18 +23,12 @@ from __future__ import annotations
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
-import torch
 
 from _common import (environment, human_bytes, markdown_table, new_figure, print_table, require_positive, run_cli,
                      save_figure, write_json, write_text)
 from _eval import add_beside_argument, add_checkpoint_args, load_for_eval, memory_meter, read_beside, run_name
 from _memory import is_oom, release_memory
 from training.loop.evaluate import passkey_ids, score_prompt
-
-
-@torch.no_grad()
-def passkey_correct(model, tokenizer, length: int, depth: float, key: str, device, precision: str) -> bool:
-    return score_prompt(model, passkey_ids(tokenizer, length, depth, key), device, precision)
 
 
 MAX_KEY_DIGITS = 18  # keys are drawn as int64

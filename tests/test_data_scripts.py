@@ -92,12 +92,14 @@ def test_passkey_scoring_matches_greedy_decoding():
             return torch.nn.functional.one_hot(nxt, 257).float()[None]
 
     from data.passkey import passkey_prompt
+    from training.loop.evaluate import passkey_ids, score_prompt
 
     prompt, answer = passkey_prompt(200, 0.5, "24680", lambda s: len(s))
     for corrupt, expect in ((False, True), (True, False)):
         model = Oracle(corrupt)
         model.full = torch.tensor(tok.encode(prompt + answer))
-        assert eval_passkey.passkey_correct(model, tok, 200, 0.5, "24680", torch.device("cpu"), "fp32") is expect
+        ids = passkey_ids(tok, 200, 0.5, "24680")
+        assert score_prompt(model, ids, torch.device("cpu"), "fp32") is expect
 
 
 def test_passkey_lengths_that_do_not_fit_are_not_zeros(trained, tmp_path):
