@@ -77,24 +77,23 @@ class PasskeySource:
             source.fingerprint += "-runs"
         return source
 
-    def _cuts(self) -> list[int]:
-        """How many documents each `length`-token unit is cut into."""
-        return [1 if self.pieces is None else self.pieces[i % len(self.pieces)] for i in range(self.num_docs)]
+    def _layout(self) -> list[tuple[str, int]]:
+        """(name, length in tokens) of each document, in order: unit i of `length` tokens whole, or
+        cut into pieces[i % len(pieces)] documents of equal length."""
+        if self.pieces is None:
+            return [(f"passkey-{i}", self.length) for i in range(self.num_docs)]
+        cuts = (self.pieces[i % len(self.pieces)] for i in range(self.num_docs))
+        return [(f"passkey-{i}.{j}", self.length // n) for i, n in enumerate(cuts) for j in range(n)]
 
     def names(self) -> list[str]:
         """The documents' names, in order, without building their texts."""
-        if self.pieces is None:
-            return [f"passkey-{i}" for i in range(self.num_docs)]
-        return [f"passkey-{i}.{j}" for i, n in enumerate(self._cuts()) for j in range(n)]
+        return [name for name, _ in self._layout()]
 
     def documents(self) -> Iterator[tuple[str, str]]:
         rng = np.random.default_rng(self.seed)
         if self.kind == "dense":
-            names = iter(self.names())
-            for n in self._cuts():
-                for _ in range(n):
-                    yield next(names), dense_document(self.length // n, self.pairs, self.key_digits, rng,
-                                                      self.count_tokens)[0]
+            for name, length in self._layout():
+                yield name, dense_document(length, self.pairs, self.key_digits, rng, self.count_tokens)[0]
             return
         for i, name in enumerate(self.names()):
             depth = self.depths[i % len(self.depths)] if self.depths else float(rng.uniform())
