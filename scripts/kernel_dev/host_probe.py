@@ -13,6 +13,13 @@ synchronisation before it is outside the timing): its true host cost. Then, per 
   (torch.autograd.set_multithreading_enabled(False)), so that it does see them;
 - the same calls with every Triton/Gluon launch made a no-op: our Python alone.
 Prints everything, and writes DIR/host_probe.json.
+
+    python scripts/kernel_dev/host_probe.py --timeline --out DIR
+
+prints instead one forward+backward of each (SDPA, ours, the native `x * 1.0`) as a timeline: every
+host event of the call on every thread, by start time, nested, with its thread: where the engine's
+thread waits (its wake-up after the calling thread hands it the graph, and back) and which ops it
+runs. Writes DIR/host_timeline.json.
 """
 from __future__ import annotations
 
@@ -108,6 +115,46 @@ def python_function_cost(qkv, q, dout) -> dict:
     return found
 
 
+def timeline(step, calls: int = 12, depth: int = 3) -> list[dict]:
+    """One call's host events on every thread (torch.profiler), in start order, microseconds from
+    the call's start: the last of `calls` profiled calls, so that caches are warm."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with record_function("probe_call"):
+                step()
+            torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    call = [e for e in events if e.name == "probe_call"][-1]
+    t0, t1 = call.time_range.start, call.time_range.end
+
+    def level(e):
+        n = 0
+        while e.cpu_parent is not None:
+            e, n = e.cpu_parent, n + 1
+        return n
+    rows = []
+    for e in events:
+        if t0 <= e.time_range.start <= t1 and e is not call:
+            d = level(e)
+            if d <= depth:
+                rows.append({"start": e.time_range.start - t0, "us": e.time_range.end - e.time_range.start,
+                             "thread": e.thread, "depth": d, "name": e.name})
+    rows.sort(key=lambda r: r["start"])
+    return [{"start": 0.0, "us": t1 - t0, "thread": call.thread, "depth": 0, "name": "the call"}] + rows
+
+
+def print_timeline(name: str, rows: list[dict]) -> None:
+    threads = {}
+    print(f"--- timeline: {name} (us from the call's start; thread numbers in order of appearance)")
+    for r in rows:
+        t = threads.setdefault(r["thread"], len(threads))
+        print(f"{r['start']:9.1f} {r['us']:8.1f}  t{t} {'  ' * r['depth']}{r['name'][:90]}")
+
+
 def stub_launches():
     from triton.runtime.autotuner import Autotuner
 
@@ -126,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = _common.argument_parser(__doc__)
     parser.add_argument("--out", type=Path, help="folder for host_probe.json")
     parser.add_argument("--shape", default="16/1024/12/64", help="B/T/H/D")
+    parser.add_argument("--timeline", action="store_true", help="only one call of each as a timeline of host events")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: the probe times CUDA calls (bench_attention_host.py --stub times the Python alone)")
@@ -139,6 +187,21 @@ def main(argv: list[str] | None = None) -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "shape": args.shape, "rows": {}}
     fns = {"sdpa-default": sdpa_attention, "ours-auto": flash_attention}
+    if args.timeline:
+        steps = {name: (lambda attn=attn: torch.autograd.grad(attn(q, k, v, causal=True), qkv, dout))
+                 for name, attn in fns.items()}
+        steps["native q * 1.0"] = lambda: torch.autograd.grad(q * 1.0, qkv, dout)
+        found = {}
+        for name, step in steps.items():
+            for threads in ("engine thread", "calling thread"):
+                torch.autograd.set_multithreading_enabled(threads == "engine thread")
+                found[f"{name}, {threads}"] = rows = timeline(step)
+                print_timeline(f"{name}, {threads}", rows)
+            torch.autograd.set_multithreading_enabled(True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "host_timeline.json").write_text(json.dumps({**result, "timelines": found}, indent=1))
+        return
     for name, attn in fns.items():
         def forward():
             return attn(q, k, v, causal=True)
