@@ -124,7 +124,8 @@ def _bwd_kv_tile(dk, dv, k, v, Q_bh, dO_bh, Lse_bh, Delta_bh, Docs_b, dQ_bh, q_o
         seen = (offs_m[None, :] < n_q) & (offs_n[:, None] >= row_lo[None, :]) & (offs_n[:, None] < row_hi[None, :])
         p_t = tl.where(seen, p_t, 0.0)
     if DROPOUT_P > 0:  # the forward's mask, transposed; dV's 1 / (1 - p) is applied in the epilogue
-        keep_t = tl.trans(dropout_keep(seed, offset, bh, offs_m, start_n, offs_n.shape[0], DROPOUT_P).to(tl.int8)) != 0
+        keep_t = tl.trans(dropout_keep(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0],
+                                      DROPOUT_P).to(tl.int8)) != 0
         dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
     else:
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -295,7 +296,7 @@ def _delta_and_lse(Out, Lse, Delta, b, h, n_heads, stride_ob, stride_on, stride_
 
 @triton.jit
 def _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-                start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, offs_m,
+                start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, start_m,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
                 SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr):
     """Add keys [start_n, start_n + BLOCK_N)'s contribution to this program's dQ."""
@@ -310,7 +311,7 @@ def _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, st
         p = tl.where(visible(start_n + offs_n, row_lo, row_hi), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT_P > 0:  # the forward's mask: dL/dP is 0 where dropped, scaled by 1 / (1 - p) where kept
-        keep = dropout_keep(seed, offset, bh, offs_m, start_n, offs_n.shape[0], DROPOUT_P)
+        keep = dropout_keep(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0], DROPOUT_P)
         dp = tl.where(keep, dp * (1.0 / (1.0 - DROPOUT_P)), 0.0)
     ds = p * (dp - delta[:, None])
     if SOFTCAP > 0:
@@ -365,7 +366,7 @@ def flash_bwd_q_kernel(
         for start_n in range(first, end, BLOCK_N):
             dq = _bwd_q_tile(dq, q, do, lse, delta, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
                              start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset,
-                             b * n_heads + h, offs_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P)
+                             b * n_heads + h, start_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P)
 
     store_tile(dQ + b * stride_dqb + h * stride_dqh, start_m, stride_dqn,
                tile_offsets(rows_m, offs_d, stride_dqn, stride_dqd), rows_m, n_q, offs_d, dq * sm_scale, HEAD_DIM)

@@ -50,7 +50,7 @@ from kernels.tuning import fwd_configs, fwd_prune, persistent
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
-              start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, offs_m,
+              start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, start_m,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
               SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of a query tile."""
@@ -76,7 +76,7 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     p = tl.math.exp2(s * scale - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums every probability, dropped or not
     if DROPOUT_P > 0:  # the dropped ones leave O; 1 / (1 - p) scales it at the end
-        p = tl.where(dropout_keep(seed, offset, bh, offs_m, start_n, offs_n.shape[0], DROPOUT_P), p, 0.0)
+        p = tl.where(dropout_keep(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0], DROPOUT_P), p, 0.0)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -147,7 +147,7 @@ def flash_fwd_kernel(
         for start_n in range(first, end, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
                                       start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh,
-                                      offs_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P)
+                                      start_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P)
 
     if DROPOUT_P > 0:
         acc = acc * (1.0 / (1.0 - DROPOUT_P))

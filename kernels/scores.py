@@ -31,12 +31,18 @@ forward and both backward kernels regenerate the same mask for any tile shape. F
 (i, j) of head h of batch row b, one Philox4x32 call with
 
     key     = the call's 64-bit seed
-    counter = (j // 8, i, b * H + h, the call's offset)
+    counter = (j with bits 0 and 3 cleared, i with bit 3 cleared, b * H + h, the call's offset)
 
-gives 128 bits for the 8 keys 8(j // 8) ... 8(j // 8) + 7; key j takes bits [16 (j % 2), 16 (j % 2) + 16)
-of word (j // 2) % 4, and is kept iff those 16 bits, read as an integer, are below
-round((1 - p) 2^16) (so the kept probability is within 2^-17 of 1 - p). Seven rounds, as
-FlashAttention-2 uses (Philox4x32-7 passes the BigCrush battery; ten is cuRAND's margin).
+gives 128 bits for the 8 scores (i | 8a, j | 8c | d), a, c, d in {0, 1}: score (i, j) takes word
+2 (i bit 3) + (j bit 3) and, of it, the 16 bits from 16 (j bit 0) up, and is kept iff those 16
+bits, read as an integer, are below round((1 - p) 2^16) (so the kept probability is within 2^-17
+of 1 - p). Why those bits: in the layout of a tensor-core accumulator (mma and wgmma alike) row
+bit 3 and column bits 0 and 3 are registers of one thread, so a thread's 8 scores of a call are
+its own, and the compiler, given the counter as a tile start plus a masked arange, computes each
+call once and moves no score between threads (kernels/LOG.md, 2026-12-04). The dK/dV kernel
+works on S^T, where key bit 0 is a lane: there two threads compute each call, with no exchange
+either. Seven rounds, as FlashAttention-2 uses (Philox4x32-7 passes the BigCrush battery; ten is
+cuRAND's margin).
 The seed and offset are two int64 drawn per call from torch's generator on q's device
 (`dropout_seed`): the backward reads the same two numbers, a resumed run that restored the
 generator draws the same ones, and torch.compile traces the draw. `dropout_mask` launches the
@@ -53,7 +59,6 @@ import triton.language as tl
 from kernels.checks import INTERPRET
 from kernels.tiles import LOG2E
 
-KEYS_PER_CALL = 8     # 16 random bits per score from one Philox4x32 call
 PHILOX_ROUNDS = tl.constexpr(7)
 HARDWARE_TANH = tl.constexpr(not INTERPRET)   # PTX runs on the GPU only
 
@@ -121,17 +126,21 @@ def dropout_seed_of(Rng, DROPOUT_P: tl.constexpr):
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, rows, start_n, BLOCK_N: tl.constexpr, DROPOUT_P: tl.constexpr):
-    """(len(rows), BLOCK_N) booleans: whether score (row, start_n + c) of head bh (b * H + h) is kept.
-    start_n is a multiple of 8 (the key tiles' starts are multiples of BLOCK_N >= 16)."""
-    tl.static_assert(BLOCK_N % 8 == 0, "a Philox call gives the bits of 8 consecutive keys")
+def dropout_keep(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DROPOUT_P: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) booleans: whether score (start_m + r, start_n + c) of head bh (b * H + h)
+    is kept. start_m and start_n are multiples of 16, as every tile's start is."""
     KEEP: tl.constexpr = int((1.0 - DROPOUT_P) * 65536 + 0.5)
-    zero = (rows[:, None] * 0 + tl.arange(0, BLOCK_N // 8)[None, :] * 0).to(tl.uint32, bitcast=True)
-    groups = zero + (start_n // 8 + tl.arange(0, BLOCK_N // 8))[None, :].to(tl.uint32, bitcast=True)
-    queries = zero + rows[:, None].to(tl.uint32, bitcast=True)
-    w0, w1, w2, w3 = tl.philox(seed, groups, queries, zero + bh.to(tl.uint32), zero + offset, PHILOX_ROUNDS)
-    words = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))    # key pair 4g + w: word w
-    bits = tl.interleave(words & 0xFFFF, words >> 16)                       # key 8g + 2w + half
+    r = tl.arange(0, BLOCK_M)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    zero = (r * 0 + c * 0).to(tl.uint32)
+    # the call's counter: the score's coordinates with row bit 3 and key bits 0 and 3 cleared, taken
+    # from the tile's own arange so that the compiler sees which of a thread's scores share a call
+    keys = zero + (start_n + (c & ~9)).to(tl.uint32, bitcast=True)
+    queries = zero + (start_m + (r & ~8)).to(tl.uint32, bitcast=True)
+    w0, w1, w2, w3 = tl.philox(seed, keys, queries, zero + bh.to(tl.uint32), zero + offset, PHILOX_ROUNDS)
+    word = tl.where((r & 8) != 0, tl.where((c & 8) != 0, w3, w2), tl.where((c & 8) != 0, w1, w0))
+    bits = tl.where((c & 1) != 0, word >> 16, word & 0xFFFF)
     return bits < KEEP
 
 
@@ -142,10 +151,11 @@ def dropout_mask_kernel(Rng, Mask, n_heads, n_q, n_k, DROPOUT_P: tl.constexpr,
     cdiv(n_k, BLOCK_N), B * H)."""
     seed, offset = dropout_seed_of(Rng, DROPOUT_P)
     bh = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = tl.program_id(0) * BLOCK_M
     start_n = tl.program_id(1) * BLOCK_N
+    rows = start_m + tl.arange(0, BLOCK_M)
     cols = start_n + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(seed, offset, bh, rows, start_n, BLOCK_N, DROPOUT_P)
+    keep = dropout_keep(seed, offset, bh, start_m, start_n, BLOCK_M, BLOCK_N, DROPOUT_P)
     ptrs = Mask + bh.to(tl.int64) * n_q * n_k + rows[:, None].to(tl.int64) * n_k + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows < n_q)[:, None] & (cols < n_k)[None, :])
 

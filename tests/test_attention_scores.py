@@ -11,6 +11,7 @@ and the same seed gives the same mask, another seed another one. On a CPU the ke
 Triton's interpreter at tiny shapes; on CUDA the same cases run in bfloat16/float16, larger.
 """
 import contextlib
+import itertools
 import math
 
 import pytest
@@ -179,8 +180,9 @@ def test_dropout_with_documents_a_window_softcap_and_sinks(deterministic):
 
 
 def test_dropout_keeps_one_minus_p_of_the_scores():
-    """Kept fractions within 5 standard deviations of 1 - p: overall, per key position within a
-    Philox call's 8 keys, per head, and for neighbouring scores kept together (independence)."""
+    """Kept fractions within 5 standard deviations of 1 - p: overall, for each of the 8 scores of a
+    Philox call (row bit 3 x key bits 0 and 3), per head, and for scores kept together (independence):
+    neighbouring keys and rows, and the pairs 8 apart that share a call."""
     for p in (0.1, 0.5):
         mask = dropout_mask(dropout_seed(DEVICE), p, 1, 4, 64, 256).double()
         keep = 1 - p
@@ -189,14 +191,17 @@ def test_dropout_keeps_one_minus_p_of_the_scores():
             return abs(fraction - want) <= 5 * math.sqrt(want * (1 - want) / n)
 
         assert near(mask.mean().item(), mask.numel())
-        for j in range(8):
-            assert near(mask[..., j::8].mean().item(), mask[..., j::8].numel()), (p, j)
+        rows, cols = torch.arange(64, device=DEVICE), torch.arange(256, device=DEVICE)
+        for a, c, d in itertools.product((0, 1), repeat=3):
+            picked = mask[..., ((rows >> 3) & 1) == a, :][..., ((cols >> 3) & 1 == c) & (cols & 1 == d)]
+            assert near(picked.mean().item(), picked.numel()), (p, a, c, d)
         for h in range(4):
             assert near(mask[:, h].mean().item(), mask[:, h].numel()), (p, h)
-        pairs = mask[..., 1:] * mask[..., :-1]
-        assert near(pairs.mean().item(), pairs.numel(), keep * keep)
-        rows = mask[..., 1:, :] * mask[..., :-1, :]
-        assert near(rows.mean().item(), rows.numel(), keep * keep)
+        for step in (1, 8):
+            pairs = mask[..., step:] * mask[..., :-step]
+            assert near(pairs.mean().item(), pairs.numel(), keep * keep), (p, "keys", step)
+            pairs = mask[..., step:, :] * mask[..., :-step, :]
+            assert near(pairs.mean().item(), pairs.numel(), keep * keep), (p, "rows", step)
 
 
 def test_same_seed_same_mask_another_seed_another_mask():
