@@ -235,7 +235,7 @@ def gluon_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Gluon backward as one opaque op: dq, dk, dv (dk, dv summed over each GQA group) and Delta."""
     dq, dk, dv, delta = _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds, window,
-                                        deterministic, softcap=softcap, dropout_p=dropout_p)
+                                        deterministic, softcap=softcap, dropout_p=dropout_p, rng=rng)
     return dq, dk, dv, delta.contiguous()   # the fake's layout (Delta is a view of a padded buffer)
 
 
@@ -256,9 +256,8 @@ def _gluon_forward(q, k, v, causal, softmax_scale, doc_bounds=None, window=0, ca
 def _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=None, window=0, deterministic=True,
                     cache=None, key=(), *, softcap=0.0, dropout_p=0.0, rng=None):
     # sinks need nothing here: lse includes them (kernels/scores.py)
-    assert not dropout_p, "the plan runs dropout on the Triton backward"
     return gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, cache=cache, key=key,
-                          softcap=softcap)
+                          softcap=softcap, dropout_p=dropout_p, rng=rng)
 
 
 # ---- the families, the autograd formula and the entry point ------------------------------------

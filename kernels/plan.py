@@ -15,7 +15,8 @@ kernels/flash_op.py's FAMILIES) with its variant and, where it is fixed, its til
 What decides it is a `Setting`: the GPU architecture, dtype, head dim, causal, the kind of mask,
 the length, whether TMA can read q, k and v, determinism, what the call does to its scores besides
 masking them (attention dropout, soft-capping, sinks: kernels/scores.py; the Gluon forward computes
-none of them, the Gluon backward soft-capping and sinks, which it needs only the LSE for), and the
+none of them; the Gluon backward all three: it regenerates the forward's dropout mask, caps the
+scores it recomputes and needs only the LSE for sinks), and the
 user's word for each direction:
 "triton" or "gluon" (run that family, or refuse in one line why it cannot), "auto" (the Gluon
 kernel where it runs and was measured faster on the H200, from the lengths in GLUON_FROM; the
@@ -131,10 +132,10 @@ def _direction(s: Setting, direction: str) -> Direction:
 
 
 def _scores_refusal(s: Setting, direction: str) -> str | None:
-    """What the Gluon kernels do not compute (kernels/scores.py): dropout in either direction,
-    soft-capping and sinks in the forward (the backward caps the scores it recomputes, and takes the
-    sinks in through the forward's LSE)."""
-    missing = [what for what, on in (("attention dropout", s.dropout),
+    """What the Gluon kernels do not compute (kernels/scores.py): dropout, soft-capping and sinks in
+    the forward (the backward regenerates the forward's dropout mask, caps the scores it recomputes,
+    and takes the sinks in through the forward's LSE)."""
+    missing = [what for what, on in (("attention dropout", s.dropout and direction == "forward"),
                                      ("logit soft-capping", s.softcap and direction == "forward"),
                                      ("attention sinks", s.sinks and direction == "forward")) if on]
     return f"it implements no {' or '.join(missing)}" if missing else None
@@ -163,7 +164,8 @@ def _gluon(s: Setting, direction: str) -> Direction:
     if direction == "forward":
         variant = forward.DEFAULT_VARIANTS[s.head_dim]
         return Direction("gluon", variant, forward.tiles(variant, s.head_dim))
-    return Direction("gluon", "deterministic" if s.deterministic else "atomic", backward.tiles(s.head_dim, s.softcap))
+    return Direction("gluon", "deterministic" if s.deterministic else "atomic",
+                     backward.tiles(s.head_dim, s.softcap or s.dropout))
 
 
 def call_setting(q, k, v, causal: bool, mask: str, deterministic: bool, choice: tuple[str, str],

@@ -273,6 +273,21 @@ def test_softcap_through_the_gluon_backward(shape, causal, dtype, deterministic)
     check(q, k, v, do, causal, sinks=sinks, softcap=5.0, deterministic=deterministic, kernel=("triton", "gluon"))
 
 
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 (Hopper) GPU")
+@DETERMINISTIC
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 64), (1, 300, 517, 4, 4, 128), (1, 517, 300, 4, 1, 64)],
+                         ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dropout_through_the_gluon_backward(shape, causal, dtype, deterministic):
+    """The Gluon backward regenerates the Triton forward's mask bit for bit (the reference applies
+    the mask dropout_mask draws, so one score kept differently fails): GQA split and not, ragged
+    tiles, Nq != Nk; soft-capping and sinks with it on the first shape."""
+    q, k, v, do = make_inputs(*shape, dtype)
+    more = dict(softcap=5.0, sinks=heads(shape[3])) if shape[3] == 8 else {}
+    check(q, k, v, do, causal, dropout_p=0.2, deterministic=deterministic, kernel=("triton", "gluon"), **more)
+
+
 @requires_cuda
 def test_torch_compile_fullgraph_traces_every_option():
     """torch.compile(fullgraph=True) traces soft-capping, sinks and the dropout seed's draw; with

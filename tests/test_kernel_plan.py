@@ -76,14 +76,14 @@ def test_settings_the_gluon_kernels_refuse(changes, match):
 
 
 @pytest.mark.parametrize("changes, directions, match", [
-    (dict(dropout=True), ("forward", "backward"), "it implements no attention dropout"),
+    (dict(dropout=True), ("forward",), "it implements no attention dropout"),
     (dict(softcap=True), ("forward",), "it implements no logit soft-capping"),
     (dict(sinks=True), ("forward",), "it implements no attention sinks"),
     (dict(dropout=True, softcap=True, sinks=True), ("forward",),
      "it implements no attention dropout or logit soft-capping or attention sinks"),
 ])
 def test_score_options_the_gluon_kernels_refuse(changes, directions, match):
-    """The Gluon kernels have no dropout, soft-capping or sinks (kernels/scores.py): 'gluon' is refused
+    """The Gluon forward has no dropout, soft-capping or sinks (kernels/scores.py): 'gluon' is refused
     in one line naming it, and 'auto' runs Triton there even where Gluon was measured faster."""
     for direction in directions:
         with pytest.raises(ValueError, match=f"cannot run the {direction} of this call: {match} "
@@ -93,10 +93,10 @@ def test_score_options_the_gluon_kernels_refuse(changes, directions, match):
         assert getattr(plan, direction).family == "triton"
 
 
-@pytest.mark.parametrize("option", ["sinks", "softcap"])
-def test_sinks_and_softcap_keep_the_gluon_backward(option):
-    """The backward takes the sinks in through the forward's LSE and caps the scores it recomputes,
-    so Gluon's serves both."""
+@pytest.mark.parametrize("option", ["sinks", "softcap", "dropout"])
+def test_score_options_keep_the_gluon_backward(option):
+    """The backward takes the sinks in through the forward's LSE, caps the scores it recomputes and
+    regenerates the forward's dropout mask, so Gluon's serves all three."""
     plan = plan_kernels(setting(**{option: True}, length=1 << 20))
     assert (plan.forward.family, plan.backward.family) == ("triton", "gluon")
     assert plan_kernels(setting(**{option: True}, backward="gluon")).backward.family == "gluon"

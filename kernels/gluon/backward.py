@@ -57,6 +57,12 @@ accumulator in q's dtype and layout (and `gluon_bwd_dkdv_kernel` sums GQA's dK/d
 Soft-capping (kernels/scores.py): S^T is capped as the forward capped it, P^T follows from the capped
 scores, and the cap's derivative 1 - tanh^2 is folded into the P^T that dS^T reads.
 
+Dropout (kernels/scores.py): each step regenerates the forward's keep mask of its S^T tile from the
+call's seed, with the same Philox calls the Triton kernels make, between issuing the S^T and dP^T
+wgmmas and waiting for them, so that the mask's integer arithmetic runs beside the tensor cores.
+dV sums the dropped P^T (its 1 / (1 - p) applied once, to the finished dV); dP^T is zeroed where
+dropped and scaled where kept before dS^T = P^T (dP^T - Delta), P^T undropped.
+
 Tiles (TILES): head dim 64, 128 queries x 128 keys (64 x 128 when soft-capped: SOFTCAP_TILES); head
 dim 128, 64 x 128 (the dK, dV, S^T and dP^T accumulators and the dQ tile must fit 240 registers). Causal: query tiles that see none of a key
 tile's keys are never visited, and only those that see some but not all run the masked step.
@@ -77,6 +83,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, device_arch, softmax_scale_for
 from kernels.gluon import compat, descriptors, refusal, tma_refusal, tma_strides
 from kernels.launch import cdiv, launch
+from kernels.scores import PHILOX_ROUNDS
 from kernels.tiles import LOG2E
 
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring,
@@ -90,9 +97,10 @@ TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False,
          128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
                   HANDOFF_AT_END=True)}
 SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
-# Soft-capping keeps tanh's tile alive from S^T to dS^T: at head dim 64 the 128-query step then
-# spills ~1 KB a thread (ptxas, triton 3.6), the 64-query one nothing, so capped calls take it.
-SOFTCAP_TILES = {64: dict(BLOCK_M=64)}
+# Soft-capping keeps tanh's tile alive from S^T to dS^T, and dropout its keep mask: at head dim 64
+# the 128-query step then spills ~1 KB a thread (ptxas, triton 3.6), the 64-query one nothing, so
+# soft-capped and dropout calls take it.
+SCORE_TILES = {64: dict(BLOCK_M=64)}
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.
@@ -259,9 +267,9 @@ def _stage_range(STAGE: gl.constexpr, lo, mid, n_m):
 
 @gluon.jit
 def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
-          ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale,
+          ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset, bh,
           CAUSAL: gl.constexpr, MASK: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-          HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr):
+          HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr):
     """Consumer step i over query tile start_m: accumulate dK and dV, leave the dQ share in its buffer.
     The schedule flags (TILES) order the same work differently: DV_EARLY issues dV += P^T dO before
     dP^T is waited for; DQ_OVERLAP stores dQ while dK += dS^T Q runs; HANDOFF_AT_END hands the step's
@@ -286,6 +294,8 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     lse2 = _row_vector(lse_bufs.index(s), s_layout)
+    if DROPOUT_P > 0:   # the forward's mask, drawn while the tensor cores compute S^T and dP^T
+        keep_t = _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N, BLOCK_M, s_layout, DROPOUT_P)
     s_t = warpgroup_mma_wait(1, deps=(s_t,))
     if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
         u = _hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
@@ -300,7 +310,10 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
             seen = seen & (keys[:, None] <= queries[None, :] + (n_k - n_q))
         p_t = gl.where(seen, p_t, 0.0)
     # A operands in registers are read while their wgmma runs: they stay in the final wait's deps
-    p_op = gl.convert_layout(p_t.to(k_s.dtype), a_layout)
+    if DROPOUT_P > 0:   # dV sums the dropped P^T; its 1 / (1 - p) is applied once, at the end
+        p_op = gl.convert_layout(gl.where(keep_t, p_t, 0.0).to(k_s.dtype), a_layout)
+    else:
+        p_op = gl.convert_layout(p_t.to(k_s.dtype), a_layout)
     if SOFTCAP > 0:   # dS = P (dP - Delta) (1 - u^2): fold the cap's derivative into the P that dS reads
         p_t = p_t * (1.0 - u * u)
     if DV_EARLY:   # dV queued behind dP^T: the tensor cores run it while dS is computed and stored
@@ -310,6 +323,8 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
     else:
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+    if DROPOUT_P > 0:   # dL/dP: 0 where dropped, scaled by 1 / (1 - p) where kept; dS reads the undropped P
+        dp_t = gl.where(keep_t, dp_t * (1.0 / (1.0 - DROPOUT_P)), 0.0)
     ds_t = (p_t * (dp_t - delta[None, :])).to(k_s.dtype)
     ds_s.store(ds_t)
     if not DV_EARLY:
@@ -349,8 +364,47 @@ def _hardware_tanh(x):
 
 
 @gluon.jit
-def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL: gl.constexpr, DV_EARLY: gl.constexpr,
-               DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr):
+def _philox(seed, c0, c1, c2, c3, ROUNDS: gl.constexpr):
+    """Philox4x32 as triton.language.philox computes it: the Triton forward draws the mask with that
+    one, and this backward must regenerate it bit for bit (tests/test_attention_scores.py)."""
+    seed = seed.to(gl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+    for _ in gl.static_range(ROUNDS):
+        a0 = c0
+        a2 = c2
+        c0 = gl.umulhi(0xCD9E8D57, a2) ^ c1 ^ k0
+        c2 = gl.umulhi(0xD2511F53, a0) ^ c3 ^ k1
+        c1 = a2 * 0xCD9E8D57
+        c3 = a0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                    layout: gl.constexpr, DROPOUT_P: gl.constexpr):
+    """(BLOCK_N, BLOCK_M) booleans in `layout`: whether the forward kept score (query start_m + c, key
+    start_n + r), the draw of kernels/scores.py's dropout_keep, transposed. Key bit 0 is a lane of
+    the S^T accumulator, so two threads compute each Philox call; row and column bit 3 are
+    registers, so a thread computes each of its calls once."""
+    KEEP: gl.constexpr = int((1.0 - DROPOUT_P) * 65536 + 0.5)
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))[:, None]
+    c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))[None, :]
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.uint32, layout)
+    keys = zero + (start_n + (r & ~9)).to(gl.uint32, bitcast=True)
+    queries = zero + (start_m + (c & ~8)).to(gl.uint32, bitcast=True)
+    w0, w1, w2, w3 = _philox(seed, keys, queries, zero + bh.to(gl.uint32), zero + offset, PHILOX_ROUNDS)
+    word = gl.where((c & 8) != 0, gl.where((r & 8) != 0, w3, w2), gl.where((r & 8) != 0, w1, w0))
+    bits = gl.where((r & 1) != 0, word >> 16, word & 0xFFFF)
+    return bits < KEEP
+
+
+@gluon.jit
+def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, CAUSAL: gl.constexpr, DV_EARLY: gl.constexpr,
+               DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr,
+               DROPOUT_P: gl.constexpr):
     """The two consumer warpgroups: every step of the program, then dK (unscaled) and dV, float32."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
@@ -363,6 +417,11 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL: gl.constexpr
     kv_layout: gl.constexpr = _acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    seed = 0
+    offset = 0
+    if DROPOUT_P > 0:   # the call's seed and offset (kernels/scores.py, dropout_seed_of)
+        seed = gl.load(Rng)
+        offset = gl.load(Rng + 1).to(gl.uint32)
     mbarrier.wait(kv_bar, 0)
     i = 0
     for g in range(group):
@@ -370,12 +429,15 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL: gl.constexpr
             first, end = _stage_range(stage, lo, mid, n_m)
             for m in range(first, end):
                 dk, dv = _step(i, m * BLOCK_M, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
-                               ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, CAUSAL, stage == 0,
-                               DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END, SOFTCAP)
+                               ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset,
+                               b * n_heads + h0 + g, CAUSAL, stage == 0, DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END,
+                               SOFTCAP, DROPOUT_P)
                 i += 1
     if not HANDOFF_AT_END:
         compat.thread_barrier()   # the last step's dQ is in its buffer
         mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
+    if DROPOUT_P > 0:
+        dv = dv * (1.0 / (1.0 - DROPOUT_P))
     return dk, dv
 
 
@@ -511,14 +573,16 @@ def _store_dk_dv_share(DKpart, DVpart, dk, dv, bh, start_n, n_k):
 
 @gluon.jit(do_not_specialize=["n_heads", "n_kv_heads", "n_q", "n_k", "n_q_pad"])
 def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-                     Sem, Ticket, DKpart, DVpart, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
+                     Sem, Ticket, DKpart, DVpart, Rng, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
                      STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
                      DETERMINISTIC: gl.constexpr, SPLIT_GROUP: gl.constexpr, DV_EARLY: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr = 0.0):
+                     DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr = 0.0,
+                     DROPOUT_P: gl.constexpr = 0.0):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,), or (cdiv(Nk, BLOCK_N) * B * H,) with SPLIT_GROUP.
     Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
     and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
-    blocks [BLOCK_M, D]. DKpart, DVpart: SPLIT_GROUP's (B H, Nk, D) float32 shares of dK and dV."""
+    blocks [BLOCK_M, D]. DKpart, DVpart: SPLIT_GROUP's (B H, Nk, D) float32 shares of dK and dV. Rng:
+    with DROPOUT_P > 0, the call's seed and offset (kernels/scores.py); None otherwise."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -533,8 +597,8 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, Sem)
     sizes = (n_heads, n_q, n_k, n_q_pad)
     dk, dv = gl.warp_specialize([
-        (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, CAUSAL, DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END,
-                      SOFTCAP)),
+        (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, CAUSAL, DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END,
+                      SOFTCAP, DROPOUT_P)),
         (_producer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL)),
         (_dq_writer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL, DETERMINISTIC)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -550,14 +614,15 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def config_for(head_dim: int, softcap: bool = False, config: dict | None = None) -> dict:
-    """TILES of a head dim, with SOFTCAP_TILES' changes for soft-capped calls and `config`'s on top."""
-    return dict(TILES[head_dim], **(SOFTCAP_TILES.get(head_dim, {}) if softcap else {}), **(config or {}))
+def config_for(head_dim: int, scores: bool = False, config: dict | None = None) -> dict:
+    """TILES of a head dim, with SCORE_TILES' changes for soft-capped or dropout calls (`scores`) and
+    `config`'s on top."""
+    return dict(TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if scores else {}), **(config or {}))
 
 
-def tiles(head_dim: int, softcap: bool = False) -> str:
-    """The tiles of a head dim, as a kernel plan names them."""
-    cfg = config_for(head_dim, softcap)
+def tiles(head_dim: int, scores: bool = False) -> str:
+    """The tiles of a head dim, as a kernel plan names them (`scores`: soft-capped or dropout)."""
+    cfg = config_for(head_dim, scores)
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}, {cfg['STAGES']} stages"
 
 
@@ -579,13 +644,14 @@ def launch_options() -> dict:
 
 
 def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
-                     deterministic: bool = True, config: dict | None = None, softcap: float = 0.0):
+                     deterministic: bool = True, config: dict | None = None, softcap: float = 0.0,
+                     dropout_p: float = 0.0):
     """The main kernel compiled for sm_90a without a GPU (a launch's signature: descriptors, the
     pointers 16-byte aligned): CI checks it compiles, and kernel reports read its registers."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = config_for(head_dim, softcap > 0, config)
+    cfg = config_for(head_dim, softcap > 0 or dropout_p > 0, config)
     qlay, klay, llay, dqlay = _layouts(dtype, cfg["BLOCK_M"], cfg["BLOCK_N"], head_dim)
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -597,15 +663,16 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                  "do_desc": desc(q_block, qlay), "dk_desc": desc(k_block, klay), "dv_desc": desc(k_block, klay),
                  "lse_desc": desc([1, cfg["BLOCK_M"]], llay, "fp32"), "delta_desc": desc([1, cfg["BLOCK_M"]], llay, "fp32"),
                  "dq_desc": desc([cfg["BLOCK_M"], head_dim], dqlay, "fp32"), "Sem": "*i32", "Ticket": "*i32",
-                 "DKpart": "*fp32", "DVpart": "*fp32",
+                 "DKpart": "*fp32", "DVpart": "*fp32", "Rng": "*i64" if dropout_p > 0 else "constexpr",
                  "n_heads": "i32", "n_kv_heads": "i32", "n_q": "i32", "n_k": "i32", "n_q_pad": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32"}
     consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                   SPLIT_GROUP=bool(cfg.get("SPLIT_GROUP")), **{flag: cfg[flag] for flag in SCHEDULE},
-                  SOFTCAP=float(softcap))
+                  SOFTCAP=float(softcap), DROPOUT_P=float(dropout_p), **({} if dropout_p > 0 else {"Rng": None}))
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("Sem", "Ticket", "DKpart", "DVpart")}
+    pointers = ("Sem", "Ticket", "DKpart", "DVpart") + (("Rng",) if dropout_p > 0 else ())
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in pointers}
     source = GluonASTSource(fn=gluon_bwd_kernel, signature={n: signature[n] for n in names}, constexprs=consts,
                             attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch_options())
@@ -646,12 +713,13 @@ def _descriptor(t: torch.Tensor, block: list[int], layout) -> TensorDescriptor:
 
 
 def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, cache=None, key=(),
-                    config: dict | None = None, softcap: float = 0.0):
+                    config: dict | None = None, softcap: float = 0.0, dropout_p: float = 0.0, rng=None):
     """The launches on inputs a kernel plan has accepted (no checks: kernels/flash_op.py's path);
-    `cache` and `key` as kernels/launch.py's, `config` overrides TILES (the benchmarks')."""
+    `cache` and `key` as kernels/launch.py's, `config` overrides TILES (the benchmarks'); dropout_p
+    and rng (kernels/scores.py's dropout_seed) as the forward's."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    cfg = config_for(D, softcap > 0, config)
+    cfg = config_for(D, softcap > 0 or dropout_p > 0, config)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     n_m = cdiv(n_q, block_m)
     n_q_pad = n_m * block_m
@@ -680,11 +748,12 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
               ([1, block_m], llay), ([1, block_m], llay), ([block_m, D], dqlay))
     described = descriptors(cache, ("gluon-bwd-tma", *key), tensors,
                             lambda: [_descriptor(t, *block) for t, block in zip(tensors, blocks)])
-    args = (*described, sem, ticket, shares[0], shares[1], H, h_kv, n_q, n_k, n_q_pad, scale * LOG2E.value, scale)
+    args = (*described, sem, ticket, shares[0], shares[1], rng if dropout_p > 0 else None, H, h_kv, n_q, n_k,
+            n_q_pad, scale * LOG2E.value, scale)
     launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * (H if split else h_kv),), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                 SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, SOFTCAP=float(softcap),
-                **launch_options()), cache,
+                DROPOUT_P=float(dropout_p), **launch_options()), cache,
            ("gluon-bwd", *key))
     if split:
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,
