@@ -11,7 +11,9 @@ soft-capping at 50 (Gemma 2's attention cap); sinks (one per head, drawn N(0, 1)
 taken); all three. Each case runs under two kernel words: `auto`, the plan a training run gets
 (the Gluon backward where it was measured faster, which the plan refuses for dropout and
 soft-capping, so their `auto` also pays for the Triton backward), and `triton`, both directions on
-the Triton kernels (the option's own cost, the family held fixed). Forward, backward
+the Triton kernels (the option's own cost, the family held fixed); and beside them `sdpa`, PyTorch's
+scaled_dot_product_attention left to pick its backend, for none and dropout (it has no soft-capping or
+sinks): what the same option costs in the kernels a user could pick instead. Forward, backward
 (torch.autograd.grad over a retained graph) and forward+backward are triton.testing.do_bench
 medians (L2 flushed); dropout's times include drawing its seed. "x none" is a case's
 forward+backward over none's under the same word; the targets the options were built to: dropout
@@ -34,7 +36,8 @@ SHAPE = (4, 4096, 12, 12, 64)          # B, T, H, Hkv, D: gpt2-small at 4K, 16K 
 SMOKE_SHAPE = (1, 64, 2, 1, 16)
 CASES = {"none": {}, "dropout": {"dropout_p": 0.1}, "softcap": {"softcap": 50.0}, "sinks": {"sinks": True},
          "all": {"dropout_p": 0.1, "softcap": 50.0, "sinks": True}}
-WORDS = ("auto", "triton")
+WORDS = ("auto", "triton", "sdpa")
+SDPA_CASES = ("none", "dropout")   # SDPA soft-caps nothing and has no sinks
 TARGETS = {"dropout": 1.25, "softcap": 1.10, "sinks": 1.05}   # forward+backward x none, under auto
 PASSES = ("fwd", "bwd", "fwd+bwd")
 HEADERS = ["case", "kernel", "plan", "fwd ms", "bwd ms", "fwd+bwd ms", "x none", "target"]
@@ -45,6 +48,7 @@ def measure(case: str, word: str, shape, dtype, device, bench) -> dict:
     from bench_attention import fused_inputs
 
     from kernels.flash_op import flash_attention, kernel_plan
+    from model.attention import sdpa_attention
 
     B, N, H, Hkv, D = shape
     row = {"case": case, "kernel": word, "status": "ok"}
@@ -57,10 +61,16 @@ def measure(case: str, word: str, shape, dtype, device, bench) -> dict:
             options["sinks"] = sinks
             leaves.append(sinks)
 
-        def attention():
-            return flash_attention(q, k, v, causal=True, kernel=word, **options)
+        if word == "sdpa":
+            def attention():
+                return sdpa_attention(q, k, v, causal=True, **options)
 
-        row["plan"] = str(kernel_plan(q, k, v, causal=True, kernel=word, **options))
+            row["plan"] = "PyTorch's SDPA, its own choice of backend"
+        else:
+            def attention():
+                return flash_attention(q, k, v, causal=True, kernel=word, **options)
+
+            row["plan"] = str(kernel_plan(q, k, v, causal=True, kernel=word, **options))
         out = attention()
         times = {"fwd": bench(attention),
                  "bwd": bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))}
@@ -132,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
               "timing": timing, "targets": TARGETS, "results": []}
     for case in cases:
         for word in WORDS:
+            if word == "sdpa" and case not in SDPA_CASES:
+                continue
             row = measure(case, word, shape, dtype, device, bench)
             report["results"].append(row)
             ratios(report["results"])
