@@ -8,7 +8,7 @@ score gradient dS by it before dQ and dK are formed from it. Triton has no tanh 
 for the GPU and runs in its CPU interpreter; `tanh` below is Cephes' single-precision one (an odd
 polynomial below 0.625, 1 - 2 / (e^2x + 1) above, both a few ulp). That costs some 25 instructions
 a score, a full division among them, which doubled the forward at head dim 64 on the H200
-(benchmarks/attention/attention_scores_h200.md, kernels/LOG.md). On a GPU with 16-bit inputs the
+(benchmarks/attention/attention_scores_h200_029f81b.md, kernels/LOG.md). On a GPU with 16-bit inputs the
 kernels take the hardware's tanh instead (PTX tanh.approx.f32, one special-function instruction, as
 FlashAttention's soft-capping does): its relative error, below 2^-10.9, is less than the rounding
 of a bfloat16 or float16 score that the plain formula in those dtypes makes. float32 inputs, and
