@@ -3,7 +3,8 @@ folder where `runs/a` is a tiny finished run, a sweep sits under multirun/ and t
 examples name exist: train.py's commands compose and pass the config's checks (running them is
 minutes to days of training, some on GPUs), the tools run to exit status 0, and the GPU-only ones
 refuse in one line. The tools run in this process (as `python scripts/<tool>.py` does, through
-run_cli), which keeps the whole tour to about a minute, most of it max_context's CPU comparison."""
+run_cli), which keeps the whole tour to about a minute, most of it max_context's CPU comparison
+(run with SHRUNK's overrides appended: the command as written is composed and checked first)."""
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +44,16 @@ NOT_RUN = {
     ("export_weights", ".dcp"): "needs an FSDP run's sharded checkpoint (test_scaleout.py exports one)",
     ("bench_generation", "--smoke"): "test_bench_generation.py runs it (here, with the tests' Triton interpreter on, "
                                      "it would decode with flash too: 30 s)",
+}
+# Documented tool commands run here with key=value overrides appended that keep what the command
+# shows but shrink its work, with the reason. The command as written still parses, composes and
+# passes its checks (the CPU's defaults filled in) before the shrunk one runs.
+SHRUNK = {
+    "python scripts/max_context.py": (
+        ["start=256", "granularity=128", "cap=384"],
+        "flash's steps run in Triton's interpreter, 7 to 30 s each: the CPU's default search (64 tokens "
+        "doubled, bisected to 64) steps flash at six lengths, over 100 s; from 256 by 128 to a cap of 384 it "
+        "is two steps, one that fits and one that runs out of the same budget, as naive's bisection does"),
 }
 
 
@@ -211,6 +222,7 @@ def test_the_tool_commands_not_run_here_are_the_known_slow_ones():
 
     left_out = [c for c in TOOLS if not_run(c) is not None]
     assert {(t, m) for t, m in NOT_RUN for c in left_out if c.tool == t and m in c.text} == set(NOT_RUN)
+    assert set(SHRUNK) <= {c.text for c in RUN_HERE}   # each shrunk command is still documented, and run
     for command in (c for c in left_out if c.tool == "max_context"):
         args = max_context.parse_args(command.args)
         max_context.validate(max_context.compose_config(args.overrides, args.attention), torch.device("cpu"))
@@ -223,6 +235,10 @@ def test_every_documented_tool_command_works_on_the_first_try(command, workdir, 
     gpu_only = command.tool in GPU_TOOLS and "--smoke" not in command.args
     if gpu_only and torch.cuda.is_available():
         pytest.skip("a GPU benchmark: minutes of device time")
+    documented = command.text
+    if documented in SHRUNK:   # as written: its arguments and config pass, with the device's defaults
+        check_the_command_as_written(command)
+        command = Command(command.source, " ".join([documented, *SHRUNK[documented][0]]))
     status, out, err = run_tool(command, workdir, monkeypatch)
     if gpu_only:   # on a CPU: one line, before any work
         assert status == 2 and len(err.strip().splitlines()) == 1, err
@@ -230,13 +246,25 @@ def test_every_documented_tool_command_works_on_the_first_try(command, workdir, 
         return
     assert status == 0, f"{command.text}\n{err}"
     assert "\r" not in err and "Traceback" not in err
-    if command.text == "python scripts/max_context.py":
+    if documented == "python scripts/max_context.py":
         check_the_cpu_comparison(out)
 
 
+def check_the_command_as_written(command: Command) -> None:
+    """What a shrunk command does before any work, as written: for max_context, its options and
+    config compose and pass validate() on the CPU (which fills in the CPU's search defaults)."""
+    import max_context
+
+    assert command.tool == "max_context", "only max_context's check is written here"
+    args = max_context.parse_args(command.args)
+    cfg = max_context.compose_config(args.overrides, args.attention)
+    max_context.validate(cfg, torch.device("cpu"))
+    assert (cfg.start, cfg.granularity, cfg.cap) == tuple(max_context.CPU_SEARCH.values())
+
+
 def check_the_cpu_comparison(out: str) -> None:
-    """`python scripts/max_context.py` on a CPU: naive, sdpa and flash (interpreted) all measured, and
-    they differ."""
+    """`python scripts/max_context.py` on a CPU: naive, sdpa and flash (interpreted) all measured, each
+    search ending at a step that ran out of the budget, and they differ."""
     import json
 
     stem = re.search(r"wrote (\S+)\.json", out).group(1)
@@ -244,6 +272,8 @@ def check_the_cpu_comparison(out: str) -> None:
     found = {r["impl"]: r for r in report["results"]}
     assert list(found) == ["naive", "sdpa", "flash"] and all(r["error"] is None for r in found.values())
     assert 0 < found["naive"]["max_length"] < found["sdpa"]["max_length"] <= found["flash"]["max_length"]
+    for r in found.values():   # the out-of-memory a probe runs into is caught, interpreted flash's too
+        assert not r["capped"] and any(not p["fits"] and "out of memory" in p["error"] for p in r["probes"])
     step = {impl: max((p for p in r["probes"] if p["fits"]), key=lambda p: p["length"])["step_s"]
             for impl, r in found.items()}
     assert step["flash"] > 10 * step["sdpa"]   # the interpreter
