@@ -77,7 +77,17 @@ def test_resolve_auto_on_cuda_wants_flash():
     assert resolve_attention("auto", "cuda", score_options=True) == "flash"
 
 
-def test_sdpa_attention_dropout_drops_probabilities_unbiasedly():
+@pytest.fixture
+def one_thread():
+    """4,000 calls on a few hundred numbers each: a second OpenMP thread only waits, and while other
+    work holds the cores its spin-waits slow the calls down (3x with both of 2 cores busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_sdpa_attention_dropout_drops_probabilities_unbiasedly(one_thread):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 6, 2, 8, dtype=torch.float64) for _ in range(3))
     exact = ATTENTION["sdpa"](q, k, v, causal=True)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.trainrun import cache_dir  # noqa: F401 (a fixture)
 from tests.trainrun import REPO, losses, run_in_process, run_subprocess, subprocess_env, tiny_overrides, train_command
@@ -22,12 +23,22 @@ STEPS = 100  # long enough (about a second) that the interrupt reliably lands mi
 EPOCHS = {"data.max_bytes": 20_000, "trainer.batch_size": 8}
 
 
+def run_on_one_thread(overrides: list[str]) -> int:
+    """An uninterrupted run in this process (no Python and torch to start up, as a subprocess has): on one
+    thread, as the interrupted subprocesses run (OMP_NUM_THREADS=1), so the same computation to
+    the bit. This process's thread count is put back afterwards."""
+    threads = torch.get_num_threads()
+    try:
+        return run_in_process([*overrides, "trainer.cpu_threads=1"])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir):
     """The uninterrupted run every interrupted one is compared with."""
     run_dir = tmp_path_factory.mktemp("reference")
-    result = run_subprocess(tiny_overrides(run_dir, cache_dir, steps=STEPS, **EPOCHS, **{"trainer.ckpt_every": 5}))
-    assert result.returncode == 0, result.stderr
+    assert run_on_one_thread(tiny_overrides(run_dir, cache_dir, steps=STEPS, **EPOCHS, **{"trainer.ckpt_every": 5})) == 0
     rows = losses(run_dir)
     assert [r[0] for r in rows] == list(range(1, STEPS + 1))
     return rows
@@ -87,8 +98,7 @@ DROPOUT_STEPS = 8
 
 def test_sigkill_then_resume_is_bit_identical_with_attention_dropout(tmp_path, cache_dir):
     reference_dir = tmp_path / "reference"
-    result = run_subprocess(tiny_overrides(reference_dir, cache_dir, steps=DROPOUT_STEPS, **DROPOUT))
-    assert result.returncode == 0, result.stderr
+    assert run_on_one_thread(tiny_overrides(reference_dir, cache_dir, steps=DROPOUT_STEPS, **DROPOUT)) == 0
     run_dir = tmp_path / "killed"
     overrides = tiny_overrides(run_dir, cache_dir, steps=DROPOUT_STEPS, resume="auto", **DROPOUT)
     assert start_and_signal(overrides, run_dir, signal.SIGKILL, after_steps=4) == -signal.SIGKILL
