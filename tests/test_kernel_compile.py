@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,18 +48,84 @@ print(json.dumps(results))
 """
 
 
-def compile_in_subprocess(script: str) -> dict:
+def compile_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return env
+
+
+class Compiles:
+    """This module's compile subprocesses, each one test's. Each is single-threaded (Python, Triton's
+    frontend, LLVM, ptxas), so they run `slots` at a time (one per core) in the order the tests come,
+    instead of one after another; only the tests collected in this session start theirs. A test
+    waits for its own subprocess and checks its own output, as it did running it itself."""
+
+    def __init__(self, commands: dict[str, list[str]], folder: Path, slots: int):
+        self.commands, self.folder, self.slots = commands, folder, max(1, slots)
+        self.queue, self.procs = list(commands), {}
+
+    def _start(self, name: str) -> None:
+        self.queue.remove(name)
+        with open(self.folder / f"{name}.out", "w") as out, open(self.folder / f"{name}.err", "w") as err:
+            self.procs[name] = subprocess.Popen(self.commands[name], cwd=REPO, env=compile_env(), stdout=out, stderr=err)
+
+    def _top_up(self) -> None:
+        while self.queue and sum(p.poll() is None for p in self.procs.values()) < self.slots:
+            self._start(self.queue[0])
+
+    def run(self, name: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """`name`'s subprocess, finished: started now if it has not been."""
+        if name not in self.procs:
+            self._start(name)
+        self._top_up()
+        deadline = time.monotonic() + timeout
+        while self.procs[name].poll() is None:
+            if time.monotonic() > deadline:
+                self.procs[name].kill()
+                raise subprocess.TimeoutExpired(self.commands[name], timeout)
+            time.sleep(0.05)
+            self._top_up()
+        self._top_up()
+        return subprocess.CompletedProcess(self.commands[name], self.procs[name].returncode,
+                                           (self.folder / f"{name}.out").read_text(),
+                                           (self.folder / f"{name}.err").read_text())
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def compiles(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compiles")
+    scripts = {"test_kernels_compile_for_sm90_with_inductor_signature": SCRIPT,
+               "test_atomic_backward_compiles_for_sm90_with_inductor_signature": ATOMIC_SCRIPT,
+               "test_gluon_forward_compiles_for_sm90_without_spills": GLUON_SCRIPT,
+               "test_decode_kernels_compile_for_sm90_without_spills": DECODE_SCRIPT,
+               "test_inductor_sees_each_kernel_write_only_its_outputs": MUTATION_SCRIPT}
+    commands = {name: [sys.executable, "-c", script] for name, script in scripts.items()}
+    commands["test_pinned_tiles_compile_pipelined_and_spill_free"] = [
+        sys.executable, "scripts/kernel_dev/kernel_report.py", "--kernels", "fwd,q,kv", "--limit", "1", "--json",
+        "--out", str(folder)]
+    here = Path(__file__).resolve()
+    collected = [getattr(item, "originalname", item.name) for item in request.session.items
+                 if Path(item.path).resolve() == here]
+    jobs = Compiles({name: commands[name] for name in collected if name in commands}, folder, os.cpu_count() or 1)
+    yield jobs
+    jobs.close()
+
+
+def compile_in_subprocess(compiles: Compiles, name: str) -> dict:
+    proc = compiles.run(name)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_sm90_with_inductor_signature():
-    uses_wgmma = compile_in_subprocess(SCRIPT)
+def test_kernels_compile_for_sm90_with_inductor_signature(compiles, request):
+    uses_wgmma = compile_in_subprocess(compiles, request.node.originalname)
     # the three matmul kernels must reach Hopper's tensor-core instructions
     assert uses_wgmma == {"fwd": True, "bwd_kv": True, "bwd_q": True, "fwd_masked": True, "bwd_kv_masked": True,
                           "bwd_q_masked": True, "fwd_scores": True, "bwd_kv_scores": True, "bwd_q_scores": True,
@@ -77,24 +144,21 @@ print(json.dumps(results))
 
 
 @pytest.mark.slow
-def test_atomic_backward_compiles_for_sm90_with_inductor_signature():
+def test_atomic_backward_compiles_for_sm90_with_inductor_signature(compiles, request):
     """The dK/dV kernel that adds dQ with float32 atomics (deterministic=False), plain and masked."""
-    assert compile_in_subprocess(ATOMIC_SCRIPT) == {"bwd_kv_dq": True, "bwd_kv_dq_masked": True,
-                                                    "bwd_kv_dq_scores": True}
+    assert compile_in_subprocess(compiles, request.node.originalname) == {
+        "bwd_kv_dq": True, "bwd_kv_dq_masked": True, "bwd_kv_dq_scores": True}
 
 
 @pytest.mark.slow
-def test_pinned_tiles_compile_pipelined_and_spill_free(tmp_path):
+def test_pinned_tiles_compile_pipelined_and_spill_free(compiles, request):
     """Compiled as a launch specialises them (scripts/kernel_dev/kernel_report.py: strides of 1 constant,
     multiples of 16 divisible), the pinned tile shapes of the forward, dQ and dK/dV kernels stream
     their loop tiles through cp.async and spill no registers, at head dims 64 and 128. A change that
     leaves a loop load unpipelined or pushes a kernel into local memory fails here, before any GPU run."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "scripts/kernel_dev/kernel_report.py", "--kernels", "fwd,q,kv", "--limit", "1",
-                           "--json", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = compiles.run(request.node.originalname)   # scripts/kernel_dev/kernel_report.py --kernels fwd,q,kv ...
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "kernel_report.json").read_text())["rows"]
+    rows = json.loads((Path(proc.args[-1]) / "kernel_report.json").read_text())["rows"]
     assert {(r["kernel"], r["head_dim"]) for r in rows} == {(k, d) for k in ("fwd", "q", "kv") for d in (64, 128)}
     for row in rows:
         assert row["async_copies"] > 0 and row["spill_bytes"] == 0, row
@@ -120,12 +184,12 @@ print(json.dumps(results))
 
 
 @pytest.mark.slow
-def test_gluon_forward_compiles_for_sm90_without_spills():
+def test_gluon_forward_compiles_for_sm90_without_spills(compiles, request):
     """The Gluon Hopper forward (kernels/gluon/forward.py) compiles for sm_90a under this Triton, no GPU
     needed: the variants flash_attention runs at both head dims, causal and not, and every rung of
     its ladder (kernels/lab/gluon_forward_ladder.py) once. Each reaches wgmma, spills nothing, and fits
     the H100/H200's 227 KB of shared memory."""
-    results = compile_in_subprocess(GLUON_SCRIPT)
+    results = compile_in_subprocess(compiles, request.node.originalname)
     assert len(results) >= 6, results
     for name, r in results.items():
         assert r["wgmma"] and r["spill_bytes"] == 0 and r["shared_bytes"] <= 232448, (name, r)
@@ -163,9 +227,9 @@ print(json.dumps(results))
 
 
 @pytest.mark.slow
-def test_decode_kernels_compile_for_sm90_without_spills():
+def test_decode_kernels_compile_for_sm90_without_spills(compiles, request):
     """kernels/decode.py, as a CUDA-graph decode step launches it (no GPU here to run it)."""
-    assert compile_in_subprocess(DECODE_SCRIPT) == {"split_mha64": 0, "split_gqa128_window": 0, "merge": 0}
+    assert compile_in_subprocess(compiles, request.node.originalname) == {"split_mha64": 0, "split_gqa128_window": 0, "merge": 0}
 
 
 MUTATION_SCRIPT = r"""
@@ -217,7 +281,7 @@ print(json.dumps(results))
 
 
 @pytest.mark.slow
-def test_inductor_sees_each_kernel_write_only_its_outputs():
+def test_inductor_sees_each_kernel_write_only_its_outputs(compiles, request):
     """Under torch.compile, Inductor launches the kernels itself and decides from its own analysis
     of their TTIR which arguments they write; it copies and re-reads those. A slot the kernel never
     uses is filled with another tensor (Docs with the LSE when there is no mask), so an input taken
@@ -228,5 +292,5 @@ def test_inductor_sees_each_kernel_write_only_its_outputs():
     outputs = {"flash_fwd_kernel": ["Lse", "Out"], "flash_bwd_delta_kernel": ["Delta"],
                "flash_bwd_q_kernel": ["Delta", "dQ"], "flash_bwd_kv_kernel": ["dK", "dV"],
                "flash_bwd_kv_dq_kernel": ["dK", "dQ", "dV"]}
-    written = compile_in_subprocess(MUTATION_SCRIPT)
+    written = compile_in_subprocess(compiles, request.node.originalname)
     assert written == {name + tag: outs for name, outs in outputs.items() for tag in ("", "_masked", "_scores")}
