@@ -258,12 +258,22 @@ def test_sinks_through_the_gluon_backward(head_dim):
     check(q, k, v, do, True, sinks=heads(8), kernel=("triton", "gluon"))
 
 
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 (Hopper) GPU")
-@DETERMINISTIC
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 64), (1, 300, 517, 4, 4, 128), (1, 517, 300, 4, 1, 64)],
-                         ids=IDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def gluon_backward_grid(test):
+    """The Gluon backward's GPU grid (Hopper only): both dtypes, GQA split and not (8/2 heads),
+    ragged tiles with Nq > Nk and Nq < Nk, causal or not, deterministic or not."""
+    marks = [pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0),
+                                reason="needs an sm_90 (Hopper) GPU"),
+             DETERMINISTIC,
+             pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"]),
+             pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 64), (1, 300, 517, 4, 4, 128),
+                                               (1, 517, 300, 4, 1, 64)], ids=IDS),
+             pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)]
+    for mark in reversed(marks):
+        test = mark(test)
+    return test
+
+
+@gluon_backward_grid
 def test_softcap_through_the_gluon_backward(shape, causal, dtype, deterministic):
     """The Gluon backward caps the scores it recomputes: GQA split and not, ragged tiles, Nq != Nk,
     a cap of 5 that most scores reach (scaled-up inputs), with sinks on one case."""
@@ -273,12 +283,7 @@ def test_softcap_through_the_gluon_backward(shape, causal, dtype, deterministic)
     check(q, k, v, do, causal, sinks=sinks, softcap=5.0, deterministic=deterministic, kernel=("triton", "gluon"))
 
 
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 (Hopper) GPU")
-@DETERMINISTIC
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(2, 1024, 1024, 8, 2, 64), (1, 300, 517, 4, 4, 128), (1, 517, 300, 4, 1, 64)],
-                         ids=IDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@gluon_backward_grid
 def test_dropout_through_the_gluon_backward(shape, causal, dtype, deterministic):
     """The Gluon backward regenerates the Triton forward's mask bit for bit (the reference applies
     the mask dropout_mask draws, so one score kept differently fails): GQA split and not, ragged
