@@ -100,6 +100,15 @@ def test_gqa_split_decision():
     assert not split_group(1, 32, 8, 65536 + 1, 128)
 
 
+def test_tile_config_layers():
+    """A call's tiles: the head dim's, then the score options' (soft-capping, dropout), then a
+    benchmark's own config, each overriding the last, the same key included."""
+    from kernels.gluon.backward import TILES, config_for
+    assert config_for(64) == TILES[64] and config_for(64, scores=True)["BLOCK_M"] == 64
+    assert config_for(64, scores=True, config=dict(BLOCK_M=128))["BLOCK_M"] == 128
+    assert config_for(128, scores=True) == TILES[128]
+
+
 @requires_hopper
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_qkv_views(head_dim):

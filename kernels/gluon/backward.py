@@ -617,7 +617,7 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 def config_for(head_dim: int, scores: bool = False, config: dict | None = None) -> dict:
     """TILES of a head dim, with SCORE_TILES' changes for soft-capped or dropout calls (`scores`) and
     `config`'s on top."""
-    return dict(TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if scores else {}), **(config or {}))
+    return {**TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if scores else {}), **(config or {})}
 
 
 def tiles(head_dim: int, scores: bool = False) -> str:
