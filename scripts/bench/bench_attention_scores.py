@@ -3,6 +3,8 @@
     python scripts/bench/bench_attention_scores.py --out benchmarks/attention   # H200: about 2 minutes
     python scripts/bench/bench_attention_scores.py --smoke                      # CPU plumbing check, not a benchmark
     python scripts/bench/bench_attention_scores.py --cases sinks --out DIR      # none and one case
+    python scripts/bench/bench_attention_scores.py --cases dropout --tokens 1024 --batch 16 \
+        --words triton,triton/gluon --out DIR                                   # another length; a backward alone
 
 One shape: gpt2-small's heads (12 of 64) at T = 4096 with B = 4 (16K tokens a batch, as
 scripts/bench/bench_attention.py --training times it), bf16, causal, q, k and v strided views of one
@@ -13,7 +15,9 @@ taken); all three. Each case runs under two kernel words: `auto`, the plan a tra
 soft-capping, so their `auto` also pays for the Triton backward), and `triton`, both directions on
 the Triton kernels (the option's own cost, the family held fixed); and beside them `sdpa`, PyTorch's
 scaled_dot_product_attention left to pick its backend, for none and dropout (it has no soft-capping or
-sinks): what the same option costs in the kernels a user could pick instead. Forward, backward
+sinks): what the same option costs in the kernels a user could pick instead. `--words` picks others,
+a forward/backward pair such as `triton/gluon` among them, and `--tokens`/`--batch` another length
+(the file's name then says so). Forward, backward
 (torch.autograd.grad over a retained graph) and forward+backward are triton.testing.do_bench
 medians (L2 flushed); dropout's times include drawing its seed. "x none" is a case's
 forward+backward over none's under the same word; the targets the options were built to: dropout
@@ -67,10 +71,12 @@ def measure(case: str, word: str, shape, dtype, device, bench) -> dict:
 
             row["plan"] = "PyTorch's SDPA, its own choice of backend"
         else:
-            def attention():
-                return flash_attention(q, k, v, causal=True, kernel=word, **options)
+            kernel = tuple(word.split("/")) if "/" in word else word
 
-            row["plan"] = str(kernel_plan(q, k, v, causal=True, kernel=word, **options))
+            def attention():
+                return flash_attention(q, k, v, causal=True, kernel=kernel, **options)
+
+            row["plan"] = str(kernel_plan(q, k, v, causal=True, kernel=kernel, **options))
         out = attention()
         times = {"fwd": bench(attention),
                  "bwd": bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))}
@@ -126,22 +132,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="CPU-sized shapes that only check the plumbing")
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated cases of {', '.join(CASES)} (none, their base, always runs)")
+    parser.add_argument("--words", default=",".join(WORDS),
+                        help="kernel words: auto, triton, gluon, a forward/backward pair (triton/gluon), sdpa")
+    parser.add_argument("--tokens", type=int, default=SHAPE[1], help="T, the sequence length")
+    parser.add_argument("--batch", type=int, default=SHAPE[0], help="B, the batch")
     add_out_argument(parser, "bench_attention_scores")
     args = parser.parse_args(argv)
+    words = [w for w in dict.fromkeys(args.words.split(",")) if w]
     cases = ["none"] + [c for c in dict.fromkeys(args.cases.split(",")) if c and c != "none"]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise ValueError(f"--cases: {', '.join(unknown)} not among {', '.join(CASES)}")
     device = kernel_bench_device(args.smoke)
-    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    shape = SMOKE_SHAPE if args.smoke else (args.batch, args.tokens, *SHAPE[2:])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the interpreter's bf16 is not the GPU's
     bench, timing = kernel_timer(device, cpu_calls=1)
     out = console()
-    stem = args.out / f"attention_scores_{device_slug(device)}"
+    length = "" if args.smoke or shape == SHAPE else f"_B{shape[0]}_T{shape[1]}"
+    stem = args.out / f"attention_scores_{device_slug(device)}{length}"
     report = {"metadata": environment(device), "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
               "timing": timing, "targets": TARGETS, "results": []}
     for case in cases:
-        for word in WORDS:
+        for word in words:
             if word == "sdpa" and case not in SDPA_CASES:
                 continue
             row = measure(case, word, shape, dtype, device, bench)
