@@ -50,6 +50,11 @@ GLUON_FROM = {
     ("backward", 128, True): 1024, ("backward", 128, False): 16384,
     ("backward", 64, True): 4096, ("backward", 64, False): 4096,
 }
+# With attention dropout the Triton backward draws the mask twice (dQ, then dK/dV) and the Gluon
+# one once, beside its matrix products: head dim 64 causal, Gluon's was faster from 1K
+# (benchmarks/attention/attention_scores_h200_B16_T1024.md, _B8_T2048.md; at 256 tokens Triton's,
+# _B64_T256.md). Cells not listed keep GLUON_FROM's length.
+GLUON_FROM_DROPOUT = {("backward", 64, True): 1024}
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,8 @@ def _direction(s: Setting, direction: str) -> Direction:
     refused = gluon.refusal(s.arch, s.dtype, s.head_dim, s.mask, s.tma) or _scores_refusal(s, direction)
     if choice == "gluon" and refused:
         raise ValueError(f"kernel='gluon' cannot run the {direction} of this call: {refused} (kernel='triton' can)")
-    measured = s.length >= GLUON_FROM.get((direction, s.head_dim, s.causal), float("inf"))
+    cell = (direction, s.head_dim, s.causal)
+    measured = s.length >= ((s.dropout and GLUON_FROM_DROPOUT.get(cell)) or GLUON_FROM.get(cell, float("inf")))
     if choice == "gluon" or (choice == "auto" and refused is None and measured):
         return _gluon(s, direction)
     return _triton(s, direction)

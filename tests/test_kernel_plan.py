@@ -113,6 +113,18 @@ def test_auto_runs_the_gluon_forward_only_where_it_was_measured_faster(head_dim,
     assert (want == "gluon") == (length >= kernel_plan.GLUON_FROM[("forward", head_dim, causal)])
 
 
+@pytest.mark.parametrize("dropout, length, want", [
+    (False, 1024, "triton"), (True, 512, "triton"), (True, 1024, "gluon"), (True, 2048, "gluon"),
+    (False, 4096, "gluon"),
+])
+def test_dropout_takes_the_gluon_backward_from_where_it_was_measured_faster(dropout, length, want):
+    """Head dim 64 causal: the Gluon backward from 4K, and with dropout (one draw of the mask against
+    the Triton backward's two) from 1K, as GLUON_FROM_DROPOUT records."""
+    plan = plan_kernels(setting(head_dim=64, causal=True, length=length, dropout=dropout))
+    assert plan.backward.family == want
+    assert plan.forward.family == "triton"
+
+
 def test_words_per_direction_and_determinism():
     plan = plan_kernels(setting(forward="gluon", backward="triton", deterministic=False))
     assert (plan.forward.family, plan.backward.name) == ("gluon", "triton-atomic") and not plan.deterministic
