@@ -12,7 +12,8 @@ do (a launch's specialisation: strides of 1 constant, multiples of 16 divisible)
 prep kernel; the decode kernels), head dims 32 to 256 where the tile tables have them, causal or not,
 document masks and windows on and off, at the pinned default tile of each table; and at head dims 64
 and 128 the Triton kernels with the score options of kernels/scores.py on (dropout, soft-capping,
-sinks), which are off in every other config. The fingerprint
+sinks) and the Gluon backward with soft-capping and with dropout, which are off in every other
+config. The fingerprint
 is a hash of the PTX text without what only debuggers read: `.loc` and `.file` lines, `//`
 comments, the `.section .debug*` tail and the labels that only those sections reference. Two trees
 with the same fingerprints run the same machine code, so a refactor needs no new GPU run.
@@ -121,6 +122,10 @@ def gluon_configs(quick: bool) -> list[tuple[str, tuple]]:
             for deterministic in (True,) if quick else (False, True):
                 configs.append((f"gluon_bwd d={dim} causal={int(causal)} deterministic={int(deterministic)}",
                                 ("gluon_bwd", dim, causal, deterministic)))
+        if not quick:   # the backward's score options: soft-capping, and dropout's regenerated mask
+            for scores, softcap, dropout_p in (("softcap", 50.0, 0.0), ("dropout", 0.0, 0.1)):
+                configs.append((f"gluon_bwd d={dim} causal=1 deterministic=1 scores={scores}",
+                                ("gluon_bwd", dim, True, True, softcap, dropout_p)))
         configs.append((f"gluon_bwd_prep d={dim}", ("gluon_prep", dim)))
         configs.append((f"gluon_bwd_dq d={dim}", ("gluon_dq", dim)))
     return configs
@@ -176,7 +181,9 @@ def compile_config(spec: tuple):
     if kind == "gluon_bwd":
         from kernels.gluon import backward as gluon_bwd
 
-        return gluon_bwd.compile_for_sm90(spec[1], torch.bfloat16, causal=spec[2], deterministic=spec[3])
+        softcap, dropout_p = spec[4:] or (0.0, 0.0)
+        return gluon_bwd.compile_for_sm90(spec[1], torch.bfloat16, causal=spec[2], deterministic=spec[3],
+                                          softcap=softcap, dropout_p=dropout_p)
     if kind in ("gluon_prep", "gluon_dq"):
         from kernels.gluon import backward as gluon_bwd
 
