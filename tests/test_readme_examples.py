@@ -218,14 +218,11 @@ def test_the_tool_commands_not_run_here_are_the_known_slow_ones():
     """Each command left out is one NOT_RUN names (a new documented command runs here unless it is
     added there with its reason); each NOT_RUN entry still matches a command; those of
     max_context.py get as far as its arguments and config go before any work."""
-    import max_context
-
     left_out = [c for c in TOOLS if not_run(c) is not None]
     assert {(t, m) for t, m in NOT_RUN for c in left_out if c.tool == t and m in c.text} == set(NOT_RUN)
     assert set(SHRUNK) <= {c.text for c in RUN_HERE}   # each shrunk command is still documented, and run
     for command in (c for c in left_out if c.tool == "max_context"):
-        args = max_context.parse_args(command.args)
-        max_context.validate(max_context.compose_config(args.overrides, args.attention), torch.device("cpu"))
+        validated_max_context_config(command)
 
 
 @pytest.mark.slow
@@ -250,15 +247,23 @@ def test_every_documented_tool_command_works_on_the_first_try(command, workdir, 
         check_the_cpu_comparison(out)
 
 
-def check_the_command_as_written(command: Command) -> None:
-    """What a shrunk command does before any work, as written: for max_context, its options and
-    config compose and pass validate() on the CPU (which fills in the CPU's search defaults)."""
+def validated_max_context_config(command: Command):
+    """What a max_context.py command does before any work: its options and config compose and pass
+    validate() on the CPU (which fills in the CPU's search defaults); the config."""
     import max_context
 
-    assert command.tool == "max_context", "only max_context's check is written here"
     args = max_context.parse_args(command.args)
     cfg = max_context.compose_config(args.overrides, args.attention)
     max_context.validate(cfg, torch.device("cpu"))
+    return cfg
+
+
+def check_the_command_as_written(command: Command) -> None:
+    """What a shrunk command does before any work, as written: for max_context, the CPU's search."""
+    import max_context
+
+    assert command.tool == "max_context", "only max_context's check is written here"
+    cfg = validated_max_context_config(command)
     assert (cfg.start, cfg.granularity, cfg.cap) == tuple(max_context.CPU_SEARCH.values())
 
 
