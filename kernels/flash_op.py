@@ -9,6 +9,12 @@ Eager calls run the launches under a plain `autograd.Function`: a call's checks 
 computed once per call signature (shapes, strides, dtype, device and the options) and looked up
 afterwards, since a training step repeats a handful of signatures thousands of times and the
 host time of a small call (gpt2-small's heads at T = 1K) is otherwise longer than its GPU time.
+
+Where q, k and v are the slices of one fused QKV projection that the model's split leaves
+(`_projection`), the eager call is differentiated with respect to that projection itself: the
+backward writes dq, dk and dv into one tensor, so autograd skips the split's backward, a copy of
+the whole gradient and four graph nodes on the engine's thread.
+
 Under torch.compile the forward and backward are registered ops: the Triton family through
 `torch.library.triton_op`, so `torch.compile(fullgraph=True)` sees one opaque op per direction and
 Inductor still schedules the Triton launches; the Gluon family through `torch.library.custom_op`
@@ -127,7 +133,8 @@ def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None
 
 def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, doc_bounds=None, window: int = 0,
                      deterministic: bool = True, wrap=_no_wrap, cache=None, key=(), *, softcap: float = 0.0,
-                     dropout_p: float = 0.0, rng=None):
+                     dropout_p: float = 0.0, rng=None, grads=None):
+    """grads: dq, dk, dv to write into (views of one packed gradient, `_EagerPackedAttention`), or None."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     consts = _constexprs(D, causal, doc_bounds is not None, window > 0, q.dtype, softcap, dropout_p)
@@ -135,8 +142,11 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
     bucket = seq_bucket(length)
     delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
     docs = delta if doc_bounds is None else doc_bounds   # DOCS=False never reads Docs: delta fills the slot
-    dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=v.device)
+    if grads is None:
+        dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=k.device)
+        dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=v.device)
+    else:
+        dk, dv = grads[1:]
     inputs = (q, k, v, dout, lse, delta, docs, rng, dk, dv)
     qkv_strides = (*q.stride(), *k.stride(), *v.stride())
     strides = (*qkv_strides, *dout.stride(), *dk.stride(), *dv.stride())
@@ -149,7 +159,7 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
 
     if deterministic:
         # dQ first: it also stores Delta, which the dK/dV kernel then reads (stream order)
-        dq = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
+        dq = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device) if grads is None else grads[0]
 
         def q_grid(meta):
             return (cdiv(n_q, meta["BLOCK_M"]), B * H)
@@ -171,7 +181,7 @@ def _triton_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float
     # float32 dQ for the atomic adds (float32 inputs: it is dQ itself)
     dq = torch.zeros((B, n_q, H, D), dtype=torch.float32, device=q.device)
     run(flash_bwd_kv_dq_kernel, "bwd_kv_dq", kv_grid, inputs + (dq,) + strides + (*dq.stride(),) + sizes)
-    return dq.to(q.dtype), dk, dv, delta
+    return (dq.to(q.dtype) if grads is None else grads[0].copy_(dq)), dk, dv, delta
 
 
 @torch.library.triton_op("flashtrain::flash_attn_fwd", mutates_args=())
@@ -254,10 +264,10 @@ def _gluon_forward(q, k, v, causal, softmax_scale, doc_bounds=None, window=0, ca
 
 
 def _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=None, window=0, deterministic=True,
-                    cache=None, key=(), *, softcap=0.0, dropout_p=0.0, rng=None):
+                    cache=None, key=(), *, softcap=0.0, dropout_p=0.0, rng=None, grads=None):
     # sinks need nothing here: lse includes them (kernels/scores.py)
     return gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, cache=cache, key=key,
-                          softcap=softcap, dropout_p=dropout_p, rng=rng)
+                          softcap=softcap, dropout_p=dropout_p, rng=rng, grads=grads)
 
 
 # ---- the families, the autograd formula and the entry point ------------------------------------
@@ -267,10 +277,10 @@ class Family:
     """One kernel family's launches: eager (plain functions) and traced (registered ops).
     forward(q, k, v, causal, scale, doc_bounds, window[, cache, key], *, softcap, dropout_p, rng, sinks) -> out, lse;
     backward(dout, q, k, v, out, lse, causal, scale, doc_bounds, window, deterministic[, cache, key], *, softcap,
-    dropout_p, rng) -> dq, dk, dv, Delta (B, H, Nq) float32, the rowsum(dO * O) the backward computes anyway
-    (the sinks' gradient reads it); eager, `cache` (the call signature's compiled kernels, kernels/launch.py) and
-    `key` (what else fixes the launches' specialisation) may be given. The ops take the same arguments
-    positionally, without cache and key."""
+    dropout_p, rng[, grads]) -> dq, dk, dv, Delta (B, H, Nq) float32, the rowsum(dO * O) the backward computes
+    anyway (the sinks' gradient reads it); eager, `cache` (the call signature's compiled kernels,
+    kernels/launch.py) and `key` (what else fixes the launches' specialisation) may be given, and `grads`, the
+    dq, dk, dv to write into. The ops take the same arguments positionally, without cache, key and grads."""
     forward: Callable
     backward: Callable
     forward_op: Callable
@@ -307,35 +317,100 @@ for _family in FAMILIES.values():
     _family.forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _eager_forward(ctx, q, k, v, call, doc_bounds, rng, sinks):
+    out, lse = FAMILIES[call.plan.forward.family].forward(q, k, v, call.causal, call.scale, doc_bounds, call.window,
+                                                          cache=call.launches, softcap=call.softcap,
+                                                          dropout_p=call.dropout_p, rng=rng, sinks=sinks)
+    ctx.save_for_backward(q, k, v, out, lse, doc_bounds, rng, sinks)
+    ctx.call = call
+    ctx.mark_non_differentiable(lse)
+    # lse has no gradient: without this, autograd would allocate and zero-fill one for every
+    # backward (an allocation and a launch of host time on the engine's thread)
+    ctx.set_materialize_grads(False)
+    return out, lse
+
+
+def _eager_backward(ctx, dout, packed=None):
+    """The plan's backward launches and the sinks' gradient; `packed`, the shape of the projection q,
+    k and v are slices of (`_projection`): the gradients are written into one tensor of that shape."""
+    q, k, v, out, lse, doc_bounds, rng, sinks = ctx.saved_tensors
+    call = ctx.call
+    grads = None
+    if packed is not None:   # q, k, v laid out as `_projection` found them (saved tensors may be copies)
+        B, n, H, D = q.shape
+        h_kv = k.shape[2]
+        width = (H + 2 * h_kv) * D
+        dqkv = torch.empty(packed, dtype=q.dtype, device=q.device)
+        rows = (n * width, width, D, 1)
+        grads = (dqkv.as_strided(q.shape, rows, 0), dqkv.as_strided(k.shape, rows, H * D),
+                 dqkv.as_strided(v.shape, rows, (H + h_kv) * D))
+    # autograd's dout: its layout joins the call signature in fixing the launches' specialisation
+    key = (dout.stride(), dout.data_ptr() % 16 == 0, grads is not None)
+    dq, dk, dv, delta = FAMILIES[call.plan.backward.family].backward(
+        dout, q, k, v, out, lse, call.causal, call.scale, doc_bounds, call.window, call.plan.deterministic,
+        cache=call.launches, key=key, softcap=call.softcap, dropout_p=call.dropout_p, rng=rng, grads=grads)
+    dsinks = sink_grad_from_delta(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[-1] else None
+    return (dq, dk, dv) if packed is None else (dqkv,), dsinks
+
+
 class _EagerFlashAttention(torch.autograd.Function):
     """The plan's launches and the same saved tensors as the ops above, without their dispatch."""
 
     @staticmethod
     def forward(ctx, q, k, v, call, doc_bounds, rng, sinks):
-        out, lse = FAMILIES[call.plan.forward.family].forward(q, k, v, call.causal, call.scale, doc_bounds,
-                                                              call.window, cache=call.launches, softcap=call.softcap,
-                                                              dropout_p=call.dropout_p, rng=rng, sinks=sinks)
-        ctx.save_for_backward(q, k, v, out, lse, doc_bounds, rng, sinks)
-        ctx.call = call
-        ctx.mark_non_differentiable(lse)
-        # lse has no gradient: without this, autograd would allocate and zero-fill one for every
-        # backward (an allocation and a launch of host time on the engine's thread)
-        ctx.set_materialize_grads(False)
-        return out, lse
+        return _eager_forward(ctx, q, k, v, call, doc_bounds, rng, sinks)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:   # reached through lse alone, which has no gradient
             return None, None, None, None, None, None, None
-        q, k, v, out, lse, doc_bounds, rng, sinks = ctx.saved_tensors
-        call = ctx.call
-        # autograd's dout: its layout joins the call signature in fixing the launches' specialisation
-        key = (dout.stride(), dout.data_ptr() % 16 == 0)
-        dq, dk, dv, delta = FAMILIES[call.plan.backward.family].backward(
-            dout, q, k, v, out, lse, call.causal, call.scale, doc_bounds, call.window, call.plan.deterministic,
-            cache=call.launches, key=key, softcap=call.softcap, dropout_p=call.dropout_p, rng=rng)
-        dsinks = sink_grad_from_delta(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[6] else None
+        (dq, dk, dv), dsinks = _eager_backward(ctx, dout)
         return dq, dk, dv, None, None, None, dsinks
+
+
+class _EagerPackedAttention(torch.autograd.Function):
+    """The same call on q, k, v that are slices of one projection `qkv` (`_projection`), differentiated
+    with respect to `qkv` itself: the backward writes dq, dk and dv into one tensor shaped like it.
+    Autograd then never reaches the views' own nodes, so the concatenation of dq, dk and dv that the
+    split's backward would run (a copy of the whole gradient) and its four graph nodes are not run."""
+
+    @staticmethod
+    def forward(ctx, qkv, views, call, doc_bounds, rng, sinks):
+        ctx.packed = qkv.shape
+        return _eager_forward(ctx, *views, call, doc_bounds, rng, sinks)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return None, None, None, None, None, None
+        (dqkv,), dsinks = _eager_backward(ctx, dout, ctx.packed)
+        return dqkv, None, None, None, None, dsinks
+
+
+def _projection(q, k, v):
+    """The tensor q, k and v are adjacent slices of, as the split and unflatten of a fused QKV
+    projection leaves them (model/layers.py without rotary positions), or None: one contiguous
+    (..., (H + 2 Hkv) D) tensor, q, k and v in that order, each (B, N, heads, D) of its rows.
+    None too where the split's backward might do more than concatenate the three gradients (a view
+    whose gradient is retained or hooked; a projection written in place through a slice, whose
+    history then holds a CopySlices node), or where there is no gradient to take."""
+    base = q._base
+    if (base is None or k._base is not base or v._base is not base or not torch.is_grad_enabled()
+            or not base.requires_grad or not base.is_contiguous()):
+        return None
+    B, n, H, D = q.shape
+    h_kv = k.shape[2]
+    width = (H + 2 * h_kv) * D
+    rows = (n * width, width, D, 1)
+    start = base.storage_offset()
+    if (k.shape[1] != n or base.numel() != B * n * width or q.stride() != rows or k.stride() != rows
+            or v.stride() != rows or q.storage_offset() != start or k.storage_offset() != start + H * D
+            or v.storage_offset() != start + (H + h_kv) * D):
+        return None
+    if (any(t.retains_grad or t._backward_hooks for t in (q, k, v))
+            or type(base.grad_fn).__name__ == "CopySlices"):
+        return None
+    return base
 
 
 @dataclass(frozen=True)
@@ -448,7 +523,11 @@ def flash_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False,
     rng = dropout_seed(q.device) if call.dropout_p else None
     sinks = None if sinks is None else sinks.float()   # the kernels read float32 (an fp32 parameter: itself)
     if not torch.compiler.is_compiling():
-        out, lse = _EagerFlashAttention.apply(q, k, v, call, doc_bounds, rng, sinks)
+        packed = _projection(q, k, v) if key is not None else None
+        if packed is not None:
+            out, lse = _EagerPackedAttention.apply(packed, (q, k, v), call, doc_bounds, rng, sinks)
+        else:
+            out, lse = _EagerFlashAttention.apply(q, k, v, call, doc_bounds, rng, sinks)
     else:
         plan = call.plan
         out, lse = FAMILIES[plan.forward.family].forward_op(q, k, v, call.causal, call.scale, doc_bounds,

@@ -713,10 +713,11 @@ def _descriptor(t: torch.Tensor, block: list[int], layout) -> TensorDescriptor:
 
 
 def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, cache=None, key=(),
-                    config: dict | None = None, softcap: float = 0.0, dropout_p: float = 0.0, rng=None):
+                    config: dict | None = None, softcap: float = 0.0, dropout_p: float = 0.0, rng=None, grads=None):
     """The launches on inputs a kernel plan has accepted (no checks: kernels/flash_op.py's path);
     `cache` and `key` as kernels/launch.py's, `config` overrides TILES (the benchmarks'); dropout_p
-    and rng (kernels/scores.py's dropout_seed) as the forward's."""
+    and rng (kernels/scores.py's dropout_seed) as the forward's; grads: the dq, dk, dv to write into
+    (laid out as q, k, v), or None."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     cfg = config_for(D, softcap > 0 or dropout_p > 0, config)
@@ -730,9 +731,12 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     dq_acc = torch.empty((B * H * n_q_pad, D), dtype=torch.float32, device=dev)
     counters = torch.empty(cdiv(B * H * n_m, 4) * 4 + 4, dtype=torch.int32, device=dev)
     sem, ticket = counters[:-4], counters[-4:]
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=dev)
-    dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=dev)
+    if grads is None:
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty((B, n_k, h_kv, D), dtype=k.dtype, device=dev)
+        dv = torch.empty((B, n_k, h_kv, D), dtype=v.dtype, device=dev)
+    else:
+        dq, dk, dv = grads
     split = cfg.get("SPLIT_GROUP")
     if split is None:
         split = split_group(B, H, h_kv, n_k, D)
