@@ -396,7 +396,7 @@ def _projection(q, k, v):
     history then holds a CopySlices node), or where there is no gradient to take."""
     base = q._base
     if (base is None or k._base is not base or v._base is not base or not torch.is_grad_enabled()
-            or not base.requires_grad or not base.is_contiguous()):
+            or not base.requires_grad or base.dtype != q.dtype or not base.is_contiguous()):
         return None
     B, n, H, D = q.shape
     h_kv = k.shape[2]

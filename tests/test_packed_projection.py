@@ -177,3 +177,28 @@ def test_packed_gradient_on_the_gpu(packed_calls, heads, kernel, deterministic):
         assert torch.equal(grad, expected)
     else:
         torch.testing.assert_close(grad, expected, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_the_model_with_learned_positions_takes_the_packed_path(packed_calls, monkeypatch, checkpointing):
+    """A GPT without rotary positions hands attention the split of its fused projection: every layer
+    takes the packed path, and the model's gradients are the unpacked path's, bit for bit."""
+    from training.builders import build_model
+
+    config = dict(name="t", n_layer=2, n_head=4, n_kv_head=2, d_model=64, vocab_size=None, max_seq_len=32,
+                  pos_emb="learned", activation_checkpointing=checkpointing)
+    idx = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def grads():
+        torch.manual_seed(0)
+        model = build_model(config, vocab_size=50, attention="flash").to(DEVICE)
+        model(idx, idx).backward()
+        return [p.grad for p in model.parameters()]
+
+    packed = grads()
+    assert len(packed_calls) == 2
+    monkeypatch.setattr(flash_op, "_projection", lambda q, k, v: None)
+    unpacked = grads()
+    assert len(packed_calls) == 2
+    for a, b in zip(packed, unpacked):
+        assert torch.equal(a, b)
