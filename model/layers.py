@@ -16,9 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kernels.rotary import rotary_qkv
 from model.attention import AttentionFn
 from model.config import GPTConfig
-from model.rope import apply_rope
+from model.rope import apply_rope, fuses_rotary
 
 
 def _split_sequence(arg, size: int):
@@ -100,11 +101,15 @@ class CausalSelfAttention(nn.Module):
 
     def project(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, d_model) -> q (B, T, H, D), k and v (B, T, Hkv, D)."""
-        q, k, v = self.qkv(x).split(
+        qkv = self.qkv(x)
+        fused = rope is not None and fuses_rotary(qkv)
+        if fused:   # q and k rotated into a new tensor that v joins: q, k, v stay slices of one tensor
+            qkv = rotary_qkv(qkv, *rope[:2], self.n_head + self.n_kv_head, self.head_dim)
+        q, k, v = qkv.split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
         )
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
-        if rope is not None:
+        if rope is not None and not fused:
             q, k = apply_rope(q, *rope[:2]), apply_rope(k, *rope[:2])
         if self.length_scale is not None:   # rope[2]: log(n), (T, 1) or (B, T, 1)
             q = q * (rope[2][..., None] * self.length_scale[:, None]).to(q.dtype)

@@ -43,8 +43,16 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[tor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, T, H, D) by position; cos/sin are (T, D/2) or (B, T, D/2). Returns a new
-    tensor, x (often a strided view of the fused QKV projection) is only read."""
-    cos = cos.to(x.dtype).unsqueeze(-2)   # (..., T, 1, D/2): broadcast over heads (and batch)
-    sin = sin.to(x.dtype).unsqueeze(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    tensor, x (often a strided view of the fused QKV projection) is only read. The arithmetic is
+    float32, rounded once to x's dtype, as kernels/rotary.py's."""
+    cos = cos.float().unsqueeze(-2)   # (..., T, 1, D/2): broadcast over heads (and batch)
+    sin = sin.float().unsqueeze(-2)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def fuses_rotary(qkv: torch.Tensor) -> bool:
+    """Whether the model rotates its fused projection with kernels/rotary.py's one kernel each way
+    (eager on CUDA) rather than apply_rope's tensor operations on q and k (elsewhere, and under
+    torch.compile, which fuses those itself)."""
+    return qkv.is_cuda and not torch.compiler.is_compiling()
