@@ -389,8 +389,9 @@ class _EagerPackedAttention(torch.autograd.Function):
 
 def _projection(q, k, v):
     """The tensor q, k and v are adjacent slices of, as the split and unflatten of a fused QKV
-    projection leaves them (model/layers.py without rotary positions), or None: one contiguous
-    (..., (H + 2 Hkv) D) tensor, q, k and v in that order, each (B, N, heads, D) of its rows.
+    projection leaves them (model/layers.py; with rotary positions, of kernels/rotary.py's output),
+    or None: one contiguous (..., (H + 2 Hkv) D) tensor, q, k and v in that order, each
+    (B, N, heads, D) of its rows.
     None too where the split's backward might do more than concatenate the three gradients (a view
     whose gradient is retained or hooked; a projection written in place through a slice, whose
     history then holds a CopySlices node), or where there is no gradient to take."""
