@@ -337,13 +337,9 @@ def _eager_backward(ctx, dout, packed=None):
     call = ctx.call
     grads = None
     if packed is not None:   # q, k, v laid out as `_projection` found them (saved tensors may be copies)
-        B, n, H, D = q.shape
-        h_kv = k.shape[2]
-        width = (H + 2 * h_kv) * D
         dqkv = torch.empty(packed, dtype=q.dtype, device=q.device)
-        rows = (n * width, width, D, 1)
-        grads = (dqkv.as_strided(q.shape, rows, 0), dqkv.as_strided(k.shape, rows, H * D),
-                 dqkv.as_strided(v.shape, rows, (H + h_kv) * D))
+        rows, offsets = _slices(q.shape, k.shape)
+        grads = tuple(dqkv.as_strided(t.shape, rows, offset) for t, offset in zip((q, k, v), offsets))
     # autograd's dout: its layout joins the call signature in fixing the launches' specialisation
     key = (dout.stride(), dout.data_ptr() % 16 == 0, grads is not None)
     dq, dk, dv, delta = FAMILIES[call.plan.backward.family].backward(
@@ -387,6 +383,16 @@ class _EagerPackedAttention(torch.autograd.Function):
         return dqkv, None, None, None, None, dsinks
 
 
+@functools.lru_cache(maxsize=256)
+def _slices(q_shape, k_shape) -> tuple[tuple[int, ...], tuple[int, int, int]]:
+    """The strides of q, k and v (B, N, heads, D) as slices of one (B, N, (H + 2 Hkv) D) projection,
+    and their offsets in it: q's heads, then k's, then v's."""
+    _, n, heads, head_dim = q_shape
+    kv_heads = k_shape[2]
+    width = (heads + 2 * kv_heads) * head_dim
+    return (n * width, width, head_dim, 1), (0, heads * head_dim, (heads + kv_heads) * head_dim)
+
+
 def _projection(q, k, v):
     """The tensor q, k and v are adjacent slices of, as the split and unflatten of a fused QKV
     projection leaves them (model/layers.py; with rotary positions, of kernels/rotary.py's output),
@@ -399,14 +405,11 @@ def _projection(q, k, v):
     if (base is None or k._base is not base or v._base is not base or not torch.is_grad_enabled()
             or not base.requires_grad or base.dtype != q.dtype or not base.is_contiguous()):
         return None
-    B, n, H, D = q.shape
-    h_kv = k.shape[2]
-    width = (H + 2 * h_kv) * D
-    rows = (n * width, width, D, 1)
+    rows, (q_at, k_at, v_at) = _slices(q.shape, k.shape)
     start = base.storage_offset()
-    if (k.shape[1] != n or base.numel() != B * n * width or q.stride() != rows or k.stride() != rows
-            or v.stride() != rows or q.storage_offset() != start or k.storage_offset() != start + H * D
-            or v.storage_offset() != start + (H + h_kv) * D):
+    if (k.shape[1] != q.shape[1] or base.numel() != q.shape[0] * rows[0] or q.stride() != rows
+            or k.stride() != rows or v.stride() != rows or q.storage_offset() != start + q_at
+            or k.storage_offset() != start + k_at or v.storage_offset() != start + v_at):
         return None
     if (any(t.retains_grad or t._backward_hooks for t in (q, k, v))
             or type(base.grad_fn).__name__ == "CopySlices"):

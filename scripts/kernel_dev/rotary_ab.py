@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))   # for t
 import _common  # noqa: F401,E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 
-from _common import add_out_argument, console, environment, markdown_table, run_cli, write_json, write_text  # noqa: E402
+from _common import (add_out_argument, console, environment, markdown_table, run_cli, write_json,  # noqa: E402
+                     write_text)
 from bench_train import GPT2, Timer, build, compose_cfg, loop_step  # noqa: E402
 
 
