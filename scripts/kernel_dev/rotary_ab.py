@@ -43,15 +43,15 @@ def measure(attention: list[str], lengths: list[int], tokens: int, steps: int, w
             model, step_model, optimizer = build(cfg, name, device)
             step = loop_step(0, cfg, model, step_model, optimizer, device)
             for way in ("kernel", "ops"):
-                configs.append({"T": T, "attention": name, "rotary": way, "step": step, "model": model,
-                                "times": []})
-    for r in range(rounds):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
-        for c in order:
-            layers.fuses_rotary = fused if c["rotary"] == "kernel" else (lambda qkv: False)
-            timer(c["step"], warmup)
-            c["times"].append(timer(c["step"], steps))
-    layers.fuses_rotary = fused
+                configs.append({"T": T, "attention": name, "rotary": way, "step": step, "times": []})
+    try:
+        for r in range(rounds):
+            for c in configs[r % len(configs):] + configs[:r % len(configs)]:
+                layers.fuses_rotary = fused if c["rotary"] == "kernel" else (lambda qkv: False)
+                timer(c["step"], warmup)
+                c["times"].append(timer(c["step"], steps))
+    finally:
+        layers.fuses_rotary = fused
     return [{"T": c["T"], "attention": c["attention"], "rotary": c["rotary"], "ms": 1e3 * statistics.median(c["times"]),
              "rounds_ms": [1e3 * t for t in c["times"]], "tokens_per_s": tokens / statistics.median(c["times"])}
             for c in configs]
