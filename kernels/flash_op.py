@@ -225,9 +225,8 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                    rng: Optional[torch.Tensor] = None,
                    sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward as one opaque op: out (B, Nq, H, D), lse (B, H, Nq) float32. Same
-    arguments as flash_attn_fwd; the plan gives it no mask (doc_bounds None, window 0) and no
-    score option (kernels/plan.py)."""
-    return _gluon_forward(q, k, v, causal, softmax_scale, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    arguments as flash_attn_fwd; the plan gives it no mask (doc_bounds None, window 0)."""
+    return _gluon_forward(q, k, v, causal, softmax_scale, softcap=softcap, dropout_p=dropout_p, rng=rng, sinks=sinks)
 
 
 @gluon_attn_fwd.register_fake
@@ -259,8 +258,8 @@ def _gluon_attn_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, doc_bou
 
 def _gluon_forward(q, k, v, causal, softmax_scale, doc_bounds=None, window=0, cache=None, key=(), *, softcap=0.0,
                    dropout_p=0.0, rng=None, sinks=None):
-    assert not (softcap or dropout_p or sinks is not None), "the plan runs score options on the Triton forward"
-    return gluon_attention_forward(q, k, v, causal, softmax_scale, cache=cache)
+    return gluon_attention_forward(q, k, v, causal, softmax_scale, cache=cache, softcap=softcap, dropout_p=dropout_p,
+                                   rng=rng, sinks=sinks)
 
 
 def _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=None, window=0, deterministic=True,

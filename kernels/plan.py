@@ -14,10 +14,9 @@ kernels/flash_op.py's FAMILIES) with its variant and, where it is fixed, its til
 
 What decides it is a `Setting`: the GPU architecture, dtype, head dim, causal, the kind of mask,
 the length, whether TMA can read q, k and v, determinism, what the call does to its scores besides
-masking them (attention dropout, soft-capping, sinks: kernels/scores.py; the Gluon forward computes
-none of them; the Gluon backward all three: it regenerates the forward's dropout mask, caps the
-scores it recomputes and needs only the LSE for sinks), and the
-user's word for each direction:
+masking them (attention dropout, soft-capping, sinks: kernels/scores.py; both families compute all
+three, and draw the same dropout mask, so a Gluon forward pairs with a Triton backward and the
+other way round), and the user's word for each direction:
 "triton" or "gluon" (run that family, or refuse in one line why it cannot), "auto" (the Gluon
 kernel where it runs and was measured faster on the H200, from the lengths in GLUON_FROM; the
 Triton kernel elsewhere). `plan_kernels(setting)` is cached: a training run asks it once per
@@ -50,11 +49,15 @@ GLUON_FROM = {
     ("backward", 128, True): 1024, ("backward", 128, False): 16384,
     ("backward", 64, True): 4096, ("backward", 64, False): 4096,
 }
-# With attention dropout the Triton backward draws the mask twice (dQ, then dK/dV) and the Gluon
-# one once, beside its matrix products: head dim 64 causal, Gluon's was faster from 1K
-# (benchmarks/attention/attention_scores_h200_B16_T1024.md, _B8_T2048.md; at 256 tokens Triton's,
-# _B64_T256.md). Cells not listed keep GLUON_FROM's length.
-GLUON_FROM_DROPOUT = {("backward", 64, True): 1024}
+# Dropout and soft-capping cost the two families differently, so with either on the crossover is
+# measured again, per option and cell; with both, the shorter length wins. A backward cell not
+# listed keeps GLUON_FROM's length; a forward cell not listed runs the Triton kernel (not measured).
+# Sinks (one load per program, and the backward reads them through the LSE) move nothing.
+# - dropout, backward: the Triton backward draws the mask twice (dQ, then dK/dV) and the Gluon one
+#   once, beside its matrix products: head dim 64 causal, Gluon's was faster from 1K
+#   (benchmarks/attention/attention_scores_h200_B16_T1024.md, _B8_T2048.md; at 256 tokens Triton's,
+#   _B64_T256.md).
+GLUON_FROM_SCORES = {"dropout": {("backward", 64, True): 1024}, "softcap": {}}
 
 
 @dataclass(frozen=True)
@@ -127,24 +130,25 @@ plan_kernels = functools.lru_cache(maxsize=None)(make_plan)
 
 def _direction(s: Setting, direction: str) -> Direction:
     choice = s.forward if direction == "forward" else s.backward
-    refused = gluon.refusal(s.arch, s.dtype, s.head_dim, s.mask, s.tma) or _scores_refusal(s, direction)
+    refused = gluon.refusal(s.arch, s.dtype, s.head_dim, s.mask, s.tma)
     if choice == "gluon" and refused:
         raise ValueError(f"kernel='gluon' cannot run the {direction} of this call: {refused} (kernel='triton' can)")
-    cell = (direction, s.head_dim, s.causal)
-    measured = s.length >= ((s.dropout and GLUON_FROM_DROPOUT.get(cell)) or GLUON_FROM.get(cell, float("inf")))
+    measured = s.length >= _gluon_from(s, direction)
     if choice == "gluon" or (choice == "auto" and refused is None and measured):
         return _gluon(s, direction)
     return _triton(s, direction)
 
 
-def _scores_refusal(s: Setting, direction: str) -> str | None:
-    """What the Gluon kernels do not compute (kernels/scores.py): dropout, soft-capping and sinks in
-    the forward (the backward regenerates the forward's dropout mask, caps the scores it recomputes,
-    and takes the sinks in through the forward's LSE)."""
-    missing = [what for what, on in (("attention dropout", s.dropout and direction == "forward"),
-                                     ("logit soft-capping", s.softcap and direction == "forward"),
-                                     ("attention sinks", s.sinks and direction == "forward")) if on]
-    return f"it implements no {' or '.join(missing)}" if missing else None
+def _gluon_from(s: Setting, direction: str) -> float:
+    """The length from which `auto` runs the Gluon kernel in `direction` (GLUON_FROM, GLUON_FROM_SCORES)."""
+    cell = (direction, s.head_dim, s.causal)
+    options = [option for option in GLUON_FROM_SCORES if getattr(s, option)]
+    if not options:
+        return GLUON_FROM.get(cell, float("inf"))
+    measured = [GLUON_FROM_SCORES[option][cell] for option in options if cell in GLUON_FROM_SCORES[option]]
+    if measured:
+        return min(measured)
+    return float("inf") if direction == "forward" else GLUON_FROM.get(cell, float("inf"))
 
 
 def _triton(s: Setting, direction: str) -> Direction:

@@ -293,6 +293,25 @@ def test_dropout_through_the_gluon_backward(shape, causal, dtype, deterministic)
     check(q, k, v, do, causal, dropout_p=0.2, deterministic=deterministic, kernel=("triton", "gluon"), **more)
 
 
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("shape, causal, dtype, options, backward", [
+    (shape, causal, torch.bfloat16, options, backward)
+    for shape in [(2, 1024, 1024, 8, 2, 64), (1, 300, 517, 4, 4, 128), (1, 517, 300, 4, 1, 64)]
+    for causal in (False, True) for options in ("dropout", "softcap", "sinks", "all") for backward in ("triton", "gluon")
+] + [((2, 1024, 1024, 8, 2, 64), True, torch.float16, "all", backward) for backward in ("triton", "gluon")],
+    ids=lambda x: IDS(x) if isinstance(x, tuple) else str(x))
+def test_score_options_through_the_gluon_forward(shape, causal, dtype, options, backward):
+    """The Gluon forward caps the scores, starts each row at its sink and drops the Triton kernels'
+    mask bit for bit (the reference applies the mask dropout_mask draws), before either backward:
+    GQA, ragged tiles, Nq != Nk (rows that see no key: O = 0, L = the sink), a cap of 5 that most
+    scores reach, each option alone and all three; float16 too."""
+    q, k, v, do = make_inputs(*shape, dtype)
+    q = (q.float() * 4).to(dtype)
+    chosen = dict(dropout=dict(dropout_p=0.2), softcap=dict(softcap=5.0), sinks=dict(sinks=heads(shape[3])))
+    kw = {name: value for option, more in chosen.items() if options in (option, "all") for name, value in more.items()}
+    check(q, k, v, do, causal, kernel=("gluon", backward), **kw)
+
+
 @requires_cuda
 def test_torch_compile_fullgraph_traces_every_option():
     """torch.compile(fullgraph=True) traces soft-capping, sinks and the dropout seed's draw; with

@@ -75,31 +75,16 @@ def test_settings_the_gluon_kernels_refuse(changes, match):
     assert (plan.forward.family, plan.backward.family) == ("triton", "triton")
 
 
-@pytest.mark.parametrize("changes, directions, match", [
-    (dict(dropout=True), ("forward",), "it implements no attention dropout"),
-    (dict(softcap=True), ("forward",), "it implements no logit soft-capping"),
-    (dict(sinks=True), ("forward",), "it implements no attention sinks"),
-    (dict(dropout=True, softcap=True, sinks=True), ("forward",),
-     "it implements no attention dropout or logit soft-capping or attention sinks"),
-])
-def test_score_options_the_gluon_kernels_refuse(changes, directions, match):
-    """The Gluon forward has no dropout, soft-capping or sinks (kernels/scores.py): 'gluon' is refused
-    in one line naming it, and 'auto' runs Triton there even where Gluon was measured faster."""
-    for direction in directions:
-        with pytest.raises(ValueError, match=f"cannot run the {direction} of this call: {match} "
-                                             r"\(kernel='triton' can\)"):
-            plan_kernels(setting(**changes, **{direction: "gluon"}))
-        plan = plan_kernels(setting(**changes, length=1 << 20))
-        assert getattr(plan, direction).family == "triton"
-
-
 @pytest.mark.parametrize("option", ["sinks", "softcap", "dropout"])
-def test_score_options_keep_the_gluon_backward(option):
-    """The backward takes the sinks in through the forward's LSE, caps the scores it recomputes and
-    regenerates the forward's dropout mask, so Gluon's serves all three."""
+def test_score_options_run_on_the_gluon_kernels(option):
+    """Both Gluon kernels compute dropout, soft-capping and sinks (the backward takes the sinks in
+    through the forward's LSE, caps the scores it recomputes and regenerates the forward's dropout
+    mask), so 'gluon' runs either direction and 'auto' keeps Gluon where it was measured faster."""
     plan = plan_kernels(setting(**{option: True}, length=1 << 20))
-    assert (plan.forward.family, plan.backward.family) == ("triton", "gluon")
-    assert plan_kernels(setting(**{option: True}, backward="gluon")).backward.family == "gluon"
+    assert plan.backward.family == "gluon"
+    assert plan.forward.family == ("gluon" if option == "sinks" else "triton")   # GLUON_FROM_SCORES
+    for direction in ("forward", "backward"):
+        assert getattr(plan_kernels(setting(**{option: True}, **{direction: "gluon"})), direction).family == "gluon"
 
 
 @pytest.mark.parametrize("head_dim, causal, length, want", [
@@ -119,7 +104,7 @@ def test_auto_runs_the_gluon_forward_only_where_it_was_measured_faster(head_dim,
 ])
 def test_dropout_takes_the_gluon_backward_from_where_it_was_measured_faster(dropout, length, want):
     """Head dim 64 causal: the Gluon backward from 4K, and with dropout (one draw of the mask against
-    the Triton backward's two) from 1K, as GLUON_FROM_DROPOUT records."""
+    the Triton backward's two) from 1K, as GLUON_FROM_SCORES records."""
     plan = plan_kernels(setting(head_dim=64, causal=True, length=length, dropout=dropout))
     assert plan.backward.family == want
     assert plan.forward.family == "triton"

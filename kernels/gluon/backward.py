@@ -83,7 +83,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, device_arch, softmax_scale_for
 from kernels.gluon import compat, descriptors, refusal, tma_refusal, tma_strides
 from kernels.launch import cdiv, launch
-from kernels.scores import PHILOX_ROUNDS
+from kernels.gluon.scores import dropout_keep, dropout_seed_of, hardware_tanh
 from kernels.tiles import LOG2E
 
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring,
@@ -298,7 +298,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         keep_t = _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N, BLOCK_M, s_layout, DROPOUT_P)
     s_t = warpgroup_mma_wait(1, deps=(s_t,))
     if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
-        u = _hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
+        u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
         p_t = gl.exp2(u * (SOFTCAP * LOG2E) - lse2[None, :])
     else:
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
@@ -357,48 +357,16 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
 
 
 @gluon.jit
-def _hardware_tanh(x):
-    """tanh of float32 x in one special-function instruction (PTX tanh.approx.f32), as the Triton
-    kernels take it for 16-bit inputs (kernels/scores.py: its error is below a 16-bit score's rounding)."""
-    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _philox(seed, c0, c1, c2, c3, ROUNDS: gl.constexpr):
-    """Philox4x32 as triton.language.philox computes it: the Triton forward draws the mask with that
-    one, and this backward must regenerate it bit for bit (tests/test_attention_scores.py)."""
-    seed = seed.to(gl.uint64)
-    k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
-    for _ in gl.static_range(ROUNDS):
-        a0 = c0
-        a2 = c2
-        c0 = gl.umulhi(0xCD9E8D57, a2) ^ c1 ^ k0
-        c2 = gl.umulhi(0xD2511F53, a0) ^ c3 ^ k1
-        c1 = a2 * 0xCD9E8D57
-        c3 = a0 * 0xD2511F53
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
-    return c0, c1, c2, c3
-
-
-@gluon.jit
 def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                     layout: gl.constexpr, DROPOUT_P: gl.constexpr):
     """(BLOCK_N, BLOCK_M) booleans in `layout`: whether the forward kept score (query start_m + c, key
-    start_n + r), the draw of kernels/scores.py's dropout_keep, transposed. Key bit 0 is a lane of
-    the S^T accumulator, so two threads compute each Philox call; row and column bit 3 are
-    registers, so a thread computes each of its calls once."""
-    KEEP: gl.constexpr = int((1.0 - DROPOUT_P) * 65536 + 0.5)
+    start_n + r), kernels/gluon/scores.py's draw on S^T. Key bit 0 is a lane of the S^T accumulator,
+    so two threads compute each Philox call; row and column bit 3 are registers, so a thread
+    computes each of its calls once."""
     r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))[None, :]
-    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.uint32, layout)
-    keys = zero + (start_n + (r & ~9)).to(gl.uint32, bitcast=True)
-    queries = zero + (start_m + (c & ~8)).to(gl.uint32, bitcast=True)
-    w0, w1, w2, w3 = _philox(seed, keys, queries, zero + bh.to(gl.uint32), zero + offset, PHILOX_ROUNDS)
-    word = gl.where((c & 8) != 0, gl.where((r & 8) != 0, w3, w2), gl.where((r & 8) != 0, w1, w0))
-    bits = gl.where((r & 1) != 0, word >> 16, word & 0xFFFF)
-    return bits < KEEP
+    return dropout_keep(seed, offset, bh, start_m, c, start_n, r, gl.zeros([BLOCK_N, BLOCK_M], gl.uint32, layout),
+                        DROPOUT_P)
 
 
 @gluon.jit
@@ -417,11 +385,7 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, CAUSAL: gl.cons
     kv_layout: gl.constexpr = _acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    seed = 0
-    offset = 0
-    if DROPOUT_P > 0:   # the call's seed and offset (kernels/scores.py, dropout_seed_of)
-        seed = gl.load(Rng)
-        offset = gl.load(Rng + 1).to(gl.uint32)
+    seed, offset = dropout_seed_of(Rng, DROPOUT_P)
     mbarrier.wait(kv_bar, 0)
     i = 0
     for g in range(group):

@@ -56,6 +56,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.gluon import descriptors, tma_strides
 from kernels.gluon.compat import thread_barrier, tma_load, tma_store
+from kernels.gluon.scores import dropout_keep, dropout_seed_of, hardware_tanh
 from kernels.launch import cdiv
 from kernels.launch import launch as run_kernel
 from kernels.tiles import LN2, LOG2E
@@ -100,10 +101,15 @@ def _stage_range(STAGE: gl.constexpr, mid, hi):
 
 
 @gluon.jit
-def _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+def _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL: gl.constexpr, MASK: gl.constexpr,
+             SOFTCAP: gl.constexpr):
     """The online-softmax step on raw scores s (ROWS x BLOCK_N, keys from start_n): (P, m_new, alpha)
     with P = exp2(s * scale - m_new) and alpha = exp2(m_old - m_new), the factor by which the running
-    sum and accumulator shrink. MASK: key j of row i counts iff j < n_k (and j <= i + shift, causal)."""
+    sum and accumulator shrink. MASK: key j of row i counts iff j < n_k (and j <= i + shift, causal).
+    SOFTCAP > 0: the scores are c tanh(scale s / c) first, in the log2 domain (kernels/scores.py)."""
+    if SOFTCAP > 0:
+        s = hardware_tanh(s * (qk_scale / (SOFTCAP * LOG2E))) * (SOFTCAP * LOG2E)
+        qk_scale = 1.0
     if MASK:
         cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
         visible = cols[None, :] < n_k
@@ -132,14 +138,29 @@ def _p_operand(p, dtype, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _dropout_keep(rng, start_n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+                  DROPOUT_P: gl.constexpr):
+    """(ROWS, BLOCK_N) booleans in the scores' `layout`: whether score (first row + r, start_n + c)
+    is kept (kernels/gluon/scores.py). Row bit 3 and key bits 0 and 3 are registers of one thread in
+    the wgmma accumulator, so each thread computes each of its Philox calls once, alone."""
+    seed, offset, bh, start_row = rng
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
+    c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
+    return dropout_keep(seed, offset, bh, start_row, r, start_n, c, gl.zeros([ROWS, BLOCK_N], gl.uint32, layout),
+                        DROPOUT_P)
+
+
+@gluon.jit
 def _attend(q_smem, k_smem, v_smem, v_ready, v_phase, release, acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale,
-            ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            CAUSAL: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+            rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            CAUSAL: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
+            DROPOUT_P: gl.constexpr, num_warps: gl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into one warpgroup's (acc, m, l).
 
     q_smem (ROWS x D), k_smem and v_smem (BLOCK_N x D) are shared-memory tiles; K has landed,
     V is waited for (v_ready, v_phase) only before P V, so its copy may still run during S and
     the softmax. PINGPONG: arrive on `release` (the other consumer's turn) once QK^T is issued.
+    rng: (seed, offset, bh, first row) of the dropout mask, drawn while QK^T runs.
     Returns with both wgmmas complete, i.e. K and V are no longer read."""
     s_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, num_warps)
     o_layout: gl.constexpr = _mma_layout(ROWS, HEAD_DIM, num_warps)
@@ -147,10 +168,14 @@ def _attend(q_smem, k_smem, v_smem, v_ready, v_phase, release, acc, m_i, l_i, ro
     s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(release, count=1)
+    if DROPOUT_P > 0:
+        keep = _dropout_keep(rng, start_n, ROWS, BLOCK_N, s_layout, DROPOUT_P)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK, SOFTCAP)
+    l_i = l_i * alpha + gl.sum(p, 1)   # the normaliser sums every probability, dropped or not
     acc = _rows_scale(acc, alpha)
+    if DROPOUT_P > 0:   # the dropped ones leave O; 1 / (1 - p) scales it at the end
+        p = gl.where(keep, p, 0.0)
     p = _p_operand(p, q_smem.dtype, o_layout)
     mbarrier.wait(v_ready, v_phase)
     acc = warpgroup_mma(p, v_smem, acc, is_async=True)
@@ -208,9 +233,9 @@ SIZES = ["n_heads", "kv_group", "n_q", "n_k"]
 
 
 @gluon.jit
-def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
+def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                 OVERLAP: gl.constexpr, WG: gl.constexpr):
+                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, WG: gl.constexpr):
     """Loads Q's two halves, then every K/V tile the consumers visit, into the ring."""
     q_desc, k_desc, v_desc, o_desc = descs
     q_bufs, k_bufs, v_bufs = bufs
@@ -228,10 +253,11 @@ def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
 
 
 @gluon.jit
-def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
+def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                 OVERLAP: gl.constexpr, WG: gl.constexpr):
-    """One warpgroup: rows [start_m + 64 WG, + 64) of the program, every K/V tile of the ring."""
+                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, WG: gl.constexpr):
+    """One warpgroup: rows [start_m + 64 WG, + 64) of the program, every K/V tile of the ring.
+    scores: (Rng, Sinks), the dropout seed and the sinks (kernels/scores.py), each None when unused."""
     q_desc, k_desc, v_desc, o_desc = descs
     q_bufs, k_bufs, v_bufs = bufs
     q_ready, k_ready, v_ready, kv_empty, turn = bars
@@ -242,9 +268,16 @@ def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
     s_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(ROWS, HEAD_DIM, 4)
     start_row = start_m + WG * ROWS
+    Rng, Sinks = scores
 
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    if Sinks is None:
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    else:   # the sink is every row's first score: (m, l) start at (sink log2(e), 1)
+        m_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout)) + gl.load(Sinks + h) * LOG2E
+        l_i = gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+    seed, offset = dropout_seed_of(Rng, DROPOUT_P)
+    rng = (seed, offset, b * n_heads + h, start_row)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     rows = start_row + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
     q_smem = q_bufs.index(WG).reshape([ROWS, HEAD_DIM])
@@ -253,23 +286,25 @@ def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr,
     if OVERLAP:
         if hi > 0:
             acc, m_i, l_i = _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i,
-                                           rows, mid, hi, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES,
-                                           CAUSAL, PINGPONG, WG)
+                                           rows, mid, hi, n_k, shift, qk_scale, rng, ROWS, BLOCK_N, HEAD_DIM, STAGES,
+                                           CAUSAL, PINGPONG, SOFTCAP, DROPOUT_P, WG)
     else:
         for stage in gl.static_range(2):   # the unmasked key tiles, then the masked ones
             first, end = _stage_range(stage, mid, hi)
             for start_n in range(first, end, BLOCK_N):
                 acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i,
-                                         rows, start_n, n_k, shift, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                         stage == 1, PINGPONG, WG)
+                                         rows, start_n, n_k, shift, qk_scale, rng, ROWS, BLOCK_N, HEAD_DIM, STAGES,
+                                         CAUSAL, stage == 1, PINGPONG, SOFTCAP, DROPOUT_P, WG)
+    if DROPOUT_P > 0:
+        acc = acc * (1.0 / (1.0 - DROPOUT_P))
     _epilogue(acc, m_i, l_i, q_bufs.index(WG), o_desc, lse_ptr, b, h, n_heads, n_q, start_row, ROWS, HEAD_DIM, 4)
 
 
 @gluon.jit
 def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows,
-             start_n, n_k, shift, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             start_n, n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
-             WG: gl.constexpr):
+             SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, WG: gl.constexpr):
     tile = start_n // BLOCK_N
     stage = tile % STAGES
     phase = (tile // STAGES) & 1
@@ -281,16 +316,17 @@ def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
         mbarrier.wait(turn.index(WG), (tile & 1) ^ (1 - WG))
     acc, m_i, l_i = _attend(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
                             v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), v_ready.index(stage), phase,
-                            turn.index(1 - WG), acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale,
-                            ROWS, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PINGPONG, 4)
+                            turn.index(1 - WG), acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale, rng,
+                            ROWS, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PINGPONG, SOFTCAP, DROPOUT_P, 4)
     mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows, mid, hi,
-                   n_k, shift, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+                   n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
+                   DROPOUT_P: gl.constexpr, WG: gl.constexpr):
     """FlashAttention-3's intra-warpgroup overlap, for hi > 0 key columns: QK^T of tile t is issued
     together with P V of tile t - 1, and the softmax of tile t runs while that P V wgmma is still
     in flight. Only then is acc rescaled (alpha_t) and buffer t - 1 released. Tile 0 is peeled off
@@ -305,18 +341,22 @@ def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc
                       use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
+    if DROPOUT_P > 0:
+        keep = _dropout_keep(rng, 0, ROWS, BLOCK_N, s_layout, DROPOUT_P)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    p, m_i, alpha = _softmax(s, m_i, rows, 0, n_k, shift, qk_scale, CAUSAL, True)
+    p, m_i, alpha = _softmax(s, m_i, rows, 0, n_k, shift, qk_scale, CAUSAL, True, SOFTCAP)
     l_i = l_i * alpha + gl.sum(p, 1)
+    if DROPOUT_P > 0:
+        p = gl.where(keep, p, 0.0)
     p = _p_operand(p, q_smem.dtype, o_layout)
     for start_n in range(BLOCK_N, mid, BLOCK_N):
         acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
-                                               l_i, p, rows, start_n, n_k, shift, qk_scale, ROWS, BLOCK_N,
-                                               HEAD_DIM, STAGES, CAUSAL, False, PINGPONG, WG)
+                                               l_i, p, rows, start_n, n_k, shift, qk_scale, rng, ROWS, BLOCK_N,
+                                               HEAD_DIM, STAGES, CAUSAL, False, PINGPONG, SOFTCAP, DROPOUT_P, WG)
     for start_n in range(gl.maximum(mid, BLOCK_N), hi, BLOCK_N):
         acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
-                                               l_i, p, rows, start_n, n_k, shift, qk_scale, ROWS, BLOCK_N,
-                                               HEAD_DIM, STAGES, CAUSAL, True, PINGPONG, WG)
+                                               l_i, p, rows, start_n, n_k, shift, qk_scale, rng, ROWS, BLOCK_N,
+                                               HEAD_DIM, STAGES, CAUSAL, True, PINGPONG, SOFTCAP, DROPOUT_P, WG)
     last = gl.cdiv(hi, BLOCK_N) - 1
     stage = last % STAGES
     mbarrier.wait(v_ready.index(stage), (last // STAGES) & 1)
@@ -328,9 +368,9 @@ def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc
 
 @gluon.jit
 def _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, p, rows,
-                        start_n, n_k, shift, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        start_n, n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-                        PINGPONG: gl.constexpr, WG: gl.constexpr):
+                        PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, WG: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(ROWS, HEAD_DIM, 4)
     tile = start_n // BLOCK_N
@@ -346,20 +386,26 @@ def _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn
     acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
+    if DROPOUT_P > 0:
+        keep = _dropout_keep(rng, start_n, ROWS, BLOCK_N, s_layout, DROPOUT_P)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))        # QK^T done; P V may still run
-    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK)
+    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK, SOFTCAP)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(kv_empty.index(prev), count=1)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = _rows_scale(acc, alpha)
+    if DROPOUT_P > 0:
+        p = gl.where(keep, p, 0.0)
     return acc, m_i, l_i, _p_operand(p, q_smem.dtype, o_layout)
 
 
 @gluon.jit(do_not_specialize=SIZES)
-def attention_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_heads, kv_group, n_q, n_k, qk_scale,
+def attention_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Rng, Sinks, n_heads, kv_group, n_q, n_k, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                     OVERLAP: gl.constexpr, num_warps: gl.constexpr):
-    """BLOCK_M = 128 rows per program: consumer warpgroups 0 and 1 (64 rows each) and a producer warp."""
+                     OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, num_warps: gl.constexpr):
+    """BLOCK_M = 128 rows per program: consumer warpgroups 0 and 1 (64 rows each) and a producer warp.
+    SOFTCAP, DROPOUT_P, Rng and Sinks as the Triton forward's (kernels/flash_fwd.py): without them
+    (0.0 and None) the code is the plain kernel's."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * ROWS
@@ -392,10 +438,14 @@ def attention_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_heads, kv_group,
     bars = (q_ready, k_ready, v_ready, kv_empty, turn)
     coords = (b, h, h_kv, start_m, mid, hi)
     sizes = (n_heads, n_q, n_k)
+    scores = (Rng, Sinks)
     gl.warp_specialize([
-        (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, OVERLAP, 0)),
-        (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, OVERLAP, 1)),
-        (_ws_producer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, BLOCK_N, STAGES, CAUSAL, PINGPONG, OVERLAP, 0)),
+        (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores, BLOCK_N, STAGES, CAUSAL,
+                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, 0)),
+        (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores, BLOCK_N, STAGES, CAUSAL,
+                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, 1)),
+        (_ws_producer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores, BLOCK_N, STAGES, CAUSAL,
+                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -473,11 +523,13 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant: str | None = None,
-                            launch: Launch | None = None, cache: dict | None = None):
+                            launch: Launch | None = None, cache: dict | None = None, *, softcap: float = 0.0,
+                            dropout_p: float = 0.0, rng=None, sinks=None):
     """out (B, Nq, H, D) in q's dtype and lse (B, H, Nq) float32 (natural log), by the Gluon kernel
     `variant` (VARIANTS; None: DEFAULT_VARIANTS) or a given `launch`. The caller's kernel plan has
     accepted the inputs (kernels.gluon.refusal); `cache`: the call signature's compiled kernels
-    (kernels/launch.py)."""
+    (kernels/launch.py). softcap, dropout_p, rng and sinks as the Triton forward takes them
+    (kernels/flash_op.py's _triton_forward)."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     spec = launch or variant_launch(variant, causal, D)
@@ -486,7 +538,8 @@ def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant
     tensors = (q, k, v, out)
     described = descriptors(cache, "gluon_fwd_tma", tensors, lambda: [
         descriptor(t, rows) for t, rows in zip(tensors, (spec.rows, BLOCK_N, BLOCK_N, spec.rows))])
-    args = (*described, lse, H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value)
-    run_kernel(spec.kernel, (cdiv(n_q, spec.block_m), B * H), args, {**spec.constexprs, **spec.options},
+    args = (*described, lse, rng, sinks, H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value)
+    run_kernel(spec.kernel, (cdiv(n_q, spec.block_m), B * H), args,
+               {**spec.constexprs, **spec.options, "SOFTCAP": float(softcap), "DROPOUT_P": float(dropout_p)},
                cache, "gluon_fwd")
     return out, lse

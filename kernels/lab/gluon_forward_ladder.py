@@ -54,12 +54,12 @@ def variant_launch(variant: str, causal: bool, head_dim: int) -> Launch:
 
 
 @gluon.jit(do_not_specialize=SIZES)
-def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_heads, kv_group, n_q, n_k, qk_scale,
-                            CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            num_warps: gl.constexpr):
+def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, Rng, Sinks, n_heads, kv_group, n_q, n_k,
+                            qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                            SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, num_warps: gl.constexpr):
     """One partition of num_warps warps (BLOCK_M = 16 * num_warps rows); K/V through a ring of
     STAGES buffers, the loads of tile j + STAGES - 1 issued before tile j is computed (STAGES=1:
-    load, wait, compute)."""
+    load, wait, compute). The production kernel's signature; plain attention only (no score options)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     gl.static_assert(BLOCK_M == 16 * num_warps, "wgmma: each warp owns 16 rows of the query tile")
@@ -67,6 +67,7 @@ def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_heads, kv
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N, "K descriptor block has BLOCK_N rows")
     gl.static_assert(BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0, "wgmma K and N are multiples of 16")
     gl.static_assert(STAGES >= 1)
+    gl.static_assert(SOFTCAP == 0 and DROPOUT_P == 0, "the ladder's rungs compute plain attention")
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
     o_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_DIM, num_warps)
 
@@ -120,7 +121,7 @@ def _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, ac
     mbarrier.wait(k_ready.index(stage), phase)
     return _attend(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
                    v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), v_ready.index(stage), phase,
-                   k_ready.index(stage), acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, MASK, False, num_warps)
+                   k_ready.index(stage), acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale, None,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, MASK, False, 0.0, 0.0, num_warps)
 
 

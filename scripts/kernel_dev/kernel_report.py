@@ -115,11 +115,12 @@ def compile_for_hopper(kernel, constexprs: dict, warps: int, stages: int, values
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_gluon_fwd(variant: str | None, head_dim: int, causal: bool, dtype: str = "bf16"):
+def compile_gluon_fwd(variant: str | None, head_dim: int, causal: bool, dtype: str = "bf16", softcap: float = 0.0,
+                      dropout_p: float = 0.0, sinks: bool = False):
     """triton.compile of the Gluon forward `variant` (a rung of kernels/lab/gluon_forward_ladder.py's
     LADDER, the production variants included; None: the default for the head dim) for sm_90a, with
-    the signature its launch has: four TMA descriptors, the LSE pointer, four integers and the fp32
-    scale."""
+    the signature its launch has: four TMA descriptors, the LSE pointer, the dropout seed and the
+    sinks (None unless dropout_p and sinks ask for them), four integers and the fp32 scale."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -138,9 +139,12 @@ def compile_gluon_fwd(variant: str | None, head_dim: int, causal: bool, dtype: s
 
     signature = {"q_desc": descriptor(launch.rows), "k_desc": descriptor(gluon_fwd.BLOCK_N),
                  "v_desc": descriptor(gluon_fwd.BLOCK_N), "o_desc": descriptor(launch.rows), "lse_ptr": "*fp32",
+                 "Rng": "*i64" if dropout_p else "constexpr", "Sinks": "*fp32" if sinks else "constexpr",
                  **{n: "i32" for n in ("n_heads", "kv_group", "n_q", "n_k")}, "qk_scale": "fp32"}
-    consts = dict(launch.constexprs, num_warps=launch.options["num_warps"])
+    consts = dict(launch.constexprs, num_warps=launch.options["num_warps"], SOFTCAP=float(softcap),
+                  DROPOUT_P=float(dropout_p))
     signature.update({name: "constexpr" for name in consts})
+    consts.update({name: None for name, kind in signature.items() if kind == "constexpr" and name not in consts})
     source = GluonASTSource(fn=launch.kernel, signature=signature, constexprs=consts,
                             attrs={(4,): [["tt.divisibility", 16]]})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(launch.options))
