@@ -49,15 +49,21 @@ GLUON_FROM = {
     ("backward", 128, True): 1024, ("backward", 128, False): 16384,
     ("backward", 64, True): 4096, ("backward", 64, False): 4096,
 }
-# Dropout and soft-capping cost the two families differently, so with either on the crossover is
-# measured again, per option and cell; with both, the shorter length wins. A backward cell not
-# listed keeps GLUON_FROM's length; a forward cell not listed runs the Triton kernel (not measured).
-# Sinks (one load per program, and the backward reads them through the LSE) move nothing.
+# Dropout and soft-capping cost the two families differently, so where they move the crossover it
+# is measured again: GLUON_FROM_SCORES[option][cell] is the length from which the Gluon kernel was
+# faster with that option on; a cell not listed keeps GLUON_FROM's length. With several options on,
+# the Gluon kernel runs where it was faster with each: the longest of their lengths. Sinks (one
+# load per program; the backward reads them through the LSE) move nothing.
 # - dropout, backward: the Triton backward draws the mask twice (dQ, then dK/dV) and the Gluon one
 #   once, beside its matrix products: head dim 64 causal, Gluon's was faster from 1K
 #   (benchmarks/attention/attention_scores_h200_B16_T1024.md, _B8_T2048.md; at 256 tokens Triton's,
-#   _B64_T256.md).
-GLUON_FROM_SCORES = {"dropout": {("backward", 64, True): 1024}, "softcap": {}}
+#   _B64_T256.md). Forward: the Gluon forward's draw hides no better than Triton's, so GLUON_FROM's
+#   16K holds (attention_scores_h200_gluon_fwd.md: 11% faster at 16K, 2% at 4K, slower at 1K).
+# - softcap, forward: the Gluon forward was slower at 4K and at 16K, head dim 64 (the same file): a
+#   second MUFU op a score, which ping-pong cannot hide where exp2 alone already keeps MUFU as busy
+#   as the tensor cores.
+GLUON_FROM_SCORES = {"dropout": {("backward", 64, True): 1024},
+                     "softcap": {("forward", 64, True): float("inf")}}
 
 
 @dataclass(frozen=True)
@@ -142,13 +148,9 @@ def _direction(s: Setting, direction: str) -> Direction:
 def _gluon_from(s: Setting, direction: str) -> float:
     """The length from which `auto` runs the Gluon kernel in `direction` (GLUON_FROM, GLUON_FROM_SCORES)."""
     cell = (direction, s.head_dim, s.causal)
-    options = [option for option in GLUON_FROM_SCORES if getattr(s, option)]
-    if not options:
-        return GLUON_FROM.get(cell, float("inf"))
-    measured = [GLUON_FROM_SCORES[option][cell] for option in options if cell in GLUON_FROM_SCORES[option]]
-    if measured:
-        return min(measured)
-    return float("inf") if direction == "forward" else GLUON_FROM.get(cell, float("inf"))
+    default = GLUON_FROM.get(cell, float("inf"))
+    return max([GLUON_FROM_SCORES[option].get(cell, default) for option in GLUON_FROM_SCORES if getattr(s, option)],
+               default=default)
 
 
 def _triton(s: Setting, direction: str) -> Direction:

@@ -82,7 +82,7 @@ def test_score_options_run_on_the_gluon_kernels(option):
     mask), so 'gluon' runs either direction and 'auto' keeps Gluon where it was measured faster."""
     plan = plan_kernels(setting(**{option: True}, length=1 << 20))
     assert plan.backward.family == "gluon"
-    assert plan.forward.family == ("gluon" if option == "sinks" else "triton")   # GLUON_FROM_SCORES
+    assert plan.forward.family == ("triton" if option == "softcap" else "gluon")   # GLUON_FROM_SCORES
     for direction in ("forward", "backward"):
         assert getattr(plan_kernels(setting(**{option: True}, **{direction: "gluon"})), direction).family == "gluon"
 
@@ -96,6 +96,17 @@ def test_auto_runs_the_gluon_forward_only_where_it_was_measured_faster(head_dim,
     plan = plan_kernels(setting(head_dim=head_dim, causal=causal, length=length))
     assert plan.forward.family == want
     assert (want == "gluon") == (length >= kernel_plan.GLUON_FROM[("forward", head_dim, causal)])
+
+
+@pytest.mark.parametrize("options, direction, length, want", [
+    (dict(dropout=True), "forward", 4096, "triton"), (dict(dropout=True), "forward", 16384, "gluon"),
+    (dict(softcap=True), "forward", 1 << 20, "triton"), (dict(dropout=True, softcap=True), "forward", 1 << 20, "triton"),
+    (dict(dropout=True, softcap=True), "backward", 2048, "triton"), (dict(dropout=True, softcap=True), "backward", 4096, "gluon"),
+    (dict(sinks=True, dropout=True), "backward", 1024, "gluon"),
+])
+def test_several_score_options_take_the_gluon_kernel_where_it_was_faster_with_each(options, direction, length, want):
+    """Head dim 64 causal: the longest of the options' lengths (GLUON_FROM_SCORES, then GLUON_FROM)."""
+    assert getattr(plan_kernels(setting(head_dim=64, causal=True, length=length, **options)), direction).family == want
 
 
 @pytest.mark.parametrize("dropout, length, want", [
