@@ -23,6 +23,11 @@ Masks. Key tiles [0, mid) are seen whole by every row of the program and run wit
 bound. Tiles past hi are never loaded. Document masks and sliding windows are not implemented
 here: the kernel plan (kernels/plan.py) runs them on the Triton kernel, and refuses kernel="gluon".
 
+Scores (kernels/scores.py, kernels/gluon/scores.py), as the Triton forward computes them:
+soft-capping bends each score through c tanh(s / c) before the row max; sinks start every row's
+(m, l) at (sink, 1); dropout draws the Triton kernels' Philox mask for the tile while its QK^T
+wgmma runs, zeroes the dropped P after l has summed it, and scales O by 1 / (1 - p) at the end.
+
 The kernel, `attention_fwd_ws`, has FlashAttention-3's structure: gl.warp_specialize into three
 partitions,
     producer   1 warp:      Q of both halves, then K and V tiles into a ring of STAGES buffers (TMA only);
