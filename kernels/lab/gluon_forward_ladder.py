@@ -67,7 +67,7 @@ def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, Rng, Sinks,
     gl.static_assert(k_desc.block_type.shape[1] == BLOCK_N, "K descriptor block has BLOCK_N rows")
     gl.static_assert(BLOCK_N % 16 == 0 and HEAD_DIM % 16 == 0, "wgmma K and N are multiples of 16")
     gl.static_assert(STAGES >= 1)
-    gl.static_assert(SOFTCAP == 0 and DROPOUT_P == 0, "the ladder's rungs compute plain attention")
+    gl.static_assert(SOFTCAP == 0 and DROPOUT_P == 0 and Sinks is None, "the ladder's rungs compute plain attention")
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
     o_layout: gl.constexpr = _mma_layout(BLOCK_M, HEAD_DIM, num_warps)
 
