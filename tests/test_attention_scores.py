@@ -182,8 +182,10 @@ def test_dropout_with_documents_a_window_softcap_and_sinks(deterministic):
 def test_dropout_keeps_one_minus_p_of_the_scores():
     """Kept fractions within 5 standard deviations of 1 - p: overall, for each of the 8 scores of a
     Philox call (row bit 3 x key bits 0 and 3), per head, and for scores kept together (independence):
-    neighbouring keys and rows, and the pairs 8 apart that share a call."""
+    neighbouring keys and rows, and the pairs 8 apart that share a call. The seed is fixed: a
+    statistical bound fails at its own rate on fresh seeds, and CI must not."""
     for p in (0.1, 0.5):
+        torch.manual_seed(int(p * 10))
         mask = dropout_mask(dropout_seed(DEVICE), p, 1, 4, 64, 256).double()
         keep = 1 - p
 
@@ -198,9 +200,13 @@ def test_dropout_keeps_one_minus_p_of_the_scores():
         for h in range(4):
             assert near(mask[:, h].mean().item(), mask[:, h].numel()), (p, h)
         for step in (1, 8):
-            pairs = mask[..., step:] * mask[..., :-step]
+            # Disjoint pairs (i, i + step) with (i // step) even: each score in one pair at most, so
+            # the pairs are independent and the binomial bound holds (overlapping pairs are not).
+            first = ((cols // step) % 2 == 0) & (cols + step < 256)
+            pairs = mask[..., first] * mask[..., first.nonzero().squeeze(1) + step]
             assert near(pairs.mean().item(), pairs.numel(), keep * keep), (p, "keys", step)
-            pairs = mask[..., step:, :] * mask[..., :-step, :]
+            first = (rows // step) % 2 == 0
+            pairs = mask[..., first, :] * mask[..., first.nonzero().squeeze(1) + step, :]
             assert near(pairs.mean().item(), pairs.numel(), keep * keep), (p, "rows", step)
 
 
