@@ -130,17 +130,26 @@ def dropout_keep(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOC
                  DROPOUT_P: tl.constexpr):
     """(BLOCK_M, BLOCK_N) booleans: whether score (start_m + r, start_n + c) of head bh (b * H + h)
     is kept. start_m and start_n are multiples of 16, as every tile's start is."""
-    KEEP: tl.constexpr = int((1.0 - DROPOUT_P) * 65536 + 0.5)
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
-    zero = (r * 0 + c * 0).to(tl.uint32)
-    # the call's counter: the score's coordinates with row bit 3 and key bits 0 and 3 cleared, taken
+    return dropout_keep_at(seed, offset, bh, start_m, r, start_n, c, (r * 0 + c * 0).to(tl.uint32), DROPOUT_P)
+
+
+@triton.jit
+def dropout_keep_at(seed, offset, bh, start_q, q, start_k, k, zero, DROPOUT_P: tl.constexpr):
+    """Whether score (query start_q + q, key start_k + k) of head bh is kept, for a tile in any
+    orientation and layout: q and k are the tile's relative query and key indices (aranges
+    broadcast against each other), zero a uint32 tile of zeros of the tile's shape, start_q and
+    start_k multiples of 16. Elementwise only, so the Gluon kernels call it on tiles in their
+    accumulators' layouts (S, or S^T with q and k swapped) and draw the Triton kernels' bits."""
+    KEEP: tl.constexpr = int((1.0 - DROPOUT_P) * 65536 + 0.5)
+    # the call's counter: the score's coordinates with query bit 3 and key bits 0 and 3 cleared, taken
     # from the tile's own arange so that the compiler sees which of a thread's scores share a call
-    keys = zero + (start_n + (c & ~9)).to(tl.uint32, bitcast=True)
-    queries = zero + (start_m + (r & ~8)).to(tl.uint32, bitcast=True)
+    keys = zero + (start_k + (k & ~9)).to(tl.uint32, bitcast=True)
+    queries = zero + (start_q + (q & ~8)).to(tl.uint32, bitcast=True)
     w0, w1, w2, w3 = tl.philox(seed, keys, queries, zero + bh.to(tl.uint32), zero + offset, PHILOX_ROUNDS)
-    word = tl.where((r & 8) != 0, tl.where((c & 8) != 0, w3, w2), tl.where((c & 8) != 0, w1, w0))
-    bits = tl.where((c & 1) != 0, word >> 16, word & 0xFFFF)
+    word = tl.where((q & 8) != 0, tl.where((k & 8) != 0, w3, w2), tl.where((k & 8) != 0, w1, w0))
+    bits = tl.where((k & 1) != 0, word >> 16, word & 0xFFFF)
     return bits < KEEP
 
 

@@ -83,7 +83,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, device_arch, softmax_scale_for
 from kernels.gluon import compat, descriptors, refusal, tma_refusal, tma_strides
 from kernels.launch import cdiv, launch
-from kernels.gluon.scores import dropout_keep, dropout_seed_of, hardware_tanh
+from kernels.scores import dropout_keep_at, dropout_seed_of, hardware_tanh
 from kernels.tiles import LOG2E
 
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring,
@@ -360,13 +360,13 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
 def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                     layout: gl.constexpr, DROPOUT_P: gl.constexpr):
     """(BLOCK_N, BLOCK_M) booleans in `layout`: whether the forward kept score (query start_m + c, key
-    start_n + r), kernels/gluon/scores.py's draw on S^T. Key bit 0 is a lane of the S^T accumulator,
+    start_n + r), kernels/scores.py's draw on S^T. Key bit 0 is a lane of the S^T accumulator,
     so two threads compute each Philox call; row and column bit 3 are registers, so a thread
     computes each of its calls once."""
     r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))[None, :]
-    return dropout_keep(seed, offset, bh, start_m, c, start_n, r, gl.zeros([BLOCK_N, BLOCK_M], gl.uint32, layout),
-                        DROPOUT_P)
+    return dropout_keep_at(seed, offset, bh, start_m, c, start_n, r, gl.zeros([BLOCK_N, BLOCK_M], gl.uint32, layout),
+                           DROPOUT_P)
 
 
 @gluon.jit

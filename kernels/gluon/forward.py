@@ -23,7 +23,7 @@ Masks. Key tiles [0, mid) are seen whole by every row of the program and run wit
 bound. Tiles past hi are never loaded. Document masks and sliding windows are not implemented
 here: the kernel plan (kernels/plan.py) runs them on the Triton kernel, and refuses kernel="gluon".
 
-Scores (kernels/scores.py, kernels/gluon/scores.py), as the Triton forward computes them:
+Scores (kernels/scores.py, whose functions these kernels call), as the Triton forward computes them:
 soft-capping bends each score through c tanh(s / c) before the row max; sinks start every row's
 (m, l) at (sink, 1); dropout draws the Triton kernels' Philox mask for the tile while its QK^T
 wgmma runs, zeroes the dropped P after l has summed it, and scales O by 1 / (1 - p) at the end.
@@ -61,7 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.gluon import descriptors, tma_strides
 from kernels.gluon.compat import thread_barrier, tma_load, tma_store
-from kernels.gluon.scores import dropout_keep, dropout_seed_of, hardware_tanh
+from kernels.scores import dropout_keep_at, dropout_seed_of, hardware_tanh
 from kernels.launch import cdiv
 from kernels.launch import launch as run_kernel
 from kernels.tiles import LN2, LOG2E
@@ -146,13 +146,13 @@ def _p_operand(p, dtype, o_layout: gl.constexpr):
 def _dropout_keep(rng, start_n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
                   DROPOUT_P: gl.constexpr):
     """(ROWS, BLOCK_N) booleans in the scores' `layout`: whether score (first row + r, start_n + c)
-    is kept (kernels/gluon/scores.py). Row bit 3 and key bits 0 and 3 are registers of one thread in
-    the wgmma accumulator, so each thread computes each of its Philox calls once, alone."""
+    is kept (kernels/scores.py's dropout_keep_at). Row bit 3 and key bits 0 and 3 are registers of
+    one thread in the wgmma accumulator, so each thread computes each of its Philox calls once, alone."""
     seed, offset, bh, start_row = rng
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
-    return dropout_keep(seed, offset, bh, start_row, r, start_n, c, gl.zeros([ROWS, BLOCK_N], gl.uint32, layout),
-                        DROPOUT_P)
+    return dropout_keep_at(seed, offset, bh, start_row, r, start_n, c, gl.zeros([ROWS, BLOCK_N], gl.uint32, layout),
+                           DROPOUT_P)
 
 
 @gluon.jit
