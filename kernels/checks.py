@@ -73,12 +73,27 @@ def check_lse(q, lse) -> None:
                          f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
 
 
+DROPOUT_STEPS = 256   # the kernels draw 8 random bits a score (kernels/scores.py)
+
+
+def drawn_dropout_p(dropout_p: float) -> float:
+    """The dropout probability the kernels draw for `dropout_p`: the nearest multiple of 1/256, as
+    they compare 8 random bits a score with a threshold (kernels/scores.py). Kept scores are scaled
+    by 1 / (1 - this), so the expected output stays exactly the undropped one."""
+    return math.floor(dropout_p * DROPOUT_STEPS + 0.5) / DROPOUT_STEPS
+
+
 def check_scores(q, dropout_p, softcap, sinks) -> tuple[float, float]:
-    """(dropout_p, softcap) as the kernels take them (softcap 0.0: none), after checking the three
-    score options of q (B, Nq, H, D): dropout_p in [0, 1), softcap None or a positive finite number,
-    sinks None or a floating (H,) tensor on q's device."""
+    """(dropout_p, softcap) as the kernels take them (dropout_p `drawn_dropout_p`'s, softcap 0.0:
+    none), after checking the three score options of q (B, Nq, H, D): dropout_p in [0, 1) and not
+    rounded to 0 or 1 by the 8-bit draw, softcap None or a positive finite number, sinks None or a
+    floating (H,) tensor on q's device."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0 and drawn_dropout_p(dropout_p) in (0.0, 1.0):
+        raise ValueError(f"dropout_p={dropout_p!r} rounds to {drawn_dropout_p(dropout_p):g}: the kernels draw it in "
+                         f"steps of 1/{DROPOUT_STEPS}, so it must lie in [1/{2 * DROPOUT_STEPS}, "
+                         f"1 - 1/{2 * DROPOUT_STEPS}) (or be 0)")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not math.isfinite(softcap) or softcap <= 0):
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
@@ -88,7 +103,7 @@ def check_scores(q, dropout_p, softcap, sinks) -> tuple[float, float]:
                              f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}")
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
-    return float(dropout_p), float(softcap or 0.0)
+    return drawn_dropout_p(float(dropout_p)), float(softcap or 0.0)
 
 
 def check_flag(value, name: str) -> bool:

@@ -31,18 +31,24 @@ forward and both backward kernels regenerate the same mask for any tile shape. F
 (i, j) of head h of batch row b, one Philox4x32 call with
 
     key     = the call's 64-bit seed
-    counter = (j with bits 0 and 3 cleared, i with bit 3 cleared, b * H + h, the call's offset)
+    counter = (j with bits 0 and 3 cleared, i with bits 0 and 3 cleared, b * H + h, the call's offset)
 
-gives 128 bits for the 8 scores (i | 8a, j | 8c | d), a, c, d in {0, 1}: score (i, j) takes word
-2 (i bit 3) + (j bit 3) and, of it, the 16 bits from 16 (j bit 0) up, and is kept iff those 16
-bits, read as an integer, are below round((1 - p) 2^16) (so the kept probability is within 2^-17
-of 1 - p). Why those bits: in the layout of a tensor-core accumulator (mma and wgmma alike) row
-bit 3 and column bits 0 and 3 are registers of one thread, so a thread's 8 scores of a call are
-its own, and the compiler, given the counter as a tile start plus a masked arange, computes each
-call once and moves no score between threads (kernels/LOG.md, 2026-12-04). The dK/dV kernel
-works on S^T, where key bit 0 is a lane: there two threads compute each call, with no exchange
-either. Seven rounds, as FlashAttention-2 uses (Philox4x32-7 passes the BigCrush battery; ten is
-cuRAND's margin).
+gives 128 bits for the 16 scores (i | 8a | e, j | 8c | d), a, c, d, e in {0, 1}: score (i, j) takes
+word 2 (i bit 3) + (j bit 3) and, of it, byte 2 (i bit 0) + (j bit 0), and is kept iff that byte,
+read as an integer, is below 256 (1 - p). So p is drawn in steps of 1/256, the nearest to the
+caller's (kernels.checks.drawn_dropout_p, which refuses a p that rounds to 0 or 1), and the kept
+scores are scaled by that p's 1 / (1 - p): the expected output is exactly the undropped one.
+FlashAttention-2, which SDPA runs, draws 8 bits a score too (with the caller's p in the scale).
+Why those bits: in the layout of a tensor-core accumulator (mma and wgmma alike) row bit 3 and
+column bits 0 and 3 are registers of one thread, row bit 0 a lane bit. In S = Q K^T two threads
+(lanes 4 apart) compute each call, each for its own 8 scores; in S^T, which the backward's dK/dV
+kernels work on, rows are keys and the same holds with key bit 0 the lane. Row and key bits 3 are
+the only ones in registers in both orientations, so this is as few calls a score as a draw both
+directions share can make: one per 8 scores each way (with 16-bit draws on row bit 3 and key bits
+0 and 3, the forward made one per 8 and the backward one per 4: kernels/LOG.md, 2026-12-04). The
+compiler, given the counter as a tile start plus a masked arange, computes each call once and moves
+no score between threads. Seven rounds, as FlashAttention-2 uses (Philox4x32-7 passes the BigCrush
+battery; ten is cuRAND's margin).
 The seed and offset are two int64 drawn per call from torch's generator on q's device
 (`dropout_seed`): the backward reads the same two numbers, a resumed run that restored the
 generator draws the same ones, and torch.compile traces the draw. `dropout_mask` launches the
@@ -56,11 +62,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import INTERPRET
+from kernels.checks import INTERPRET, drawn_dropout_p
 from kernels.tiles import LOG2E
 
 PHILOX_ROUNDS = tl.constexpr(7)
-HARDWARE_TANH = tl.constexpr(not INTERPRET)   # PTX runs on the GPU only
+PTX = tl.constexpr(not INTERPRET)   # inline PTX runs on the GPU only
 
 
 # ---- soft-capping ------------------------------------------------------------------------------
@@ -90,7 +96,7 @@ def softcap_scores(dots, qk_scale, SOFTCAP: tl.constexpr, INPUT_DTYPE: tl.conste
     tanh whose 1 - u^2 is the cap's derivative. INPUT_DTYPE, q's: 16-bit inputs on a GPU take the
     hardware's tanh, float32 ones the polynomial (see the module's docstring)."""
     x = dots * (qk_scale / (SOFTCAP * LOG2E))
-    if HARDWARE_TANH and INPUT_DTYPE != tl.float32:
+    if PTX and INPUT_DTYPE != tl.float32:
         u = hardware_tanh(x)
     else:
         u = tanh(x)
@@ -126,10 +132,50 @@ def dropout_seed_of(Rng, DROPOUT_P: tl.constexpr):
 
 
 @triton.jit
+def _wide_a(x):
+    """(low, high) 32 bits of x * 0xD2511F53, Philox's first multiplier."""
+    if PTX:   # one IMAD.WIDE.U32, where mul.hi and mul.lo each take ptxas two IMADs
+        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$0, $1}, t; }",
+                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        return x * 0xD2511F53, tl.umulhi(x, 0xD2511F53)
+
+
+@triton.jit
+def _wide_b(x):
+    """(low, high) 32 bits of x * 0xCD9E8D57, Philox's second multiplier."""
+    if PTX:
+        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$0, $1}, t; }",
+                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        return x * 0xCD9E8D57, tl.umulhi(x, 0xCD9E8D57)
+
+
+@triton.jit
+def philox(seed, c0, c1, c2, c3):
+    """Philox4x32 with PHILOX_ROUNDS rounds on uint32 counters: the bits of tl.philox, with each
+    round's two products taken whole (kernels/LOG.md: ~14 instructions fewer a call on the GPU)."""
+    seed = tl.to_tensor(seed).to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        lo_b, hi_b = _wide_b(c2)
+        lo_a, hi_a = _wide_a(c0)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def dropout_keep(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  DROPOUT_P: tl.constexpr):
     """(BLOCK_M, BLOCK_N) booleans: whether score (start_m + r, start_n + c) of head bh (b * H + h)
-    is kept. start_m and start_n are multiples of 16, as every tile's start is."""
+    is kept. start_m and start_n are multiples of 16, as every tile's start is; DROPOUT_P a multiple
+    of 1/256 (kernels.checks.drawn_dropout_p)."""
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
     return dropout_keep_at(seed, offset, bh, start_m, r, start_n, c, (r * 0 + c * 0).to(tl.uint32), DROPOUT_P)
@@ -142,15 +188,16 @@ def dropout_keep_at(seed, offset, bh, start_q, q, start_k, k, zero, DROPOUT_P: t
     broadcast against each other), zero a uint32 tile of zeros of the tile's shape, start_q and
     start_k multiples of 16. Elementwise only, so the Gluon kernels call it on tiles in their
     accumulators' layouts (S, or S^T with q and k swapped) and draw the Triton kernels' bits."""
-    KEEP: tl.constexpr = int((1.0 - DROPOUT_P) * 65536 + 0.5)
-    # the call's counter: the score's coordinates with query bit 3 and key bits 0 and 3 cleared, taken
+    KEEP: tl.constexpr = int((1.0 - DROPOUT_P) * 256 + 0.5)
+    # the call's counter: the score's coordinates with query and key bits 0 and 3 cleared, taken
     # from the tile's own arange so that the compiler sees which of a thread's scores share a call
     keys = zero + (start_k + (k & ~9)).to(tl.uint32, bitcast=True)
-    queries = zero + (start_q + (q & ~8)).to(tl.uint32, bitcast=True)
-    w0, w1, w2, w3 = tl.philox(seed, keys, queries, zero + bh.to(tl.uint32), zero + offset, PHILOX_ROUNDS)
+    queries = zero + (start_q + (q & ~9)).to(tl.uint32, bitcast=True)
+    w0, w1, w2, w3 = philox(seed, keys, queries, zero + bh.to(tl.uint32), zero + offset)
     word = tl.where((q & 8) != 0, tl.where((k & 8) != 0, w3, w2), tl.where((k & 8) != 0, w1, w0))
-    bits = tl.where((k & 1) != 0, word >> 16, word & 0xFFFF)
-    return bits < KEEP
+    # the score's byte moved to the top: compared there, the bits below it cannot matter
+    up = (24 - 16 * (q & 1) - 8 * (k & 1)).to(tl.uint32)
+    return (word << up) < (KEEP << 24)
 
 
 @triton.jit
@@ -175,12 +222,12 @@ def dropout_seed(device) -> torch.Tensor:
 
 
 def dropout_mask(rng: torch.Tensor, dropout_p: float, batch: int, heads: int, n_q: int, n_k: int) -> torch.Tensor:
-    """(B, H, Nq, Nk) bool: the scores a call with this `rng` (`dropout_seed`) and `dropout_p` keeps,
-    as its kernels regenerate them. For tests and checks (it materialises the N x N mask)."""
+    """(B, H, Nq, Nk) bool: the scores a call with this `rng` (`dropout_seed`) and `dropout_p` keeps
+    (drawn in steps of 1/256: kernels.checks.drawn_dropout_p), as its kernels regenerate them. For tests and checks (it materialises the N x N mask)."""
     mask = torch.empty((batch, heads, n_q, n_k), dtype=torch.int8, device=rng.device)
     block = 32
     dropout_mask_kernel[(triton.cdiv(n_q, block), triton.cdiv(n_k, block), batch * heads)](
-        rng, mask, heads, n_q, n_k, DROPOUT_P=float(dropout_p), BLOCK_M=block, BLOCK_N=block)
+        rng, mask, heads, n_q, n_k, DROPOUT_P=drawn_dropout_p(float(dropout_p)), BLOCK_M=block, BLOCK_N=block)
     return mask.bool()
 
 

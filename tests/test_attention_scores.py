@@ -20,6 +20,7 @@ import torch
 from conftest import HAS_CUDA, requires_cuda
 from kernels import attention_reference, flash_attention
 from kernels.decode import decode_reference, flash_decode
+from kernels.checks import drawn_dropout_p
 from kernels.scores import dropout_mask, dropout_seed
 from test_document_mask import ids_from_lengths, lengths
 from test_flash_attention import (DEVICE, DTYPES, assert_as_exact_as_plain, make_inputs,  # noqa: F401
@@ -58,7 +59,7 @@ def check(q, k, v, do, causal, sinks=None, dropout_p=0.0, **kw):
         with replayed_generator():
             ours = run(flash_attention, q, k, v, do, causal, sinks, dropout_p=dropout_p, **kw)
         mask = dropout_mask(dropout_seed(q.device), dropout_p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-        kw = dict(kw, dropout_p=dropout_p, dropout_mask=mask)
+        kw = dict(kw, dropout_p=drawn_dropout_p(dropout_p), dropout_mask=mask)   # p as the kernels draw it
     else:
         ours = run(flash_attention, q, k, v, do, causal, sinks, **kw)
     kw = {name: value for name, value in kw.items() if name not in ("deterministic", "kernel")}   # ours only
@@ -180,23 +181,25 @@ def test_dropout_with_documents_a_window_softcap_and_sinks(deterministic):
 
 
 def test_dropout_keeps_one_minus_p_of_the_scores():
-    """Kept fractions within 5 standard deviations of 1 - p: overall, for each of the 8 scores of a
-    Philox call (row bit 3 x key bits 0 and 3), per head, and for scores kept together (independence):
-    neighbouring keys and rows, and the pairs 8 apart that share a call. The seed is fixed: a
-    statistical bound fails at its own rate on fresh seeds, and CI must not."""
-    for p in (0.1, 0.5):
+    """Kept fractions within 5 standard deviations of 1 - p, p as drawn (the nearest 1/256 to the
+    caller's): overall, for each of the 16 scores of a Philox call (row and key bits 0 and 3), per
+    head, and for scores kept together (independence): neighbouring keys and rows, and the pairs 8
+    apart that share a call. The seed is fixed: a statistical bound fails at its own rate on fresh
+    seeds, and CI must not."""
+    for p in (0.1, 0.5, 0.3):
+        assert abs(drawn_dropout_p(p) - p) <= 1 / 512
         torch.manual_seed(int(p * 10))
         mask = dropout_mask(dropout_seed(DEVICE), p, 1, 4, 64, 256).double()
-        keep = 1 - p
+        keep = 1 - drawn_dropout_p(p)
 
         def near(fraction, n, want=keep):
             return abs(fraction - want) <= 5 * math.sqrt(want * (1 - want) / n)
 
         assert near(mask.mean().item(), mask.numel())
         rows, cols = torch.arange(64, device=DEVICE), torch.arange(256, device=DEVICE)
-        for a, c, d in itertools.product((0, 1), repeat=3):
-            picked = mask[..., ((rows >> 3) & 1) == a, :][..., ((cols >> 3) & 1 == c) & (cols & 1 == d)]
-            assert near(picked.mean().item(), picked.numel()), (p, a, c, d)
+        for a, e, c, d in itertools.product((0, 1), repeat=4):
+            picked = mask[..., ((rows >> 3) & 1 == a) & (rows & 1 == e), :][..., ((cols >> 3) & 1 == c) & (cols & 1 == d)]
+            assert near(picked.mean().item(), picked.numel()), (p, a, e, c, d)
         for h in range(4):
             assert near(mask[:, h].mean().item(), mask[:, h].numel()), (p, h)
         for step in (1, 8):
@@ -208,6 +211,13 @@ def test_dropout_keeps_one_minus_p_of_the_scores():
             first = (rows // step) % 2 == 0
             pairs = mask[..., first, :] * mask[..., first.nonzero().squeeze(1) + step, :]
             assert near(pairs.mean().item(), pairs.numel(), keep * keep), (p, "rows", step)
+
+
+@pytest.mark.parametrize("p", [1e-3, 1 - 1e-3])
+def test_a_dropout_p_the_8_bit_draw_rounds_away_is_refused(p):
+    q, k, v, _ = make_inputs(1, 16, 16, 2, 2, 16, DTYPES[0])
+    with pytest.raises(ValueError, match=r"dropout_p=.* rounds to .* steps of 1/256"):
+        flash_attention(q, k, v, causal=True, dropout_p=p)
 
 
 def test_same_seed_same_mask_another_seed_another_mask():

@@ -361,8 +361,8 @@ def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, B
                     layout: gl.constexpr, DROPOUT_P: gl.constexpr):
     """(BLOCK_N, BLOCK_M) booleans in `layout`: whether the forward kept score (query start_m + c, key
     start_n + r), kernels/scores.py's draw on S^T. Key bit 0 is a lane of the S^T accumulator,
-    so two threads compute each Philox call; row and column bit 3 are registers, so a thread
-    computes each of its calls once."""
+    query bits 0 and 3 and key bit 3 are registers: two threads compute each Philox call, each once,
+    for 8 scores of its own."""
     r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))[None, :]
     return dropout_keep_at(seed, offset, bh, start_m, c, start_n, r, gl.zeros([BLOCK_N, BLOCK_M], gl.uint32, layout),

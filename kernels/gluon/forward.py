@@ -147,7 +147,8 @@ def _dropout_keep(rng, start_n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layou
                   DROPOUT_P: gl.constexpr):
     """(ROWS, BLOCK_N) booleans in the scores' `layout`: whether score (first row + r, start_n + c)
     is kept (kernels/scores.py's dropout_keep_at). Row bit 3 and key bits 0 and 3 are registers of
-    one thread in the wgmma accumulator, so each thread computes each of its Philox calls once, alone."""
+    one thread in the wgmma accumulator, row bit 0 a lane: each thread computes each of its Philox
+    calls once, and so does the thread 4 lanes away, for the call's other 8 scores."""
     seed, offset, bh, start_row = rng
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
