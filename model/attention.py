@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import flash_attention
-from kernels.checks import INTERPRET
+from kernels.checks import DROPOUT_STEPS, INTERPRET, drawn_dropout_p
 from kernels.decode import decode_mask, decode_reference, flash_decode
 from kernels.masks import check_masks, visible_mask
 from kernels.plan import check_choice
@@ -69,13 +69,18 @@ ATTENTION: dict[str, AttentionFn] = {
 SCORE_OPTIONS: dict[str, tuple[str, ...]] = {"naive": ("softcap", "sinks"), "sdpa": (), "flash": ("softcap", "sinks")}
 
 
-def check_score_options(name: str, softcap: float | None, sinks: bool) -> None:
-    """Refuse, in one line, a model whose soft-capping or sinks attention `name` does not compute."""
+def check_score_options(name: str, softcap: float | None, sinks: bool, dropout: float = 0.0) -> None:
+    """Refuse, in one line, a model whose soft-capping or sinks attention `name` does not compute, or
+    whose attention dropout ours would round to 0 or 1 (it draws p in steps of 1/256: kernels/scores.py)."""
     able = " or ".join(n for n, options in SCORE_OPTIONS.items() if options)
     for key, option, value, what in (("model.attention_softcap", "softcap", softcap, "logit soft-capping"),
                                      ("model.attention_sinks", "sinks", "true" if sinks else None, "attention sinks")):
         if value is not None and option not in SCORE_OPTIONS[_check_name(name)]:
             raise ValueError(f"{key}={value} needs attention={able} (attention={name} has no {what})")
+    if name == "flash" and dropout and drawn_dropout_p(dropout) in (0.0, 1.0):
+        raise ValueError(f"model.attention_dropout={dropout}: attention=flash draws it in steps of 1/{DROPOUT_STEPS}, "
+                         f"so it must lie in [1/{2 * DROPOUT_STEPS}, 1 - 1/{2 * DROPOUT_STEPS}) or be 0 "
+                         "(attention=sdpa and naive take any p)")
 
 
 def sdpa_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):

@@ -36,7 +36,7 @@ class GPT(nn.Module):
         super().__init__()
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"attention.window={window!r}: must be null or an integer >= 1")
-        check_score_options(attention, config.attention_softcap, config.attention_sinks)
+        check_score_options(attention, config.attention_softcap, config.attention_sinks, config.attention_dropout)
         self.config = config
         self.attention_name = attention
         self.drops_attention = config.attention_dropout > 0   # in training only (forward passes self.training)

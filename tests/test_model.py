@@ -108,6 +108,15 @@ def test_sdpa_refuses_softcap_and_sinks(options, match):
         build_model({**TINY, **options}, vocab_size=50, attention="sdpa")
 
 
+def test_a_dropout_our_kernel_would_round_away_is_refused_when_the_model_is_built():
+    """attention=flash draws dropout in steps of 1/256 (kernels/scores.py); sdpa and naive take any p."""
+    with pytest.raises(ValueError, match=r"model.attention_dropout=0.001: attention=flash draws it in steps of 1/256"):
+        build_model({**TINY, "attention_dropout": 0.001}, vocab_size=50, attention="flash")
+    for attention in ("sdpa", "naive"):
+        build_model({**TINY, "attention_dropout": 0.001}, vocab_size=50, attention=attention)
+    build_model({**TINY, "attention_dropout": 0.1}, vocab_size=50, attention="flash")
+
+
 def test_naive_and_sdpa_models_agree_in_float64():
     torch.manual_seed(0)
     naive = build_model(TINY, vocab_size=50, attention="naive").double()

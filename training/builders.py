@@ -77,7 +77,8 @@ def resolve_config(cfg: DictConfig) -> torch.device:
         elif kernel_words(cfg) != ("auto", "auto"):
             raise ValueError(f"attention.kernel={cfg.attention.kernel} chooses attention=flash's kernels; "
                              f"attention={cfg.attention.name} takes only attention.kernel=auto")
-    check_score_options(cfg.attention.name, cfg.model.get("attention_softcap"), bool(cfg.model.get("attention_sinks")))
+    check_score_options(cfg.attention.name, cfg.model.get("attention_softcap"), bool(cfg.model.get("attention_sinks")),
+                        cfg.model.get("attention_dropout") or 0.0)
     if cfg.trainer.get("deterministic") and cfg.attention.name == "sdpa" and device.type == "cuda":
         log.info("trainer.deterministic=true with attention=sdpa: PyTorch leaves out its cuDNN backend and runs a "
                  "deterministic backward (slower than its default)")
