@@ -60,8 +60,10 @@ scores, and the cap's derivative 1 - tanh^2 is folded into the P^T that dS^T rea
 Dropout (kernels/scores.py): each step regenerates the forward's keep mask of its S^T tile from the
 call's seed, with the same Philox calls the Triton kernels make, between issuing the S^T and dP^T
 wgmmas and waiting for them, so that the mask's integer arithmetic runs beside the tensor cores.
-dV sums the dropped P^T (its 1 / (1 - p) applied once, to the finished dV); dP^T is zeroed where
-dropped and scaled where kept before dS^T = P^T (dP^T - Delta), P^T undropped.
+The keep bit then rides in P^T's sign (P >= 0: dropped scores negated), so no mask is held across
+the dP^T wait: dV sums max(P^T, 0), the dropped P^T (its 1 / (1 - p) applied once, to the finished
+dV), and dS^T = P^T (dL/dP^T - Delta) with dL/dP^T = dP^T / (1 - p) where kept and 0 where dropped
+is s max(P^T, 0) dP^T - |P^T| Delta, s = 1 / (1 - p).
 
 Tiles (TILES): head dim 64, 128 queries x 128 keys (64 x 128 when soft-capped: SOFTCAP_TILES); head
 dim 128, 64 x 128 (the dK, dV, S^T and dP^T accumulators and the dQ tile must fit 240 registers). Causal: query tiles that see none of a key
@@ -310,8 +312,10 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
             seen = seen & (keys[:, None] <= queries[None, :] + (n_k - n_q))
         p_t = gl.where(seen, p_t, 0.0)
     # A operands in registers are read while their wgmma runs: they stay in the final wait's deps
-    if DROPOUT_P > 0:   # dV sums the dropped P^T; its 1 / (1 - p) is applied once, at the end
-        p_op = gl.convert_layout(gl.where(keep_t, p_t, 0.0).to(k_s.dtype), a_layout)
+    if DROPOUT_P > 0:   # the keep bit rides in P's sign (P >= 0) to dS: no mask is held past this
+        p_t = gl.where(keep_t, p_t, -p_t)
+        # dV sums the dropped P^T; its 1 / (1 - p) is applied once, at the end
+        p_op = gl.convert_layout(gl.maximum(p_t, 0.0).to(k_s.dtype), a_layout)
     else:
         p_op = gl.convert_layout(p_t.to(k_s.dtype), a_layout)
     if SOFTCAP > 0:   # dS = P (dP - Delta) (1 - u^2): fold the cap's derivative into the P that dS reads
@@ -323,9 +327,10 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
     else:
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-    if DROPOUT_P > 0:   # dL/dP: 0 where dropped, scaled by 1 / (1 - p) where kept; dS reads the undropped P
-        dp_t = gl.where(keep_t, dp_t * (1.0 / (1.0 - DROPOUT_P)), 0.0)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(k_s.dtype)
+    if DROPOUT_P > 0:   # dS = P (dL/dP - Delta), dL/dP 0 where dropped, scaled by 1 / (1 - p) where kept
+        ds_t = (gl.maximum(p_t, 0.0) * dp_t * (1.0 / (1.0 - DROPOUT_P)) - gl.abs(p_t) * delta[None, :]).to(k_s.dtype)
+    else:
+        ds_t = (p_t * (dp_t - delta[None, :])).to(k_s.dtype)
     ds_s.store(ds_t)
     if not DV_EARLY:
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
