@@ -155,7 +155,7 @@ def _wide_b(x):
 def philox(seed, c0, c1, c2, c3):
     """Philox4x32 with PHILOX_ROUNDS rounds on uint32 counters: the bits of tl.philox, with each
     round's two products taken whole (kernels/LOG.md: ~14 instructions fewer a call on the GPU)."""
-    seed = tl.to_tensor(seed).to(tl.uint64)
+    seed = seed.to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     for _ in tl.static_range(PHILOX_ROUNDS):
