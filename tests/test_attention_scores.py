@@ -7,13 +7,15 @@ compared given the kernels' own mask: the test takes the seed the call drew (by 
 generator) and regenerates the mask for every (batch, head, query, key) with kernels.scores.
 dropout_mask, which the reference then applies. The mask's statistics are checked on their own:
 the kept fraction within a few standard deviations of 1 - p, per key position in a Philox word too,
-and the same seed gives the same mask, another seed another one. On a CPU the kernels run in
+and the same seed gives the same mask, another seed another one; and the mask is checked bit for bit
+against a NumPy Philox, which pins the GPU's inline-PTX products to the interpreter's. On a CPU the kernels run in
 Triton's interpreter at tiny shapes; on CUDA the same cases run in bfloat16/float16, larger.
 """
 import contextlib
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,6 +213,40 @@ def test_dropout_keeps_one_minus_p_of_the_scores():
             first = (rows // step) % 2 == 0
             pairs = mask[..., first, :] * mask[..., first.nonzero().squeeze(1) + step, :]
             assert near(pairs.mean().item(), pairs.numel(), keep * keep), (p, "rows", step)
+
+
+def philox_words(key: int, counters: list[np.ndarray], rounds: int = 7) -> list[np.ndarray]:
+    """Philox4x32 (Salmon et al. 2011) in NumPy: the round multiplies counter words 0 and 2 by
+    0xD2511F53 and 0xCD9E8D57, keeps both halves of each 64-bit product, and mixes the high halves
+    with the other words and the key, which grows by the golden-ratio constants every round."""
+    mask = np.uint64(0xFFFFFFFF)
+    x0, x1, x2, x3 = (c.astype(np.uint64) for c in counters)
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
+    for _ in range(rounds):
+        p0, p1 = x0 * np.uint64(0xD2511F53), x2 * np.uint64(0xCD9E8D57)
+        x0, x1, x2, x3 = (p1 >> np.uint64(32)) ^ x1 ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ x3 ^ k1, p0 & mask
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return [x0, x1, x2, x3]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_the_mask_is_philox_of_each_scores_coordinates(p):
+    """dropout_mask bit for bit against a NumPy Philox of the layout kernels/scores.py documents
+    (counter = key and query with bits 0 and 3 cleared, head, offset; word from bits 3, byte from
+    bits 0): on a GPU this pins the kernels' inline mul.wide.u32 to the interpreter's bits, which
+    a mask compared only with itself (the exactness tests) could not."""
+    torch.manual_seed(3)
+    rng = dropout_seed(DEVICE)
+    B, H, n_q, n_k = 2, 3, 48, 40
+    ours = dropout_mask(rng, p, B, H, n_q, n_k).cpu().numpy()
+    seed, offset = (int(x) for x in rng.cpu())
+    bh, i, j = np.meshgrid(np.arange(B * H), np.arange(n_q), np.arange(n_k), indexing="ij")
+    words = philox_words(seed & 0xFFFFFFFFFFFFFFFF, [j & ~9, i & ~9, bh, np.full_like(bh, offset & 0xFFFFFFFF)])
+    pick = 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
+    word = np.choose(pick, words)
+    byte = (word >> (8 * (2 * (i & 1) + (j & 1))).astype(np.uint64)) & np.uint64(0xFF)
+    want = byte < round((1 - drawn_dropout_p(p)) * 256)
+    assert np.array_equal(ours.reshape(B * H, n_q, n_k), want)
 
 
 @pytest.mark.parametrize("p", [1e-3, 1 - 1e-3])
