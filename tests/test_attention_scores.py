@@ -7,9 +7,10 @@ compared given the kernels' own mask: the test takes the seed the call drew (by 
 generator) and regenerates the mask for every (batch, head, query, key) with kernels.scores.
 dropout_mask, which the reference then applies. The mask's statistics are checked on their own:
 the kept fraction within a few standard deviations of 1 - p, per key position in a Philox word too,
-and the same seed gives the same mask, another seed another one; and the mask is checked bit for bit
-against a NumPy Philox, which pins the GPU's inline-PTX products to the interpreter's. On a CPU the kernels run in
-Triton's interpreter at tiny shapes; on CUDA the same cases run in bfloat16/float16, larger.
+and the same seed gives the same mask, another seed another one. The mask is also checked bit for
+bit against a NumPy Philox, which pins the GPU's inline-PTX products to the interpreter's. On a
+CPU the kernels run in Triton's interpreter at tiny shapes; on CUDA the same cases run in
+bfloat16/float16, larger.
 """
 import contextlib
 import itertools
