@@ -101,12 +101,12 @@ def test_gqa_split_decision():
 
 
 def test_tile_config_layers():
-    """A call's tiles: the head dim's, then dropout's, then a benchmark's own config, each overriding
-    the last, the same key included."""
+    """A call's tiles: the head dim's, then the score options' (soft-capping, dropout), then a
+    benchmark's own config, each overriding the last, the same key included."""
     from kernels.gluon.backward import TILES, config_for
-    assert config_for(64) == TILES[64] and config_for(64, dropout=True)["BLOCK_M"] == 64
-    assert config_for(64, dropout=True, config=dict(BLOCK_M=128))["BLOCK_M"] == 128
-    assert config_for(128, dropout=True) == TILES[128]
+    assert config_for(64) == TILES[64] and config_for(64, scores=True)["BLOCK_M"] == 64
+    assert config_for(64, scores=True, config=dict(BLOCK_M=128))["BLOCK_M"] == 128
+    assert config_for(128, scores=True) == TILES[128]
 
 
 @requires_hopper

@@ -65,7 +65,7 @@ the dP^T wait: dV sums max(P^T, 0), the dropped P^T (its 1 / (1 - p) applied onc
 dV), and dS^T = P^T (dL/dP^T - Delta) with dL/dP^T = dP^T / (1 - p) where kept and 0 where dropped
 is s max(P^T, 0) dP^T - |P^T| Delta, s = 1 / (1 - p).
 
-Tiles (TILES): head dim 64, 128 queries x 128 keys (64 x 128 with dropout: DROPOUT_TILES); head
+Tiles (TILES): head dim 64, 128 queries x 128 keys (64 x 128 when soft-capped: SOFTCAP_TILES); head
 dim 128, 64 x 128 (the dK, dV, S^T and dP^T accumulators and the dQ tile must fit 240 registers). Causal: query tiles that see none of a key
 tile's keys are never visited, and only those that see some but not all run the masked step.
 """
@@ -99,11 +99,10 @@ TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False,
          128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
                   HANDOFF_AT_END=True)}
 SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
-# Dropout keeps Delta apart from dP^T (a dropped score's dS is -P Delta) and draws its mask beside
-# S^T and dP^T: at head dim 64 the 128-query step then spills 844 B a thread (ptxas, triton 3.6), the
-# 64-query one nothing, so dropout calls take it. Soft-capped calls keep TILES: with Delta in dP^T's
-# accumulator (`_step`) their 128-query step spills 264 B, less than the plain one did before.
-DROPOUT_TILES = {64: dict(BLOCK_M=64)}
+# Soft-capping keeps tanh's tile alive from S^T to dS^T, and dropout its keep mask: at head dim 64
+# the 128-query step then spills ~1 KB a thread (ptxas, triton 3.6), the 64-query one nothing, so
+# soft-capped and dropout calls take it.
+SCORE_TILES = {64: dict(BLOCK_M=64)}
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.
@@ -589,14 +588,15 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def config_for(head_dim: int, dropout: bool = False, config: dict | None = None) -> dict:
-    """TILES of a head dim, with DROPOUT_TILES' changes for dropout calls and `config`'s on top."""
-    return {**TILES[head_dim], **(DROPOUT_TILES.get(head_dim, {}) if dropout else {}), **(config or {})}
+def config_for(head_dim: int, scores: bool = False, config: dict | None = None) -> dict:
+    """TILES of a head dim, with SCORE_TILES' changes for soft-capped or dropout calls (`scores`) and
+    `config`'s on top."""
+    return {**TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if scores else {}), **(config or {})}
 
 
-def tiles(head_dim: int, dropout: bool = False) -> str:
-    """The tiles of a head dim, as a kernel plan names them."""
-    cfg = config_for(head_dim, dropout)
+def tiles(head_dim: int, scores: bool = False) -> str:
+    """The tiles of a head dim, as a kernel plan names them (`scores`: soft-capped or dropout)."""
+    cfg = config_for(head_dim, scores)
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}, {cfg['STAGES']} stages"
 
 
@@ -625,7 +625,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = config_for(head_dim, dropout_p > 0, config)
+    cfg = config_for(head_dim, softcap > 0 or dropout_p > 0, config)
     qlay, klay, llay, dqlay = _layouts(dtype, cfg["BLOCK_M"], cfg["BLOCK_N"], head_dim)
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -694,7 +694,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     (laid out as q, k, v), or None."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    cfg = config_for(D, dropout_p > 0, config)
+    cfg = config_for(D, softcap > 0 or dropout_p > 0, config)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     n_m = cdiv(n_q, block_m)
     n_q_pad = n_m * block_m
