@@ -293,19 +293,24 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
 
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    if DROPOUT_P > 0:   # dS needs dP^T and Delta apart (a dropped score's is -P Delta)
-        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    else:   # the accumulator starts at -Delta, so it ends at dP^T - Delta and Delta dies here
+    FOLDED: gl.constexpr = SOFTCAP == 0 and DROPOUT_P == 0
+    if FOLDED:   # the accumulators start at -L2 / qk_scale and -Delta, so no row vector outlives the issue
+        lse2 = _row_vector(lse_bufs.index(s), s_layout)
         delta = _row_vector(delta_bufs.index(s), s_layout)
-        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s - delta[None, :], use_acc=True, is_async=True)
-    lse2 = _row_vector(lse_bufs.index(s), s_layout)
+        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s - lse2[None, :] * (1.0 / qk_scale), is_async=True)
+        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s - delta[None, :], is_async=True)
+    else:   # capped or dropped scores need S^T and dP^T as they are
+        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        lse2 = _row_vector(lse_bufs.index(s), s_layout)
     if DROPOUT_P > 0:   # the forward's mask, drawn while the tensor cores compute S^T and dP^T
         keep_t = _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N, BLOCK_M, s_layout, DROPOUT_P)
     s_t = warpgroup_mma_wait(1, deps=(s_t,))
     if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
         u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
         p_t = gl.exp2(u * (SOFTCAP * LOG2E) - lse2[None, :])
+    elif FOLDED:   # s_t is S^T - L2 / qk_scale
+        p_t = gl.exp2(s_t * qk_scale)
     else:
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
     if MASK:  # key j of query i: j < n_k, and causal j <= i + n_k - n_q
@@ -326,7 +331,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         p_t = p_t * (1.0 - u * u)
     if DV_EARLY:   # dV queued behind dP^T: the tensor cores run it while dS is computed and stored
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-    if DROPOUT_P > 0:
+    if not FOLDED:
         delta = _row_vector(delta_bufs.index(s), s_layout)
     if DV_EARLY:
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
@@ -334,8 +339,10 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
     if DROPOUT_P > 0:   # dS = P (dL/dP - Delta), dL/dP 0 where dropped, scaled by 1 / (1 - p) where kept
         ds_t = (gl.maximum(p_t, 0.0) * dp_t * (1.0 / (1.0 - DROPOUT_P)) - gl.abs(p_t) * delta[None, :]).to(k_s.dtype)
-    else:   # dp_t is dP^T - Delta already
+    elif FOLDED:   # dp_t is dP^T - Delta
         ds_t = (p_t * dp_t).to(k_s.dtype)
+    else:
+        ds_t = (p_t * (dp_t - delta[None, :])).to(k_s.dtype)
     ds_s.store(ds_t)
     if not DV_EARLY:
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
