@@ -226,6 +226,7 @@ def _composed(overrides: list[str], monkeypatch):
 
     monkeypatch.setattr(kernel_plan, "device_arch", lambda device: "sm_90")   # a Hopper, as far as plans go
     monkeypatch.setattr("kernels.tuning.INTERPRET", False)   # the GPU's tile tables, not the interpreter's
+    monkeypatch.setattr("model.attention.INTERPRET", True)   # flash on device=cpu, on a CUDA host too
     cfg = compose(["attention=flash", "device=cpu", "trainer.precision=bf16", "run.dir=unused", *overrides])
     resolve_config(cfg)
     return cfg
