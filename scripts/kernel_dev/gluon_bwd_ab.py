@@ -1,0 +1,42 @@
+"""Backward-only milliseconds of the plan's Gluon backward at the training shapes, for A/B runs of
+two source trees: run it once from each tree, alternating, and compare the lines.
+
+    FLASHTRAIN_AUTOTUNE=0 python scripts/kernel_dev/gluon_bwd_ab.py LABEL     # one JSON line per shape
+
+Each shape is gpt2-small's or a 128-wide head's attention, bf16, q, k, v views of one fused QKV
+projection (as the model passes them), our Triton forward then the Gluon backward
+(kernel=("triton", "gluon")), timed as torch.autograd.grad over a retained graph (triton's
+do_bench median). The forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import _common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+import triton.testing
+from bench_attention import fused_inputs
+
+from kernels.flash_op import flash_attention
+
+SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 12, 12, 64, False),
+          (16, 1024, 12, 12, 64, True), (4, 4096, 16, 16, 128, True), (1, 16384, 16, 16, 128, True),
+          (4, 4096, 32, 8, 128, True)]   # B, T, H, Hkv, D, causal
+
+
+def main(label: str) -> None:
+    for B, T, H, Hkv, D, causal in SHAPES:
+        leaf, (q, k, v), dout = fused_inputs(B, T, H, Hkv, D, False, "cuda", torch.bfloat16)
+        out = flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"))
+        ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, [leaf], dout, retain_graph=True),
+                                     warmup=25, rep=150, return_mode="median")
+        shape = f"B{B} T{T} {H}/{Hkv}x{D} {'causal' if causal else 'full'}"
+        print(json.dumps({"who": label, "shape": shape, "bwd_ms": round(ms, 4)}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "this")
