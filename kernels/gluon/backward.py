@@ -306,11 +306,14 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     FOLDED: gl.constexpr = SOFTCAP == 0 and DROPOUT_P == 0
-    if FOLDED:   # the accumulators start at -L2 / qk_scale and -Delta, so no row vector outlives the issue
+    if FOLDED:   # the accumulators start at -L2 / qk_scale and -Delta, so no row vector outlives the
+        # issue; both starting tiles are written before the first wgmma, so none waits for the other
         lse2 = _row_vector(lse_bufs.index(s), s_layout)
         delta = _row_vector(delta_bufs.index(s), s_layout)
-        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s - lse2[None, :] * (1.0 / qk_scale), is_async=True)
-        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s - delta[None, :], is_async=True)
+        s_init = _own(zero_s - lse2[None, :] * (1.0 / qk_scale))
+        dp_init = _own(zero_s - delta[None, :])
+        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), s_init, is_async=True)
+        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), dp_init, is_async=True)
     else:   # capped or dropped scores need S^T and dP^T as they are
         s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -383,6 +386,15 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         compat.thread_barrier()
         mbarrier.arrive(step_done.index(i % 2), count=1)
     return dk, dv
+
+
+@gluon.jit
+def _own(x):
+    """x with every element in a register of its own, written here. A wgmma's starting accumulator
+    built from a broadcast vector repeats values (a thread's two rows share their columns'), and
+    LLVM then copies them into the accumulator registers after the wgmma's fence, which makes
+    ptxas wait for the wgmma in flight before the next one issues (its warning C7517)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
 
 
 @gluon.jit
