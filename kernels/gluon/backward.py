@@ -46,10 +46,10 @@ accumulators at -L2 / (scale log2 e) and at -Delta (use_acc with those tiles): S
 S^T - L2 / (scale log2 e), so P^T = exp2(that * scale log2 e), and dP^T ends as dP^T - Delta, and
 neither vector lives past the issue. At head dim 64 and 128 x 128 that cut ptxas's spills from
 340 to 112 bytes a thread, and took 3.5-5% off the causal backward at head dim 64 (1% without a
-mask, about 1% at head dim 128; kernels/LOG.md, 2026-12-04 late). The subtraction moves into the tensor cores' float32 sums, whose rounding is at
-the scale of L2 / (scale log2 e): an error of a few units of L2's last place in P's exponent,
-far below the 16-bit P^T and dS^T the matmuls take. Capped and dropout steps need S^T and dP^T as
-they are and keep the vectors.
+mask, about 1% at head dim 128; kernels/LOG.md, 2026-12-04 late). The subtraction moves into the
+tensor cores' float32 sums, whose rounding is at the scale of L2 / (scale log2 e): an error of a
+few units of L2's last place in P's exponent, far below the 16-bit P^T and dS^T the matmuls take.
+Capped and dropout steps need S^T and dP^T as they are and keep the vectors.
 
 dQ. Query tile m of head h receives one dQ share from every key tile that sees it, key tiles
 c(m) .. 0 (c(m) the last one, the causal diagonal; all key tiles without a mask). The writer adds
