@@ -18,17 +18,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-import triton.testing
-from bench_attention import fused_inputs
-
-from kernels.flash_op import flash_attention
+from _common import run_cli
 
 SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 12, 12, 64, False),
           (16, 1024, 12, 12, 64, True), (4, 4096, 16, 16, 128, True), (1, 16384, 16, 16, 128, True),
           (4, 4096, 32, 8, 128, True)]   # B, T, H, Hkv, D, causal
 
 
-def main(label: str) -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = _common.argument_parser(__doc__)
+    parser.add_argument("label", nargs="?", default="this", help="names this tree's lines (default: this)")
+    label = parser.parse_args(argv).label
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA device: the Gluon backward runs on a Hopper GPU")
+    import triton.testing
+    from bench_attention import fused_inputs
+
+    from kernels.flash_op import flash_attention
+
     for B, T, H, Hkv, D, causal in SHAPES:
         leaf, (q, k, v), dout = fused_inputs(B, T, H, Hkv, D, False, "cuda", torch.bfloat16)
         out = flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"))
@@ -39,4 +46,4 @@ def main(label: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "this")
+    run_cli(main)
