@@ -83,6 +83,15 @@ def drawn_dropout_p(dropout_p: float) -> float:
     return math.floor(dropout_p * DROPOUT_STEPS + 0.5) / DROPOUT_STEPS
 
 
+DRAWN_RANGE = f"[1/{2 * DROPOUT_STEPS}, 1 - 1/{2 * DROPOUT_STEPS})"   # the p that round to neither 0 nor 1
+
+
+def drawable_dropout(dropout_p: float) -> bool:
+    """Whether the kernels can draw `dropout_p`: 0, or a p in DRAWN_RANGE, which the 8-bit draw
+    rounds to neither 0 nor 1."""
+    return dropout_p == 0 or drawn_dropout_p(dropout_p) not in (0.0, 1.0)
+
+
 def check_scores(q, dropout_p, softcap, sinks) -> tuple[float, float]:
     """(dropout_p, softcap) as the kernels take them (dropout_p `drawn_dropout_p`'s, softcap 0.0:
     none), after checking the three score options of q (B, Nq, H, D): dropout_p in [0, 1) and not
@@ -90,10 +99,9 @@ def check_scores(q, dropout_p, softcap, sinks) -> tuple[float, float]:
     floating (H,) tensor on q's device."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and drawn_dropout_p(dropout_p) in (0.0, 1.0):
+    if not drawable_dropout(dropout_p):
         raise ValueError(f"dropout_p={dropout_p!r} rounds to {drawn_dropout_p(dropout_p):g}: the kernels draw it in "
-                         f"steps of 1/{DROPOUT_STEPS}, so it must lie in [1/{2 * DROPOUT_STEPS}, "
-                         f"1 - 1/{2 * DROPOUT_STEPS}) (or be 0)")
+                         f"steps of 1/{DROPOUT_STEPS}, so it must lie in {DRAWN_RANGE} (or be 0)")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not math.isfinite(softcap) or softcap <= 0):
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")

@@ -36,7 +36,7 @@ forward and both backward kernels regenerate the same mask for any tile shape. F
 gives 128 bits for the 16 scores (i | 8a | e, j | 8c | d), a, c, d, e in {0, 1}: score (i, j) takes
 word 2 (i bit 3) + (j bit 3) and, of it, byte 2 (i bit 0) + (j bit 0), and is kept iff that byte,
 read as an integer, is below 256 (1 - p). So p is drawn in steps of 1/256, the nearest to the
-caller's (kernels.checks.drawn_dropout_p, which refuses a p that rounds to 0 or 1), and the kept
+caller's (kernels.checks.drawn_dropout_p; check_scores refuses a p that rounds to 0 or 1), and the kept
 scores are scaled by that p's 1 / (1 - p): the expected output is exactly the undropped one.
 FlashAttention-2, which SDPA runs, draws 8 bits a score too (with the caller's p in the scale).
 Why those bits: in the layout of a tensor-core accumulator (mma and wgmma alike) row bit 3 and

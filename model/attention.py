@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import flash_attention
-from kernels.checks import DROPOUT_STEPS, INTERPRET, drawn_dropout_p
+from kernels.checks import DRAWN_RANGE, DROPOUT_STEPS, INTERPRET, drawable_dropout
 from kernels.decode import decode_mask, decode_reference, flash_decode
 from kernels.masks import check_masks, visible_mask
 from kernels.plan import check_choice
@@ -77,10 +77,9 @@ def check_score_options(name: str, softcap: float | None, sinks: bool, dropout: 
                                      ("model.attention_sinks", "sinks", "true" if sinks else None, "attention sinks")):
         if value is not None and option not in SCORE_OPTIONS[_check_name(name)]:
             raise ValueError(f"{key}={value} needs attention={able} (attention={name} has no {what})")
-    if name == "flash" and dropout and drawn_dropout_p(dropout) in (0.0, 1.0):
+    if name == "flash" and not drawable_dropout(dropout):
         raise ValueError(f"model.attention_dropout={dropout}: attention=flash draws it in steps of 1/{DROPOUT_STEPS}, "
-                         f"so it must lie in [1/{2 * DROPOUT_STEPS}, 1 - 1/{2 * DROPOUT_STEPS}) or be 0 "
-                         "(attention=sdpa and naive take any p)")
+                         f"so it must lie in {DRAWN_RANGE} or be 0 (attention=sdpa and naive take any p)")
 
 
 def sdpa_decode(q, k, v, cache_len, softmax_scale=None, *, window=None):
