@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-from _common import run_cli
+from _common import argument_parser, run_cli
 
 SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 12, 12, 64, False),
           (16, 1024, 12, 12, 64, True), (4, 4096, 16, 16, 128, True), (1, 16384, 16, 16, 128, True),
@@ -26,7 +26,7 @@ SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 1
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = _common.argument_parser(__doc__)
+    parser = argument_parser(__doc__)
     parser.add_argument("label", nargs="?", default="this", help="names this tree's lines (default: this)")
     label = parser.parse_args(argv).label
     if not torch.cuda.is_available():
