@@ -131,24 +131,22 @@ def dropout_seed_of(Rng, DROPOUT_P: tl.constexpr):
     return seed, offset
 
 
+def _mul_wide(m: int) -> tl.constexpr:
+    """PTX for the (low, high) 32 bits of $2 * m, m an immediate."""
+    return tl.constexpr(f"{{ .reg .b64 t; mul.wide.u32 t, $2, 0x{m:08X}; mov.b64 {{$0, $1}}, t; }}")
+
+
+PHILOX_A, PHILOX_B = tl.constexpr(0xD2511F53), tl.constexpr(0xCD9E8D57)   # Philox4x32's multipliers
+MUL_WIDE_A, MUL_WIDE_B = _mul_wide(PHILOX_A.value), _mul_wide(PHILOX_B.value)
+
+
 @triton.jit
-def _wide_a(x):
-    """(low, high) 32 bits of x * 0xD2511F53, Philox's first multiplier."""
+def _wide(x, M: tl.constexpr, MUL_WIDE: tl.constexpr):
+    """(low, high) 32 bits of x * M; MUL_WIDE, `_mul_wide(M)` (MUL_WIDE_A or MUL_WIDE_B)."""
     if PTX:   # one IMAD.WIDE.U32, where mul.hi and mul.lo each take ptxas two IMADs
-        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$0, $1}, t; }",
-                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(MUL_WIDE, "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
     else:
-        return x * 0xD2511F53, tl.umulhi(x, 0xD2511F53)
-
-
-@triton.jit
-def _wide_b(x):
-    """(low, high) 32 bits of x * 0xCD9E8D57, Philox's second multiplier."""
-    if PTX:
-        return tl.inline_asm_elementwise("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$0, $1}, t; }",
-                                         "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
-    else:
-        return x * 0xCD9E8D57, tl.umulhi(x, 0xCD9E8D57)
+        return x * M, tl.umulhi(x, M)
 
 
 @triton.jit
@@ -159,8 +157,8 @@ def philox(seed, c0, c1, c2, c3):
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     for _ in tl.static_range(PHILOX_ROUNDS):
-        lo_b, hi_b = _wide_b(c2)
-        lo_a, hi_a = _wide_a(c0)
+        lo_b, hi_b = _wide(c2, PHILOX_B, MUL_WIDE_B)
+        lo_a, hi_a = _wide(c0, PHILOX_A, MUL_WIDE_A)
         c0 = hi_b ^ c1 ^ k0
         c2 = hi_a ^ c3 ^ k1
         c1 = lo_b
@@ -223,7 +221,8 @@ def dropout_seed(device) -> torch.Tensor:
 
 def dropout_mask(rng: torch.Tensor, dropout_p: float, batch: int, heads: int, n_q: int, n_k: int) -> torch.Tensor:
     """(B, H, Nq, Nk) bool: the scores a call with this `rng` (`dropout_seed`) and `dropout_p` keeps
-    (drawn in steps of 1/256: kernels.checks.drawn_dropout_p), as its kernels regenerate them. For tests and checks (it materialises the N x N mask)."""
+    (drawn in steps of 1/256: kernels.checks.drawn_dropout_p), as its kernels regenerate them. For
+    tests and checks (it materialises the N x N mask)."""
     mask = torch.empty((batch, heads, n_q, n_k), dtype=torch.int8, device=rng.device)
     block = 32
     dropout_mask_kernel[(triton.cdiv(n_q, block), triton.cdiv(n_k, block), batch * heads)](
