@@ -150,6 +150,11 @@ def test_lanes_of_a_split_training_run_merge_into_one_report(tmp_path):
     assert "| 32/8 x 128 | 16384 | 1 | ours-atomic |" in table and "| 12/12 x 64 | 16384 | 1 | flex |" in table
     with pytest.raises(ValueError, match="cannot read"):
         bench_attention.main(["--merge-training", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
+    other = json.loads(b.read_text())
+    other["settings"]["timer"] = "another timer"
+    b.write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="timed otherwise"):   # lanes' times compare only if timed alike
+        bench_attention.main(["--merge-training", str(a), str(b), "--out", str(tmp_path)])
 
 
 def test_host_overhead_tool_runs_with_stubbed_launches(tmp_path):

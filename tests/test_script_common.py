@@ -104,3 +104,27 @@ def test_a_wide_table_in_a_log_is_printed_whole(capsys):
     out = capsys.readouterr().out
     assert "…" not in out and max(map(len, out.splitlines())) > 200
     assert all(cell in out for row in rows for cell in row) and all(h in out for h in headers)
+
+
+def test_pass_timer_splits_each_call_at_the_forwards_end():
+    """Forward, backward and forward+backward come from the same calls: the backward gets the
+    forward's output and its span starts where the forward's ends (on the CPU, perf_counter)."""
+    import time as clock
+
+    import torch
+
+    seen = []
+
+    def forward():
+        clock.sleep(0.01)
+        return len(seen)
+
+    def backward(out):
+        seen.append(out)
+        clock.sleep(0.06)
+
+    timer, how = _common.pass_timer(torch.device("cpu"), cpu_calls=3)
+    ms = timer(forward, backward)
+    assert seen == [0, 1, 2, 3]   # one untimed call, then three timed ones, each backward on its own forward
+    assert set(ms) == set(_common.PASSES) and "perf_counter" in how
+    assert 10 <= ms["fwd"] < ms["bwd"] and ms["bwd"] >= 60 and ms["fwd+bwd"] >= 70

@@ -27,9 +27,10 @@ lengths 1K-32K at 16K tokens per batch (B = 16384 / N; one sequence of 32K) and 
 (H = 2048 / D), causal and not, bf16. FLOPs: forward 4*B*H*N^2*D, halved when causal; backward
 2.5x forward (five matmuls of the same size instead of two); forward+backward 3.5x. Each
 backend is timed in its own layout (ours and naive take (B, N, H, D), SDPA and Flex (B, H, N, D);
-the transposes happen before timing) with triton.testing.do_bench (median; warm-up excluded,
-L2 flushed between runs), on fresh random normal inputs. Backward is timed as
-torch.autograd.grad over a retained graph, so it excludes the forward.
+the transposes happen before timing), on fresh random normal inputs. All three passes come from
+the same forward+backward calls, CUDA events before, between and after each, in do_bench's loop
+(median; warm-up excluded, L2 flushed between calls; scripts/_common.py, pass_timer): backward is
+what it adds to a forward, as in a training step.
 
 Memory: peak allocated memory of one forward+backward at B=1, H=16, D=128, causal, against N, for
 ours and naive (naive until it runs out of memory).
@@ -57,8 +58,8 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.nn.functional as F
 
-from _common import (add_out_argument, console, device_slug, draw_safely, environment, error_text, human_bytes,
-                     kernel_bench_device, kernel_timer, markdown_table, memory_unit, new_figure, plain_log_axis, print_table, run_cli,
+from _common import (PASSES, add_out_argument, console, device_slug, draw_safely, environment, error_text, human_bytes,
+                     kernel_bench_device, markdown_table, memory_unit, pass_timer, new_figure, plain_log_axis, print_table, run_cli,
                      save_figure, tokens_axis, tokens_label, tuning_note, write_json, write_text)
 from _memory import is_oom, peak_meter, release_memory
 
@@ -125,13 +126,11 @@ def _sdpa(backend_name: str | None):
 
 def _flex(causal: bool, seq_len: int, device: torch.device) -> Attention:
     import torch._dynamo
-    import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # Fresh compile caches per shape: dynamo's recompile limit would otherwise drop to eager after
-    # a handful of shapes. Donated buffers forbid the retained graph that times backward alone.
+    # a handful of shapes.
     torch._dynamo.reset()
-    torch._functorch.config.donated_buffer = False
     mask = (create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len,
                               device=device) if causal else None)
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -164,7 +163,6 @@ BACKENDS = {
     "naive": Backend("naive PyTorch", False, _naive),
 }
 MEMORY_BACKENDS = ("ours", "naive")
-PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -185,17 +183,12 @@ def random_inputs(shape: tuple[int, int, int, int], heads_first: bool, device: t
     return [t.requires_grad_() for t in (q, k, v)], dout
 
 
-def time_passes(name: str, shape, causal: bool, device, bench) -> dict[str, float]:
-    """Milliseconds of forward, backward (on a retained graph) and the two together."""
+def time_passes(name: str, shape, causal: bool, device, timer) -> dict[str, float]:
+    """Milliseconds of forward, backward and the two together (`timer` is pass_timer's)."""
     backend = BACKENDS[name]
     attention = backend.make(causal, shape[1], device)
     inputs, dout = random_inputs(shape, backend.heads_first, device)
-    out = attention(*inputs)
-    times = {"fwd": bench(lambda: attention(*inputs)),
-             "bwd": bench(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))}
-    del out
-    times["fwd+bwd"] = bench(lambda: torch.autograd.grad(attention(*inputs), inputs, dout))
-    return times
+    return timer(lambda: attention(*inputs), lambda out: torch.autograd.grad(out, inputs, dout))
 
 
 def peak_of_step(name: str, shape, device) -> tuple[int, int]:
@@ -222,10 +215,10 @@ def failure(exc: Exception) -> str:
     return "out of memory" if is_oom(exc) else f"error: {error_text(exc)}"
 
 
-def measure_throughput(name: str, shape, causal: bool, device, bench) -> dict:
+def measure_throughput(name: str, shape, causal: bool, device, timer) -> dict:
     row = base_row(name, shape, causal)
     try:
-        times = time_passes(name, shape, causal, device, bench)
+        times = time_passes(name, shape, causal, device, timer)
     except Exception as exc:  # noqa: BLE001 (one shape failing must not end the sweep)
         row["status"] = failure(exc)
     release_memory(device)  # after the measurement's frames (and the exception's) are gone
@@ -489,19 +482,15 @@ def ours_plan(name: str, args) -> str:
     return str(kernel_plan(*args, causal=True, deterministic=name != "ours-atomic", kernel=kernel))
 
 
-def measure_training_shape(name: str, shape, device, bench, sustained: bool) -> dict:
+def measure_training_shape(name: str, shape, device, timer, sustained: bool) -> dict:
     B, N, H, Hkv, D = shape
     row = {"backend": name, "B": B, "N": N, "H": H, "Hkv": Hkv, "D": D, "causal": True, "status": "ok"}
     try:
         backend = BACKENDS[name]
         attention = backend.make(True, N, device)
         leaf, args, dout = fused_inputs(B, N, H, Hkv, D, backend.heads_first, device)
-        out = attention(*args)
-        times = {"fwd": bench(lambda: attention(*args)),
-                 "bwd": bench(lambda: torch.autograd.grad(out, leaf, dout, retain_graph=True))}
-        del out
+        times = timer(lambda: attention(*args), lambda out: torch.autograd.grad(out, leaf, dout))
         step = lambda: torch.autograd.grad(attention(*args), leaf, dout)  # noqa: E731
-        times["fwd+bwd"] = bench(step)
         if name == "sdpa-default":
             row["picked"] = sdpa_choice(attention, args, leaf, dout)
         if name.startswith("ours"):
@@ -568,7 +557,7 @@ def write_training_outputs(stem: Path, report: dict) -> None:
              f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit']}. "
              "bf16, causal, 16K tokens per call (B = max(1, 16384 / T)); q, k, v are strided views of one "
              "fused QKV projection as the model passes them, gradients taken w.r.t. that projection. "
-             "Times are milliseconds (triton.testing.do_bench median, burst clocks); 'ours/this' is the "
+             f"Times are milliseconds ({report['settings'].get('timer', 'triton.testing.do_bench median')}; burst clocks); 'ours/this' is the "
              "other backend's time over ours-auto's (ours' where ours-auto was not run): > 1 means ours is faster. sdpa-default is SDPA left to "
              f"choose (the backend it ran is in brackets); ours-gluon is ours with attention.kernel=gluon (the Gluon "
              "Hopper forward and backward), ours-auto attention.kernel=auto (what attention=flash runs: each "
@@ -590,34 +579,9 @@ def write_training_outputs(stem: Path, report: dict) -> None:
     write_text(stem.with_suffix(".md"), "\n".join(lines))
 
 
-def long_call_timer(bench, threshold_ms: float = 20.0, repeats: int = 3):
-    """`bench` for short calls; a call slower than `threshold_ms` (T = 64K-128K) is timed as the
-    median of `repeats` calls after one warm-up instead (do_bench would first run it five times
-    just to size its loop, seconds per call at 128K)."""
-    def timed(fn) -> float:
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if (time.perf_counter() - began) * 1e3 < threshold_ms:
-            return bench(fn)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    return timed
-
-
 def run_training(out_dir: Path, names: list[str], device: torch.device, heads, lengths, sustained_at) -> dict:
     out = console()
-    bench, timer_note = kernel_timer(device)
-    if device.type == "cuda":
-        bench, timer_note = long_call_timer(bench), timer_note + "; calls over 20 ms: median of 3 after a warm-up"
+    timer, timer_note = pass_timer(device)
     stem = out_dir / f"attention_{device_slug(device)}_training"
     report = {"metadata": environment(device),
               "settings": {"mode": "training", "tokens": TOKENS, "dtype": "bfloat16", "heads": heads,
@@ -629,7 +593,7 @@ def run_training(out_dir: Path, names: list[str], device: torch.device, heads, l
             out.print(f"[bold]H={H} Hkv={Hkv} D={D} T={N} B={shape[0]}[/]")
             for name in names:
                 sustained = (H, Hkv, D, N) in sustained_at and name in ("ours", "ours-auto", "ours-gluon", "sdpa-default")
-                row = measure_training_shape(name, shape, device, bench, sustained)
+                row = measure_training_shape(name, shape, device, timer, sustained)
                 report["training"].append(row)
                 out.print(f"    {name:>12}{' (' + row['picked'] + ')' if 'picked' in row else ''}: " + (
                     "  ".join(f"{p} {row[p + '_ms']:.3f} ms" for p in PASSES) if row["status"] == "ok"
@@ -651,6 +615,8 @@ def merge_training(out_dir: Path, parts: list[Path]) -> dict:
             raise ValueError(f"--merge-training: cannot read {part}: {error_text(exc)}") from None
         if reports[-1].get("settings", {}).get("mode") != "training":
             raise ValueError(f"--merge-training: {part} is not a --training report")
+        if reports[-1]["settings"].get("timer") != reports[0]["settings"].get("timer"):
+            raise ValueError(f"--merge-training: {part} was timed otherwise than {parts[0]}")
     merged = {**reports[0], "training": [row for r in reports for row in r["training"]]}
     merged["metadata"] = {**reports[0]["metadata"], "command": " ; ".join(r["metadata"]["command"] for r in reports),
                           "lanes": [{k: r["metadata"].get(k) for k in ("date", "command")} for r in reports]}
@@ -667,7 +633,7 @@ def merge_training(out_dir: Path, parts: list[Path]) -> dict:
 def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dict:
     out = console()
     sweep = SWEEPS[mode]
-    bench, timer_note = kernel_timer(device)
+    timer, timer_note = pass_timer(device)
     stem = out_dir / f"attention_{device_slug(device)}{'' if mode == 'full' else '_' + mode}"
     report = {"metadata": environment(device),
               "settings": {"mode": mode, "tokens": sweep.tokens, "hidden": sweep.hidden, "dtype": "bfloat16",
@@ -687,7 +653,7 @@ def run(mode: str, out_dir: Path, names: list[str], device: torch.device) -> dic
                 shape = (max(1, sweep.tokens // N), N, sweep.hidden // D, D)
                 out.print(f"[bold]D={D} N={N} B={shape[0]} H={shape[2]} "
                           f"{'causal' if causal else 'non-causal'}[/]")
-                rows = [measure_throughput(name, shape, causal, device, bench)
+                rows = [measure_throughput(name, shape, causal, device, timer)
                         if (why := not_measured(name, N, runnable, sweep)) is None
                         else base_row(name, shape, causal, status=why) for name in names]
                 report["throughput"] += rows

@@ -17,9 +17,9 @@ the Triton kernels (the option's own cost, the family held fixed); and beside th
 scaled_dot_product_attention left to pick its backend, for none and dropout (it has no soft-capping or
 sinks): what the same option costs in the kernels a user could pick instead. `--words` picks others,
 a forward/backward pair such as `triton/gluon` among them, and `--tokens`/`--batch` another length
-(the file's name then says so). Forward, backward
-(torch.autograd.grad over a retained graph) and forward+backward are triton.testing.do_bench
-medians (L2 flushed); dropout's times include drawing its seed. "x none" is a case's
+(the file's name then says so). Forward, backward and forward+backward come from the same
+forward+backward calls, CUDA events before, between and after each, in do_bench's loop (medians,
+L2 flushed; scripts/_common.py, pass_timer); dropout's times include drawing its seed. "x none" is a case's
 forward+backward over none's under the same word; the targets the options were built to: dropout
 0.1 <= 1.25x, soft-capping <= 1.10x, sinks <= 1.05x, under `auto`.
 Results: <out>/attention_scores_<gpu>.json (with date, GPU, versions, commit) and .md.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import (add_out_argument, console, device_slug, environment, error_text, kernel_bench_device, kernel_timer,
+from _common import (PASSES, add_out_argument, console, device_slug, environment, error_text, kernel_bench_device, pass_timer,
                      markdown_table, print_table, run_cli, tuning_note, write_json, write_text)
 
 SHAPE = (4, 4096, 12, 12, 64)          # B, T, H, Hkv, D: gpt2-small at 4K, 16K tokens a batch
@@ -43,11 +43,10 @@ CASES = {"none": {}, "dropout": {"dropout_p": 0.1}, "softcap": {"softcap": 50.0}
 WORDS = ("auto", "triton", "sdpa")
 SDPA_CASES = ("none", "dropout")   # SDPA soft-caps nothing and has no sinks
 TARGETS = {"dropout": 1.25, "softcap": 1.10, "sinks": 1.05}   # forward+backward x none, under auto
-PASSES = ("fwd", "bwd", "fwd+bwd")
 HEADERS = ["case", "kernel", "plan", "fwd ms", "bwd ms", "fwd+bwd ms", "x none", "target"]
 
 
-def measure(case: str, word: str, shape, dtype, device, bench) -> dict:
+def measure(case: str, word: str, shape, dtype, device, timer) -> dict:
     """One case under one kernel word: its plan and its times, or the error that stopped it."""
     from bench_attention import fused_inputs
 
@@ -77,11 +76,7 @@ def measure(case: str, word: str, shape, dtype, device, bench) -> dict:
                 return flash_attention(q, k, v, causal=True, kernel=kernel, **options)
 
             row["plan"] = str(kernel_plan(q, k, v, causal=True, kernel=kernel, **options))
-        out = attention()
-        times = {"fwd": bench(attention),
-                 "bwd": bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))}
-        del out
-        times["fwd+bwd"] = bench(lambda: torch.autograd.grad(attention(), leaves, dout))
+        times = timer(attention, lambda out: torch.autograd.grad(out, leaves, dout))
         row.update({f"{p}_ms": times[p] for p in PASSES})
     except Exception as exc:  # noqa: BLE001 (one case failing must not end the run)
         row["status"] = f"error: {error_text(exc)}"
@@ -146,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = kernel_bench_device(args.smoke)
     shape = SMOKE_SHAPE if args.smoke else (args.batch, args.tokens, *SHAPE[2:])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the interpreter's bf16 is not the GPU's
-    bench, timing = kernel_timer(device, cpu_calls=1)
+    timer, timing = pass_timer(device, cpu_calls=1)
     out = console()
     length = "" if args.smoke or shape == SHAPE else f"_B{shape[0]}_T{shape[1]}"
     stem = args.out / f"attention_scores_{device_slug(device)}{length}"
@@ -156,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         for word in words:
             if word == "sdpa" and case not in SDPA_CASES:
                 continue
-            row = measure(case, word, shape, dtype, device, bench)
+            row = measure(case, word, shape, dtype, device, timer)
             report["results"].append(row)
             ratios(report["results"])
             out.print(f"{case} ({word}): {row.get('fwd+bwd_ms', row['status'])}")

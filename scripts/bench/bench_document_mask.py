@@ -90,11 +90,9 @@ def flex(case: dict, device):
     if device.type != "cuda":
         raise RuntimeError("FlexAttention is timed on CUDA only (CPU smoke run)")
     import torch._dynamo
-    import torch._functorch.config
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.reset()
-    torch._functorch.config.donated_buffer = False  # the timed backward reuses a retained graph
     ids, window = case["ids"], case["window"]
 
     def mask_mod(b, h, q_idx, kv_idx):

@@ -5,8 +5,8 @@ two source trees: run it once from each tree, alternating, and compare the lines
 
 Each shape is gpt2-small's or a 128-wide head's attention, bf16, q, k, v views of one fused QKV
 projection (as the model passes them), our Triton forward then the Gluon backward
-(kernel=("triton", "gluon")), timed as torch.autograd.grad over a retained graph (triton's
-do_bench median). The forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning.
+(kernel=("triton", "gluon")). The backward is what it adds to the forward in forward+backward calls
+(scripts/_common.py, pass_timer: CUDA events before, between and after each call, medians). The forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-from _common import argument_parser, run_cli
+from _common import argument_parser, pass_timer, run_cli
 
 SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 12, 12, 64, False),
           (16, 1024, 12, 12, 64, True), (4, 4096, 16, 16, 128, True), (1, 16384, 16, 16, 128, True),
@@ -31,18 +31,18 @@ def main(argv: list[str] | None = None) -> None:
     label = parser.parse_args(argv).label
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: the Gluon backward runs on a Hopper GPU")
-    import triton.testing
+    timer, _ = pass_timer(torch.device("cuda"))
     from bench_attention import fused_inputs
 
     from kernels.flash_op import flash_attention
 
     for B, T, H, Hkv, D, causal in SHAPES:
         leaf, (q, k, v), dout = fused_inputs(B, T, H, Hkv, D, False, "cuda", torch.bfloat16)
-        out = flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"))
-        ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, [leaf], dout, retain_graph=True),
-                                     warmup=25, rep=150, return_mode="median")
+        ms = timer(lambda: flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon")),
+                   lambda out: torch.autograd.grad(out, [leaf], dout))
         shape = f"B{B} T{T} {H}/{Hkv}x{D} {'causal' if causal else 'full'}"
-        print(json.dumps({"who": label, "shape": shape, "bwd_ms": round(ms, 4)}), flush=True)
+        print(json.dumps({"who": label, "shape": shape, "bwd_ms": round(ms["bwd"], 4),
+                          "fwd+bwd_ms": round(ms["fwd+bwd"], 4)}), flush=True)
 
 
 if __name__ == "__main__":
