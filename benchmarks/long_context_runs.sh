@@ -39,7 +39,8 @@
 #   bash benchmarks/long_context_runs.sh mixed-long   # ~4.3 min: 1,200 steps more on long-heavy units
 #   bash benchmarks/long_context_runs.sh mixed-eval   # ~1.3 min: the same grid and loss by position
 # and the same with model.attention_length_scale (mixed-scaled, mixed-scaled-long, mixed-scaled-eval,
-# which draws the committed mixed results beside its own).
+# which draws the committed mixed results beside its own), and that with RoPE base 500,000 (mixed-base,
+# mixed-base-long, mixed-base-eval, drawn beside mixed-scaled's; docs/long-context.md says why).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
@@ -127,6 +128,7 @@ DENSE_STAGES=(
 MIXED_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,512]'
             data.passkey.num_docs=180 trainer.max_steps=2900 trainer.eval_every=1200 trainer.ckpt_every=1200)
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
+MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
 dense() {
   local stage=0 more=()
   for overrides in "${DENSE_STAGES[@]}"; do
@@ -151,6 +153,11 @@ mixed-eval) evaluate mixed flash 12 ;;
 mixed-scaled) shift; train mixed-scaled long-context-mixed "${MIXED_SCALED[@]}" "$@" ;;
 mixed-scaled-long) train mixed-scaled long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_LONG[@]}" ;;
 mixed-scaled-eval) evaluate mixed-scaled flash 12 mixed ;;
+# mixed-scaled with RoPE base 500,000, beside it: does a match that no rotation undoes over the window
+# carry retrieval past the 4-8K tokens where mixed-scaled's falls off?
+mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@" ;;
+mixed-base-long) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
+mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
 naive)
@@ -165,6 +172,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | compare" >&2; exit 2 ;;
 esac
 step done

@@ -5,6 +5,7 @@ curve beside it) in well under a minute on 2 cores."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -181,6 +182,15 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert scaled.model.attention_length_scale >= 2
     scaled.model.attention_length_scale = None
     assert scaled == second
+    # the base variant: the scaled one with a RoPE base at which some rotation pairs turn less than a
+    # quarter over the window (10,000 leaves none), nothing else changed
+    based = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE")
+                          + script_overrides("MIXED_LONG"))
+    dim = based.model.d_model // based.model.n_head
+    slow = [i for i in range(dim // 2) if 2 * math.pi * based.model.rope_theta ** (2 * i / dim) > 4 * based.trainer.seq_len]
+    assert len(slow) >= 4 and second.model.rope_theta ** ((dim - 2) / dim) * 2 * math.pi < 4 * second.trainer.seq_len
+    based.model.rope_theta, based.model.attention_length_scale = second.model.rope_theta, None
+    assert based == second
 
 
 @pytest.mark.slow
