@@ -22,15 +22,16 @@ def main(argv: list[str]) -> Path:
     parser = _common.argument_parser(__doc__)
     parser.add_argument("checkpoint", type=existing_path, help="a checkpoint file, a weights-only model.safetensors, "
                         "or a run dir (its newest checkpoint)")
-    parser.add_argument("out_dir", type=Path, help="the folder to write (must not hold a config.json yet)")
+    parser.add_argument("out_dir", type=Path, help="the folder to write (must not hold the files it writes: "
+                        "config.json, model.safetensors, the tokenizer's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
     require_output_dir(args.out_dir, "out_dir")
-    if (args.out_dir / "config.json").exists():
-        raise ValueError(f"{args.out_dir} already holds an export (config.json); choose another folder")
+    from training.interop.huggingface import check_export_folder, export_hf, hf_architecture
+
+    check_export_folder(args.out_dir)   # before the checkpoint is read
 
     from _eval import load_for_eval
-    from training.interop.huggingface import export_hf, hf_architecture
 
     model, _, tokenizer, _, path = load_for_eval(argparse.Namespace(checkpoint=args.checkpoint, device="cpu",
                                                                      attention=None))

@@ -156,8 +156,12 @@ def test_export_script_on_a_trained_run(tmp_path, cache_dir):
     assert name == "LlamaForCausalLM"
     with torch.no_grad():
         torch.testing.assert_close(logits, model(ids), rtol=0, atol=2e-5)
-    with pytest.raises(ValueError, match="already holds an export"):
+    with pytest.raises(ValueError, match="already holds model.safetensors, tokenizer.json"):
         export_script.main([str(run_dir), str(out)])
+    weights = (run_dir / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="already holds model.safetensors"):   # a run's own weights stay
+        export_script.main([str(run_dir), str(run_dir)])
+    assert (run_dir / "model.safetensors").read_bytes() == weights and not (run_dir / "config.json").exists()
     # and back: a run started from the export computes what the trained model does
     from training.config import compose
     from training.loop.trainer import Trainer

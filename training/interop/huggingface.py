@@ -165,6 +165,17 @@ def _byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
+EXPORT_FILES = (WEIGHTS_FILE, TOKENIZER_FILE, "tokenizer_config.json", "config.json")
+
+
+def check_export_folder(out_dir: str | Path) -> None:
+    """Refuse a folder that holds a file an export writes: nothing is replaced, since a run's own
+    model.safetensors or an earlier export would be lost (and a failed export removes what it wrote)."""
+    taken = [name for name in EXPORT_FILES if (Path(out_dir) / name).exists()]
+    if taken:
+        raise ValueError(f"{out_dir} already holds {', '.join(taken)}: export to a folder without them")
+
+
 def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> Path:
     """Write config.json, model.safetensors and the tokenizer files `from_pretrained` reads."""
     from tokenizers import Tokenizer
@@ -185,6 +196,7 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "float32") -> 
                  "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot, "eos_token": eot,
                  "model_max_length": model.config.max_seq_len, "clean_up_tokenization_spaces": False}, indent=2) + "\n",
              "config.json": json.dumps(hf_config(model.config, arch, tokenizer.eot_id, DTYPES[dtype]), indent=2) + "\n"}
+    check_export_folder(out)
     # Each file atomically, config.json (what marks a folder as an export) last; a failure (a full
     # disk) removes what this export wrote, so no partial export is left behind.
     created = not out.exists()
