@@ -70,3 +70,16 @@ def test_too_long_prompt_and_bad_options_exit_2(run_dir, tmp_path):
                          ([], "no prompt")):
         with pytest.raises(ValueError, match=message):
             generate.main([str(run_dir), "--device", "cpu", *(["--prompt", "a"] if bad else []), *bad])
+
+
+def test_damaged_weights_are_refused_not_run(run_dir, tmp_path):
+    """A model.safetensors whose tensor bytes changed after it was written (a flipped byte in the
+    middle, past the header) fails its stored checksum in one line, as a damaged checkpoint does."""
+    data = bytearray((run_dir / "model.safetensors").read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    damaged = tmp_path / "model.safetensors"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"weights file {damaged} is corrupt: its tensors do not match the stored checksum"):
+        generate.main([str(damaged), "--device", "cpu", "--prompt", "a", "--max-new-tokens", "2"])
+    generate.main([str(run_dir / "model.safetensors"), "--device", "cpu", "--prompt", "a", "--max-new-tokens", "2"])

@@ -4,7 +4,9 @@ the RNGs or pickle.
 A finished run writes `<run.dir>/model.safetensors`; `python scripts/export_weights.py CKPT` makes
 one from any checkpoint. The file holds every weight once (a tied output head is stored under the
 embedding's name only) and, as metadata, the run's resolved config as JSON, which
-`training.builders.load_model_for_eval` uses to rebuild the model and tokenizer.
+`training.builders.load_model_for_eval` uses to rebuild the model and tokenizer, and a checksum of
+the tensors (the checkpoints' sha256), so that a damaged file is refused, not run (files written
+before it load unchecked).
 """
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ def save_weights(state_dict: dict, path: str | Path, config: dict) -> Path:
             continue
         seen.add(key)
         tensors[name] = tensor.detach().to("cpu").contiguous()
-    return save_safetensors(tensors, path, {"format": "flashtrain", "config": json.dumps(config)})
+    from training.run.store import state_checksum
+
+    return save_safetensors(tensors, path, {"format": "flashtrain", "config": json.dumps(config),
+                                            "checksum": state_checksum(tensors)})
 
 
 def save_safetensors(tensors: dict, path: str | Path, metadata: dict) -> Path:
@@ -65,10 +70,17 @@ def read_config(path: str | Path) -> dict:
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load an exported file into `model`: every tensor must be present (tied ones once)."""
-    from safetensors.torch import load_file
+    """Load an exported file into `model`: every tensor must be present (tied ones once), and match
+    the checksum the file stores."""
+    from safetensors import safe_open
 
-    saved = load_file(str(path))
+    from training.run.store import state_checksum
+
+    with safe_open(str(path), framework="pt") as f:
+        stored_checksum = (f.metadata() or {}).get("checksum")
+        saved = {name: f.get_tensor(name) for name in f.keys()}
+    if stored_checksum is not None and state_checksum(saved) != stored_checksum:
+        raise ValueError(f"weights file {path} is corrupt: its tensors do not match the stored checksum {stored_checksum}")
     missing, unexpected = model.load_state_dict(saved, strict=False)
     params = model.state_dict()
     stored = {params[k].data_ptr() for k in saved if k in params}
