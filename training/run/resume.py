@@ -339,15 +339,27 @@ def _sampler_state_for_new_data(saved: dict, sampler) -> dict:
     return {**saved, "n_windows": sampler.n_windows, "cursor": min(cursor, in_epoch - sampler.world_size)}
 
 
+def _tokenizer_of(data_fingerprint: str | None) -> str | None:
+    """The tokenizer's part of a data fingerprint, `<source>/<tokenizer>/v<cache version>` (data/build.py)."""
+    parts = (data_fingerprint or "").rsplit("/", 2)
+    return parts[1] if len(parts) == 3 else None
+
+
+def _content(tokenizer_fingerprint: str | None) -> str | None:
+    """What identifies a tokenizer's vocabulary: its file's hash (`<name><size>-<sha256[:10]>`), so
+    the same file under another option (tokenizer=pretrained tokenizer.path=...) is the same one."""
+    return tokenizer_fingerprint.rsplit("-", 1)[-1] if tokenizer_fingerprint else tokenizer_fingerprint
+
+
 def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictConfig) -> tuple[Restore, dict | None]:
     """The start's checkpoint put back into the plain model (its weights), the sampler and the RNGs,
     the rest held for once the parallel plan has wrapped the model (`Restore.finish`); with the data
     change to record (data_changes.jsonl, written once the run is accepted), or None. Nothing to put
     back for a fresh start.
 
-    Refuses another model config, and a checkpoint of other data (the sampler position would
-    index different tokens) unless `data.allow_changed`, which continues at the same point of the
-    epoch on the new data.
+    Refuses another model config, another tokenizer (always), and a checkpoint of other data (the
+    sampler position would index different tokens) unless `data.allow_changed`, which continues at
+    the same point of the epoch on the new data.
     """
     if start.state is None:
         return Restore(), None
@@ -355,6 +367,11 @@ def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictCon
     check_model_config(path, state["config"].get("model", {}), model_cfg)
     saved_fp = state["config"].get("run", {}).get("data_fingerprint")
     sampler_state, change = state["sampler"], None
+    saved_tok, tok = _tokenizer_of(saved_fp), _tokenizer_of(data_fingerprint)
+    if saved_tok is not None and _content(saved_tok) != _content(tok):
+        raise CheckpointError(f"checkpoint {path} was trained with tokenizer {saved_tok}, this run's is {tok}: its "
+                              f"token ids would mean other text (data.allow_changed does not cover it); resume with "
+                              f"the checkpoint's tokenizer settings")
     if saved_fp != data_fingerprint:
         if not cfg.data.get("allow_changed", False):
             raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads "
