@@ -4,6 +4,7 @@
 locally, nothing is downloaded.
 """
 import json
+import subprocess
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from data.tokenizer import ByteTokenizer, JsonTokenizer, train_bpe
 from training.builders import build_model   # the schema's checks, then model.build_model
-from tests.trainrun import REPO, cache_dir, run_in_process, tiny_overrides  # noqa: F401 (cache_dir: fixture)
+from tests.trainrun import REPO, cache_dir, run_in_process, subprocess_env, tiny_overrides, train_command  # noqa: F401 (cache_dir: fixture)
 from training.interop.huggingface import export_hf, hf_architecture, tokenizer_json_text
 
 transformers = pytest.importorskip("transformers")
@@ -76,7 +77,7 @@ def test_exported_tokenizers_encode_like_ours(tmp_path):
     bpe_path.parent.mkdir()
     train_bpe(iter([TEXT * 20, "the quick brown fox " * 50]), 300, 2, bpe_path, show_progress=False)
     for tokenizer in (ByteTokenizer(), JsonTokenizer(bpe_path, "bpe")):
-        folder = tmp_path / tokenizer.name
+        folder = tmp_path / f"hf-{tokenizer.name}"   # not the BPE's own folder: an export replaces nothing
         export_hf(ours(**LLAMA_OPTIONS), tokenizer, folder)
         theirs = transformers.AutoTokenizer.from_pretrained(folder)
         ids = tokenizer.encode(TEXT)
@@ -171,3 +172,28 @@ def test_export_script_on_a_trained_run(tmp_path, cache_dir):
     assert again.data.tokenizer.encode(TEXT) == tokenizer.encode(TEXT)
     with torch.no_grad():
         torch.testing.assert_close(again.model.eval()(ids), model(ids), rtol=0, atol=1e-6)
+
+
+def test_init_from_refuses_a_conflicting_override_and_a_torn_folder_before_work(tmp_path, cache_dir, capsys):
+    """A model key given on the command line that the folder's config.json sets otherwise is refused
+    (it used to vanish: the run trained at the folder's size); a torn weights file or a broken
+    config.json is one line naming the file, before any data is built."""
+    folder = tmp_path / "hf"
+    save_hf_folder(folder, "llama")
+    run = tiny_overrides(tmp_path / "run", cache_dir, **{"model.init_from": str(folder)})
+    mine = [o for o in run if not o.startswith("model.n_layer=")] + ["model.n_layer=7"]
+    proc = subprocess.run(train_command(mine), cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)   # train.py: Hydra knows the command line
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: model.init_from={folder}: its config.json sets "
+                                                    "model.n_layer=2, the command line model.n_layer=7: drop that override")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()
+    assert run_in_process(run) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: model.init_from={folder}: model.safetensors is unreadable (Error while deserializing "
+                   "header: invalid header length)"], err
+    (folder / "config.json").write_text("{broken")
+    assert run_in_process(run) == 2
+    assert f"{folder / 'config.json'} is not readable JSON (Expecting property name" in capsys.readouterr().err

@@ -220,7 +220,10 @@ def read_hf_config(folder: str | Path) -> dict:
     path = Path(folder).expanduser() / "config.json"
     if not path.is_file():
         raise ValueError(f"model.init_from={folder}: no config.json there (a folder written by save_pretrained)")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model.init_from={folder}: {path} is not readable JSON ({e})") from None
 
 
 def model_options_from_hf(hf: dict, folder) -> dict:
@@ -285,24 +288,52 @@ def apply_init_from(cfg: DictConfig) -> None:
     """Make cfg's model and tokenizer those of the folder in cfg.model.init_from (in place, so the
     run's config.yaml records them). A Llama's max_seq_len stays the run's: RoPE has no table,
     so training can extend the context; GPT-2's is its position table's size."""
+    from training.run.report import hydra_overrides
+
     folder = cfg.model.init_from
     hf = read_hf_config(folder)
     options = model_options_from_hf(hf, folder)
+    given = {o.lstrip("+~").split("=", 1)[0].removeprefix("model.") for o in hydra_overrides() or ()
+             if o.lstrip("+~").startswith("model.")}
+    conflicts = [k for k in options if k in given and cfg.model[k] != options[k]]
+    if conflicts:   # the folder's architecture wins; a value the user typed must not vanish silently
+        raise ValueError(f"model.init_from={folder}: its config.json sets model.{conflicts[0]}={options[conflicts[0]]!r}, "
+                         f"the command line model.{conflicts[0]}={cfg.model[conflicts[0]]!r}: drop that override")
+    _weight_files(Path(folder).expanduser())   # a missing or torn weights file is refused before any work
     with open_dict(cfg):
         for key, value in options.items():
             cfg.model[key] = value
         cfg.tokenizer = tokenizer_options_from_hf(hf, folder)
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files, each header read (which also checks the file is as long as it
+    says); ValueError naming the file that is missing or torn."""
+    from safetensors import safe_open
+
+    if (folder / WEIGHTS_FILE).is_file():
+        files = [folder / WEIGHTS_FILE]
+    elif (folder / WEIGHTS_INDEX).is_file():
+        try:
+            shards = json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].values()
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"model.init_from={folder}: {WEIGHTS_INDEX} is not a weights index ({e!r})") from None
+        files = [folder / shard for shard in sorted(set(shards))]
+    else:
+        raise ValueError(f"model.init_from={folder}: no {WEIGHTS_FILE} (save with safe_serialization, the default)")
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 (missing, torn or foreign: one line naming the file)
+            raise ValueError(f"model.init_from={folder}: {path.name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    return files
+
+
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    if (folder / WEIGHTS_FILE).is_file():
-        return load_file(folder / WEIGHTS_FILE)
-    if (folder / WEIGHTS_INDEX).is_file():
-        shards = sorted(set(json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(folder / shard).items()}
-    raise ValueError(f"model.init_from={folder}: no {WEIGHTS_FILE} (save with safe_serialization, the default)")
+    return {k: v for path in _weight_files(folder) for k, v in load_file(path).items()}
 
 
 def load_hf_weights(model, folder: str | Path) -> None:
