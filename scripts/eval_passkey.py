@@ -28,10 +28,10 @@ from _common import (environment, human_bytes, markdown_table, new_figure, print
                      save_figure, write_json, write_text)
 from _eval import add_beside_argument, add_checkpoint_args, load_for_eval, memory_meter, read_beside, run_name
 from _memory import is_oom, release_memory
+from data.passkey import MAX_KEY_DIGITS
 from training.loop.evaluate import passkey_ids, score_prompt
 
 
-MAX_KEY_DIGITS = 18  # keys are drawn as int64
 DOES_NOT_FIT = "does not fit"
 NOT_RUN = "not run"
 

@@ -176,7 +176,8 @@ def test_cuda_out_of_memory_names_the_knobs():
     ({"optim.lr": "inf"}, "optim.lr=inf: must be a finite number > 0"),
     ({"trainer.deterministic": "true", "attention.deterministic": "false"},
      "trainer.deterministic=True: needs attention.deterministic=true"),
-], ids=["seed-negative", "seed-huge", "lr-inf", "deterministic-atomic-attention"])
+    ({"data": "stdlib-passkey", "data.passkey.key_digits": 100}, "data.passkey.key_digits=100: must be an integer in [1, 18]"),
+], ids=["seed-negative", "seed-huge", "lr-inf", "deterministic-atomic-attention", "key-digits-past-int64"])
 def test_values_out_of_range_are_one_line(tmp_path, cache_dir, capsys, override, message):
     assert run_in_process(tiny_overrides(tmp_path / "run", cache_dir, **override)) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {message}")

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 from kernels.choices import CHOICES
+from data.passkey import MAX_KEY_DIGITS
 from model.config import GPTConfig, ranged
 from model.config import choice as _choice
 
@@ -101,7 +102,7 @@ class PasskeyDocs:
     num_docs: int = ranged(2000, ge=2)
     length: int = ranged(1024, ge=1)
     depths: Optional[List[float]] = None
-    key_digits: int = ranged(5, ge=1)
+    key_digits: int = ranged(5, ge=1, le=MAX_KEY_DIGITS)
     seed: int = 0
     kind: PasskeyKind = PasskeyKind.single        # single: one key in filler; dense: many named keys (data/retrieval.py)
     pairs: Optional[int] = ranged(None, ge=1)     # kind=dense: keys (each asked for later) per document
