@@ -151,7 +151,8 @@ def build(path: Path, source, tokenizer, progress: bool = True) -> None:
         if batch:
             flush(batch, out)
     if len(keys) == 0:
-        raise ValueError(f"data source {source.fingerprint} yielded no documents (empty dataset?)")
+        raise ValueError(f"{getattr(source, 'origin', None) or 'data source ' + source.fingerprint} yielded no "
+                         f"documents: every one is empty")
     np.save(path / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     np.save(path / "keys.npy", np.asarray(keys, dtype=np.uint64))
     manifest = {

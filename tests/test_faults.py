@@ -177,7 +177,8 @@ def test_cuda_out_of_memory_names_the_knobs():
     ({"trainer.deterministic": "true", "attention.deterministic": "false"},
      "trainer.deterministic=True: needs attention.deterministic=true"),
     ({"data": "stdlib-passkey", "data.passkey.key_digits": 100}, "data.passkey.key_digits=100: must be an integer in [1, 18]"),
-], ids=["seed-negative", "seed-huge", "lr-inf", "deterministic-atomic-attention", "key-digits-past-int64"])
+    ({"trainer.passkey_probe": "abc"}, "trainer.passkey_probe='abc': must be a list of integers"),
+], ids=["seed-negative", "seed-huge", "lr-inf", "deterministic-atomic-attention", "key-digits-past-int64", "probe-not-a-list"])
 def test_values_out_of_range_are_one_line(tmp_path, cache_dir, capsys, override, message):
     assert run_in_process(tiny_overrides(tmp_path / "run", cache_dir, **override)) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {message}")
@@ -186,6 +187,15 @@ def test_values_out_of_range_are_one_line(tmp_path, cache_dir, capsys, override,
 def run_files(run_dir: Path) -> list[str]:
     """What a run wrote into its folder (the lock aside)."""
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name != ".lock") if run_dir.exists() else []
+
+
+def test_an_empty_data_file_is_named_by_its_path(tmp_path, cache_dir, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    overrides = [o for o in tiny_overrides(tmp_path / "run", cache_dir, steps=1) if not o.startswith("data.max_bytes")]
+    assert run_in_process(overrides + ["data=files", f"data.paths=[{empty}]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"error: data.paths=['{empty}'] yielded no documents: every one is empty", err
 
 
 def test_a_garbage_pretrained_tokenizer_is_one_line_naming_the_file(tmp_path, cache_dir, capsys):

@@ -51,6 +51,7 @@ class FilesSource:
         all_files = [p for _, p in self.text_files] + [f for files in records.values() for f in files]
         key = hashlib.sha256(f"{local_files_signature(all_files)}|{self.text_field}".encode()).hexdigest()
         self.fingerprint = f"files-{key[:10]}"
+        self.origin = f"data.paths={[str(p) for p in paths]}"   # what an error about the documents names
         self.max_bad_fraction = cfg.get("max_bad_fraction", 0.01)
 
     def for_tokenizer(self, tokenizer) -> "FilesSource":

@@ -54,7 +54,8 @@ def expectation(annotation, metadata) -> str:
             return f"must be a number {'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
         return "must be a number"
     if typing.get_origin(annotation) in (list, typing.List):
-        return f"must be a list of {'numbers' if typing.get_args(annotation) == (float,) else 'strings'}"
+        kind = {float: "numbers", int: "integers"}.get(next(iter(typing.get_args(annotation)), str), "strings")
+        return f"must be a list of {kind}"
     if typing.get_origin(annotation) in (dict, typing.Dict):
         return "must be a mapping"
     return "must be a string"
