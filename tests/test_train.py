@@ -205,6 +205,8 @@ def test_cpu_threads_are_chosen_for_the_machine_and_said_at_start(tmp_path, cach
     monkeypatch.setattr("os.getloadavg", lambda: (0.2, 1.0, 1.0))
     assert cpu_threads(None)[0] == 4 and cpu_threads(None, local_processes=2)[0] == 2
     assert cpu_threads(3, resumed=2) == (3, "trainer.cpu_threads")
+    with pytest.raises(ValueError, match=r"trainer.cpu_threads=5: this process may use 4 cores; set at most 4"):
+        cpu_threads(5)   # more threads than cores only wait on each other
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert cpu_threads(None, resumed=3) == (2, "OMP_NUM_THREADS=2")
 
