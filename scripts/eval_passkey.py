@@ -29,7 +29,7 @@ from _common import (environment, human_bytes, markdown_table, new_figure, print
 from _eval import add_beside_argument, add_checkpoint_args, load_for_eval, memory_meter, read_beside, run_name
 from _memory import is_oom, release_memory
 from data.passkey import MAX_KEY_DIGITS
-from training.loop.evaluate import passkey_ids, score_prompt
+from training.loop.evaluate import passkey_ids, score_prompt, shortest_passkey_prompt
 
 
 DOES_NOT_FIT = "does not fit"
@@ -40,10 +40,7 @@ def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> 
     """The lengths to test: each must hold a whole prompt (filler can shrink to nothing, the key
     sentence and question cannot); the default is the powers of two from 256 (or the shortest
     prompt) below the run's seq_len, and the seq_len itself."""
-    from data.passkey import passkey_prompt
-
-    prompt, answer = passkey_prompt(0, 0.0, "9" * key_digits, lambda text: len(tokenizer.encode(text)))
-    shortest = len(tokenizer.encode(prompt)) + len(tokenizer.encode(answer))
+    shortest = shortest_passkey_prompt(tokenizer, key_digits)
     if asked is None:
         seq_len = int(cfg.trainer.seq_len)
         lengths = sorted({n for n in (2**k for k in range(31)) if max(256, shortest) <= n < seq_len} | {seq_len})

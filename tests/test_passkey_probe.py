@@ -75,3 +75,13 @@ def test_bad_probe_lengths_are_refused_in_one_line(overrides, match):
     with pytest.raises(ValueError, match=match):
         validate_config(compose(["model=tiny", *overrides]))
     validate_config(compose(["model=tiny", "model.max_seq_len=4096", "trainer.passkey_probe=[4032]"]))
+
+
+def test_a_probe_length_no_prompt_fits_is_refused_before_training(tmp_path, cache_dir, capsys):  # noqa: F811
+    """A length under the shortest whole prompt (key sentence, question, answer) cannot be asked: it
+    would log 0% at every evaluation. The shortest depends on the tokenizer, so the check comes once
+    the data (and its tokenizer) is built, before the first step."""
+    assert run_in_process(tiny_overrides(tmp_path / "run", cache_dir, **{"trainer.passkey_probe": "[10]"})) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: trainer.passkey_probe: 10 is shorter than the shortest passkey prompt ("), err
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -46,6 +46,22 @@ def passkey_ids(tokenizer, length: int, depth: float, key: str) -> tuple[list[in
     return tokenizer.encode(prompt), tokenizer.encode(answer)
 
 
+def shortest_passkey_prompt(tokenizer, key_digits: int = 5) -> int:
+    """Tokens of the shortest whole passkey trial, prompt and answer: its filler can shrink to nothing,
+    the key sentence and the question cannot. A shorter length cannot be asked."""
+    prompt, answer = passkey_ids(tokenizer, 0, 0.0, "9" * key_digits)
+    return len(prompt) + len(answer)
+
+
+def check_probe_lengths(lengths: list[int], tokenizer) -> None:
+    """Refuse a `trainer.passkey_probe` length no prompt fits (it would log 0% at every evaluation)."""
+    shortest = shortest_passkey_prompt(tokenizer)
+    short = [n for n in lengths if n < shortest]
+    if short:
+        raise ValueError(f"trainer.passkey_probe: {short[0]} is shorter than the shortest passkey prompt "
+                         f"({shortest} tokens of this tokenizer)")
+
+
 @torch.no_grad()
 def score_prompt(model: nn.Module, ids: tuple[list[int], list[int]], device: torch.device, precision: str) -> bool:
     """Whether the model, teacher-forced, ranks the right token first at every position of the

@@ -26,7 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from training.builders import build_data, model_from_config, resolve_config
 from training.interop.huggingface import load_hf_weights
 from training.interop.weights import save_weights
-from training.loop.evaluate import evaluate_loss, passkey_probe
+from training.loop.evaluate import check_probe_lengths, evaluate_loss, passkey_probe
 from training.loop.loggers import Loggers
 from training.loop.optim import lr_at
 from training.loop.step import TrainStep
@@ -78,6 +78,7 @@ class Trainer:
         self.data = plan.first_on_each_node(lambda: build_data(  # a CP group's ranks read the same windows
             cfg, seq_len=t.seq_len, seed=cfg.seed, rank=plan.dp_rank, world_size=plan.dp_size,
             progress=plan.env.local_rank == 0))  # each node's builder reports its own node's cache
+        check_probe_lengths(list(t.get("passkey_probe") or []), self.data.tokenizer)
         model = model_from_config(cfg, self.data.vocab_size)
         if cfg.model.get("init_from") and not self.start.state:  # a resumed run's weights come from its checkpoint
             load_hf_weights(model, cfg.model.init_from)
