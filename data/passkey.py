@@ -22,9 +22,6 @@ KEY_SENTENCE = STATEMENT_FORM.replace("{name}", EVAL_NAME)
 QUESTION = QUESTION_FORM.format(name=EVAL_NAME)
 
 
-MAX_KEY_DIGITS = 18   # keys are drawn as int64
-
-
 def random_key(rng: np.random.Generator, digits: int) -> str:
     return str(int(rng.integers(10 ** (digits - 1), 10**digits)))
 

@@ -28,7 +28,7 @@ from _common import (environment, human_bytes, markdown_table, new_figure, print
                      save_figure, write_json, write_text)
 from _eval import add_beside_argument, add_checkpoint_args, load_for_eval, memory_meter, read_beside, run_name
 from _memory import is_oom, release_memory
-from data.passkey import MAX_KEY_DIGITS
+from training.config.schema import MAX_KEY_DIGITS
 from training.loop.evaluate import passkey_ids, score_prompt, shortest_passkey_prompt
 
 
