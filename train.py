@@ -91,8 +91,22 @@ def main(cfg: DictConfig) -> float | None:
                                          HydraConfig.get().job.num, status)
         return None
     if status:
+        from training.run.report import in_default_folder
+
+        if in_default_folder():   # a refused run leaves no empty outputs/<date>/<time> behind
+            drop_empty(Path(hydra_cfg.runtime.output_dir).resolve(), Path.cwd().resolve())
         sys.exit(status)
     return outcome.get("val_loss")
+
+
+def drop_empty(folder: Path, stop: Path) -> None:
+    """Remove `folder`, then its parents below `stop`, while each is empty (nothing outside `stop`)."""
+    while stop in folder.parents:
+        try:
+            folder.rmdir()   # only an empty folder goes
+        except OSError:
+            return
+        folder = folder.parent
 
 
 def keep_hydra_files(hydra_cfg: DictConfig, task_yaml: str) -> Callable[[], None]:

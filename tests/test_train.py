@@ -5,13 +5,15 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from conftest import HAS_CUDA
-from tests.trainrun import REPO, cache_dir, losses, run_in_process, run_subprocess, tiny_overrides  # noqa: F401 (cache_dir is a fixture)
+from tests.trainrun import (REPO, cache_dir, losses, run_in_process, run_subprocess, subprocess_env,  # noqa: F401
+                            tiny_overrides, train_command)   # (cache_dir is a fixture)
 from training.process import exits
 from training.run.store import CheckpointStore, load_checkpoint
 
@@ -155,6 +157,17 @@ def test_resume_auto_without_run_dir_is_refused(tmp_path, cache_dir):
     proc = run_subprocess([*overrides, "resume=auto", f"hydra.run.dir={tmp_path / 'hydra'}"])  # not in the checkout
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: resume=auto needs run.dir=")
+
+
+def test_a_refused_run_leaves_no_empty_default_folder(tmp_path, cache_dir):
+    """Without run.dir Hydra makes outputs/<date>/<time> before the run is checked; a refusal takes
+    the empty folders back (a folder holding anything stays)."""
+    overrides = [o for o in tiny_overrides(tmp_path, cache_dir) if not o.startswith(("run.dir=", "trainer.batch_size="))]
+    (tmp_path / "work" / "outputs" / "kept").mkdir(parents=True)
+    proc = subprocess.run(train_command([*overrides, "trainer.batch_size=0"]), cwd=tmp_path / "work",
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "trainer.batch_size=0" in proc.stderr
+    assert sorted(p.relative_to(tmp_path / "work") for p in (tmp_path / "work").rglob("*")) == [Path("outputs"), Path("outputs/kept")]
 
 
 def test_no_progress_bar_frames_when_stderr_is_not_a_terminal(tmp_path, cache_dir):
