@@ -30,11 +30,17 @@ def load_records(path: str, *, config: str | None = None, split: str = "train", 
         )
     except Exception as e:  # the library raises many types (network, missing split, bad files)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        cause = e.__cause__ or e.__context__
+        if cause is not None and str(cause).strip() and detail.startswith("An error occurred while generating"):
+            detail = " ".join(str(cause).split())[:300]   # the builder's reason (a cast, a torn file), one line
         if isinstance(e, StopIteration):   # what the json/parquet builders raise on empty files
             detail = "no records (empty dataset?)"
         bad = first_bad_json_record(local) if path == "json" else None
         if bad is not None:   # the builder's own message names neither the file nor the line
             raise ValueError(bad) from None
+        if local:   # the user's files, not the builder's name for them
+            files = ", ".join(str(f) for f in local[:3]) + (f" and {len(local) - 3} more" if len(local) > 3 else "")
+            raise ValueError(f"cannot read {files} as {path} records: {detail}") from None
         raise ValueError(f"cannot load dataset {path!r} (config={config}, split={split}): {detail}") from None
 
 
