@@ -167,6 +167,14 @@ def existing_path(text: str) -> Path:
     return path
 
 
+def file_stem(text: str) -> str:
+    """An argparse `type` for `--name`, the results' file stem inside --out: an empty name or one
+    with a folder in it would write beside or outside the --out folder instead."""
+    if text.strip() in ("", ".", "..") or any(sep in text for sep in {"/", os.sep, os.altsep} - {None}):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a file name without folders (the files go into --out)")
+    return text
+
+
 def add_out_argument(parser, script: str, dest: str = "out") -> None:
     """`--out DIR`: where the results go. By default outputs/<script>/ (git-ignored; under
     $FLASHTRAIN_OUTPUTS when set), so an ad-hoc run never rewrites the committed results;

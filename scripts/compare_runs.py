@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
-from _common import (add_out_argument, argument_parser, environment, markdown_table, new_figure, print_table,
-                     run_cli, save_figure, write_json, write_text)
+from _common import (add_out_argument, argument_parser, environment, file_stem, markdown_table, new_figure,
+                     print_table, run_cli, save_figure, write_json, write_text)
 
 STYLES = ("-", "--", ":", "-.")   # with the colour: runs whose curves coincide stay visible
 
@@ -67,7 +67,8 @@ def main(argv: list[str]) -> dict:
     parser = argument_parser(__doc__)
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="run folders, or a sweep's folder")
     add_out_argument(parser, "compare_runs")
-    parser.add_argument("--name", default="compare", help="file stem of the .md and .png (default compare)")
+    parser.add_argument("--name", default="compare", type=file_stem,
+                        help="file stem of the .md and .png (default compare)")
     args = parser.parse_args(argv)
 
     from training.run.records import comparison, differing_keys, find_runs

@@ -57,8 +57,10 @@ def main(argv: list[str]) -> None:
 
     from training.builders import build_data
     from training.config import compose
+    from training.config.checks import validate_config
 
     cfg = compose(args.overrides)
+    validate_config(cfg)   # train.py's checks: a bad value is one line here too, before the tokenizer trains
     stats = data_stats(build_data(cfg, seq_len=1, seed=cfg.seed))
     summary = [(k, f"{v:,}" if isinstance(v, int) else (f"{v:.3f}" if isinstance(v, float) else v))
                for k, v in stats.items() if not isinstance(v, (dict, list))]

@@ -54,14 +54,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's trainer.seq_len)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--batches", type=int, default=8)
-    parser.add_argument("--buckets", type=int, default=16)
-    parser.add_argument("--bucket-tokens", type=int, default=None,
-                        help="positions per bucket instead of --buckets equal parts (e.g. 1024 for two runs of other lengths)")
+    buckets = parser.add_mutually_exclusive_group()   # one way to cut the window: both given, one was ignored
+    buckets.add_argument("--buckets", type=int, default=None, help="equal parts of the window (default 16)")
+    buckets.add_argument("--bucket-tokens", type=int, default=None,
+                         help="positions per bucket instead of --buckets equal parts (e.g. 1024 for two runs of other lengths)")
     parser.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
                         help="attend only within each document (default: the run's data.document_mask)")
     add_beside_argument(parser, "loss-by-position curve")
     args = parser.parse_args(argv)
     require_positive(args, "seq_len", "batch_size", "batches", "buckets", "bucket_tokens")
+    if args.buckets is None and args.bucket_tokens is None:
+        args.buckets = 16
     beside = read_beside(args.beside, "eval_loss_by_position.py", ("buckets", "validation", "attention", "trained_seq_len"))
 
     from training.builders import build_data

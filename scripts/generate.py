@@ -64,10 +64,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     for path in args.prompt_file:
-        prompts.append(sys.stdin.read() if str(path) == "-" else path.read_text())
+        prompts.append(read_prompt_file(path))
     if not prompts:
         raise ValueError("no prompt: give --prompt TEXT or --prompt-file FILE")
     return prompts
+
+
+def read_prompt_file(path: Path) -> str:
+    """A --prompt-file's text ('-': stdin) as UTF-8: one that is not is refused in one line naming the
+    flag and the file (the codec's own message names neither; stdin's failed later, when encoded)."""
+    try:
+        if str(path) != "-":
+            return path.read_text(encoding="utf-8")
+        if hasattr(sys.stdin, "reconfigure"):   # strict: not the locale's encoding, nor its surrogate escapes
+            sys.stdin.reconfigure(encoding="utf-8", errors="strict")
+        return sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text "
+                         f"(byte 0x{exc.object[exc.start]:02x} at {exc.start})") from None
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:

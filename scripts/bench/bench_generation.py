@@ -189,10 +189,10 @@ def main(argv: list[str]) -> dict:
     add_out_argument(parser, "bench_generation", dest="out_dir")
     parser.add_argument("--smoke", action="store_true", help="tiny model and sizes: a CPU plumbing check")
     args = parser.parse_intermixed_args(argv)
+    if args.smoke:   # smaller defaults: what the user gave is kept, and checked below
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_intermixed_args(argv)
     args.model = args.model or ["model=gpt2-small"]
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
     _common.require_positive(args, "batch_sizes", "prompt_lens", "prefill_len", "decode_steps", "prefill_repeats")
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:

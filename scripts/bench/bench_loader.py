@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 
-from _common import add_out_argument, device_slug, environment, print_table, run_cli, write_json
+from _common import add_out_argument, device_slug, environment, print_table, require_positive, run_cli, write_json
 
 GPT2_SMALL_H200_TOKENS_PER_S = 419_000   # bare nanoGPT-style step on an H200: training consumption to stay ahead of
 
@@ -47,11 +47,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     add_out_argument(parser, "bench_loader")
     args = parser.parse_args(argv)
+    require_positive(args, "seq_len", "batch_size", "batches")   # --batches 0 would time nothing: 0 tokens/s
 
     from training.builders import build_data
     from training.config import compose
+    from training.config.checks import validate_config
 
     cfg = compose(args.overrides)
+    validate_config(cfg)   # train.py's checks, before the tokenizer trains or the cache is written
     device = torch.device(args.device)
     bundle = build_data(cfg, seq_len=args.seq_len, seed=cfg.seed)
     result = bench(bundle.train, args.batch_size, args.batches, device)

@@ -43,8 +43,20 @@ GPT2 = ["model=gpt2-small", "logger=none", "trainer.progress=false"]
 
 
 def compose_cfg(overrides: list[str]):
+    """train.py's config for these overrides, with train.py's checks (a bad value is one line)."""
     from training.config import compose
-    return compose(overrides + ["run.dir=/tmp/unused"])
+    from training.config.checks import validate_config
+
+    cfg = compose(overrides + ["run.dir=/tmp/unused"])
+    validate_config(cfg)
+    return cfg
+
+
+def case_overrides(attention: str, seq_len: int, args, device: torch.device) -> list[str]:
+    """train.py's overrides of one case: T = seq_len, batch --tokens // T, compiled on CUDA."""
+    return GPT2 + [f"attention={attention}", f"trainer.seq_len={seq_len}",
+                   f"trainer.batch_size={max(1, args.tokens // seq_len)}",
+                   f"trainer.compile={str(device.type == 'cuda').lower()}", *args.overrides]
 
 
 def build(cfg, attention: str, device: torch.device):
@@ -147,9 +159,7 @@ def first_step(args, device, out) -> list[dict]:
         for attention in args.attention:
             for temperature in ("cold", "warm"):
                 seq_len = args.ablation_len
-                overrides = GPT2 + [f"attention={attention}", f"trainer.seq_len={seq_len}",
-                                    f"trainer.batch_size={max(1, args.tokens // seq_len)}",
-                                    f"trainer.compile={str(device.type == 'cuda').lower()}", *args.overrides]
+                overrides = case_overrides(attention, seq_len, args, device)
                 result = real_run(overrides, 2, 1, device, env)
                 rows.append({"attention": attention, "T": seq_len, "caches": temperature, "status": result["status"],
                              "first_step_s": result.get("first_step_s"), "process_s": result.get("wall_s")})
@@ -160,8 +170,7 @@ def first_step(args, device, out) -> list[dict]:
 def measure(attention: str, seq_len: int, args, device, out) -> dict:
     tokens = args.tokens
     batch = max(1, tokens // seq_len)
-    overrides = GPT2 + [f"attention={attention}", f"trainer.seq_len={seq_len}", f"trainer.batch_size={batch}",
-                        f"trainer.compile={str(device.type == 'cuda').lower()}", *args.overrides]
+    overrides = case_overrides(attention, seq_len, args, device)
     cfg = compose_cfg(overrides)
     row = {"attention": attention, "T": seq_len, "B": batch, "tokens_per_step": batch * seq_len}
     timer = Timer(device)
@@ -200,9 +209,7 @@ def ablation(args, device, out) -> dict:
 
     seq_len = args.ablation_len
     batch = max(1, args.tokens // seq_len)
-    overrides = GPT2 + [f"attention={args.attention[0]}", f"trainer.seq_len={seq_len}", f"trainer.batch_size={batch}",
-                        f"trainer.compile={str(device.type == 'cuda').lower()}", *args.overrides]
-    cfg = compose_cfg(overrides)
+    cfg = compose_cfg(case_overrides(args.attention[0], seq_len, args, device))
     data = build_data(cfg, seq_len=seq_len, seed=cfg.seed)
     model, step_model, optimizer = build(cfg, args.attention[0], device)
     bar = tqdm(total=10**9, disable=False, file=open(os.devnull, "w"))
@@ -265,11 +272,21 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides (key=value)")
     args = parser.parse_args(argv)
     args.attention = [a for a in args.attention.split(",") if a]
-    lengths = [int(n) for n in args.lengths.split(",") if n]
+    try:
+        lengths = [int(n) for n in args.lengths.split(",") if n]
+    except ValueError:
+        raise ValueError(f"--lengths {args.lengths!r}: expected comma-separated integers, e.g. 1024,4096") from None
+    if not lengths:
+        raise ValueError(f"--lengths {args.lengths!r}: name at least one sequence length")
     for name, value in (("--tokens", args.tokens), ("--steps", args.steps), ("--warmup", args.warmup),
-                        *(("--lengths", n) for n in lengths)):
+                        ("--ablation-len", args.ablation_len), *(("--lengths", n) for n in lengths)):
         if value < 1:
             raise ValueError(f"{name}={value}: must be a positive integer")
+    used = [args.ablation_len] if args.ablation or args.first_step else lengths
+    if args.tokens < min(used):   # a step holds whole sequences: fewer tokens would become one whole sequence
+        flag = "--ablation-len" if args.ablation or args.first_step else "--lengths"
+        raise ValueError(f"--tokens {args.tokens}: fewer than one sequence of {min(used)} tokens ({flag}); "
+                         f"pass --tokens {min(used)} or more")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         raise ValueError("no CUDA device: throughput figures need a GPU; use --smoke for a CPU plumbing check")
@@ -280,6 +297,9 @@ def main(argv: list[str]) -> dict:
     args.attention = _common.runnable_attentions(args.attention, device, notes)
     for note in notes:
         out.print(f"[yellow]{note}[/]")
+    for attention in args.attention[:1] if args.ablation and not args.first_step else args.attention:
+        for seq_len in used:   # every case's config checked before the first one is measured
+            compose_cfg(case_overrides(attention, seq_len, args, device))
     report = {"metadata": environment(device), "notes": notes,
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     stem = args.out / f"train_{device_slug(device)}{'_smoke' if args.smoke else ''}"
