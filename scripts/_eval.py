@@ -21,7 +21,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--attention", default=None, help="naive | sdpa | flash (default: auto for the device)")
     _common.add_out_argument(parser, "eval", dest="out_dir")   # loss_by_position_<name>, passkey_<name>, ...
-    parser.add_argument("--name", default=None, help="output file stem (default from the run dir)")
+    parser.add_argument("--name", type=_common.file_stem, default=None, help="output file stem (default from the run dir)")
 
 
 def load_for_eval(args: argparse.Namespace):

@@ -720,7 +720,7 @@ def parse_args(argv: list[str], script: str = "max_context", attention: str = ",
                         help=f"comma-separated attention implementations (default {attention})")
     if writes:
         add_out_argument(parser, script)
-        parser.add_argument("--name", default=None, help="file stem (default max_context_<device>)")
+        parser.add_argument("--name", type=_common.file_stem, default=None, help="file stem (default max_context_<device>)")
     parser.add_argument("overrides", nargs="*", help="key=value: train.py's overrides and the search's keys")
     return parser.parse_intermixed_args(argv)
 

@@ -123,3 +123,24 @@ def test_bench_generation_checks_a_given_value_under_smoke(tmp_path, monkeypatch
                                          "--out", str(tmp_path / "out")], monkeypatch, capsys)
     assert line == "error: --decode-steps -1: must be a positive integer"
     assert not (tmp_path / "out").exists()
+    line = run_script(bench_generation, ["--smoke", "--device", "cpu", "--warmup-steps", "-1",
+                                         "--out", str(tmp_path / "out")], monkeypatch, capsys)
+    assert line == "error: --warmup-steps -1: must be 0 or more"   # 0 warm-up steps is a choice, -1 is not
+
+
+@pytest.mark.parametrize("script", ["eval_passkey.py", "eval_loss_by_position.py", "max_context.py",
+                                    "bench/check_gpu_resume.py", "bench/compare_attention_losses.py",
+                                    "bench/bench_parallel.py"])
+def test_every_name_option_takes_a_file_name_only(script):
+    """Every tool's --name is a file stem inside --out (`_common.file_stem`): '' and 'a/b' would write
+    beside --out or into a folder under it (bench_parallel fell back to its default name)."""
+    import subprocess
+
+    from tests.trainrun import subprocess_env
+
+    for name in ("", "a/b"):
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--name", name], cwd=REPO,
+                              env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"error: argument --name: {name!r}: expected a file name without folders (the files go into --out) "
+            "(--help lists the options)"), proc.stderr

@@ -194,6 +194,8 @@ def main(argv: list[str]) -> dict:
         args = parser.parse_intermixed_args(argv)
     args.model = args.model or ["model=gpt2-small"]
     _common.require_positive(args, "batch_sizes", "prompt_lens", "prefill_len", "decode_steps", "prefill_repeats")
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps {args.warmup_steps}: must be 0 or more")
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise ValueError(f"--modes: {unknown[0]!r} is not a decode mode; valid: {', '.join(MODES)}")

@@ -214,7 +214,7 @@ def main(argv: list[str]) -> None:
     parser = _common.argument_parser(__doc__)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the throughput runs")
     parser.add_argument("--out", type=Path, help="folder for the results (required)")
-    parser.add_argument("--name", help="file stem (default parallel_<gpu>)")
+    parser.add_argument("--name", type=_common.file_stem, help="file stem (default parallel_<gpu>)")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warm", type=int, default=10, help="steps left out of tokens/s (compilation)")

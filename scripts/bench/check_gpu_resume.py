@@ -129,7 +129,7 @@ def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:
 def main(argv: list[str]) -> None:
     parser = argument_parser(__doc__)
     add_out_argument(parser, "check_gpu_resume")
-    parser.add_argument("--name", default=None, help="result file name without extension (default resume_<gpu>)")
+    parser.add_argument("--name", type=_common.file_stem, default=None, help="result file name without extension (default resume_<gpu>)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     parser.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval (the resume point)")
     parser.add_argument("--kill-at", type=int, default=30, help="SIGKILL once this many steps are logged")

@@ -167,7 +167,7 @@ def main(argv: list[str]) -> None:
                         help="the two implementations compared (default naive,flash)")
     parser.add_argument("--work", type=Path, help="folder for the two run dirs (default outputs/loss_parity/<time>)")
     add_out_argument(parser, "compare_attention_losses")
-    parser.add_argument("--name", help="file stem of the results (default loss_parity_<device>)")
+    parser.add_argument("--name", type=_common.file_stem, help="file stem of the results (default loss_parity_<device>)")
     parser.add_argument("--redraw", type=Path, metavar="JSON", help="only rewrite the .md and .png beside a saved JSON")
     args = parser.parse_intermixed_args(argv)
     if len(args.attention) != 2 or len(set(args.attention)) != 2:
