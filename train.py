@@ -157,6 +157,12 @@ def check_before_hydra(argv: list[str]) -> None:
     flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
     if flags or os.environ.get(ALLOW_CALLBACKS) == "1":  # --help, --cfg, another config (-cn, -cp): not a run of ours
         return
+    if {"-m", "--multirun"} & set(argv):   # every job's values, before the first job trains
+        from training.config import check_sweep
+
+        bad = check_sweep([a for a in argv if "=" in a])
+        if bad:
+            sys.exit(report(bad))
     names = hydra_callbacks([a for a in argv if "=" in a])
     if names:
         sys.exit(report(f"hydra.callbacks ({', '.join(names)}) would run code named in a config file before "

@@ -177,10 +177,20 @@ def test_no_progress_bar_frames_when_stderr_is_not_a_terminal(tmp_path, cache_di
 
 
 def test_multirun_reports_a_failed_job_and_runs_the_rest(tmp_path, cache_dir):
-    """A failing job of `-m` must not end the sweep; the exit status still says one failed."""
+    """A bad value in any job refuses the sweep before its first job trains; a job that fails once
+    running (here: a window longer than the corpus) does not end the sweep, and the exit status
+    still says one failed."""
     overrides = [o for o in tiny_overrides(tmp_path, cache_dir, steps=2) if not o.startswith(("run.dir=",
-                                                                                              "trainer.batch_size="))]
-    proc = run_subprocess(["-m", *overrides, "trainer.batch_size=0,4", f"hydra.sweep.dir={tmp_path}/sweep"])
+                                                                                              "trainer.batch_size=",
+                                                                                              "trainer.seq_len=",
+                                                                                              "data.max_bytes="))]
+    overrides.append("data.max_bytes=300000")   # ~0.3M tokens: a window of 900,000 fits the model, not the corpus
+    sweep = f"hydra.sweep.dir={tmp_path}/sweep"
+    proc = run_subprocess(["-m", *overrides, "trainer.seq_len=64", "trainer.batch_size=4,0", sweep])
+    assert proc.returncode == 2 and not (tmp_path / "sweep").exists()
+    assert proc.stderr.strip().splitlines()[-1] == ("error: trainer.batch_size=0: must be a positive integer (the "
+                                                    "sweep's job with trainer.batch_size=0; no job has run)")
+    proc = run_subprocess(["-m", *overrides, "trainer.batch_size=4", "trainer.seq_len=900000,64", sweep])
     assert proc.returncode == 2
     assert "job 0 failed (exit status 2)" in proc.stdout + proc.stderr
     assert (tmp_path / "sweep" / "1" / "metrics.jsonl").is_file()  # job 1 ran after job 0 failed

@@ -55,24 +55,45 @@ def hydra_callbacks(overrides: list[str]) -> list[str]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    base = [o.input_line if not o.is_sweep_override() else f"{o.get_key_element()}={next(o.sweep_string_iterator())}"
-            for o in parsed]
-    variants = [base] + [base[:i] + [f"{o.get_key_element()}={value}"] + base[i + 1:]
-                         for i, o in enumerate(parsed) if o.is_sweep_override() and o.is_discrete_sweep()
-                         for value in list(o.sweep_string_iterator())[1:]]
     names: list[str] = []
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            for variant in variants:
+            for variant, _ in sweep_variants(overrides):
                 callbacks = hydra_compose(config_name="train", overrides=variant, return_hydra_config=True).hydra.callbacks
                 names += [name for name in (callbacks or {}) if name not in names]
     finally:
         GlobalHydra.instance().clear()
     return names
+
+
+def sweep_variants(overrides: list[str]) -> list[tuple[list[str], str | None]]:
+    """The overrides with every sweep (`key=a,b,c`) at its first value, then each other value of
+    each sweep with the rest at their first: every value a multirun's jobs take, in as many configs
+    as there are values (not their product). Each with the override that makes it (None: the first)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base = [o.input_line if not o.is_sweep_override() else f"{o.get_key_element()}={next(o.sweep_string_iterator())}"
+            for o in parsed]
+    return [(base, None)] + [(base[:i] + [swept] + base[i + 1:], swept)
+                             for i, o in enumerate(parsed) if o.is_sweep_override() and o.is_discrete_sweep()
+                             for swept in (f"{o.get_key_element()}={value}" for value in list(o.sweep_string_iterator())[1:])]
+
+
+def check_sweep(overrides: list[str]) -> str | None:
+    """The first bad value among a multirun's jobs (sweep_variants), as its one error line, or None:
+    so that a sweep is refused before its first job trains, not when the bad job starts."""
+    from training.config.checks import validate_config
+
+    for variant, swept in sweep_variants(overrides):
+        try:
+            run_dir = [] if any(o.lstrip("+~").startswith("run.dir=") for o in variant) else ["run.dir=unused"]
+            validate_config(compose(variant + run_dir))
+        except ValueError as e:
+            return f"{e} (the sweep's {'job with ' + swept if swept else 'first job'}; no job has run)"
+    return None
 
 
 def override_key(override: str) -> str | None:
