@@ -144,6 +144,11 @@ def main(argv: list[str]) -> list[dict]:
         if len(ids) >= limit:
             raise ValueError(f"prompt {i + 1} has {len(ids):,} tokens; the model's context is {limit:,} "
                              f"(model.max_seq_len), leaving no room to generate")
+    longest = max(len(ids) for ids in encoded)
+    if longest + args.max_new_tokens > limit:   # decode stops at the context: said, not silently
+        print(f"note: --max-new-tokens {args.max_new_tokens:,}: the model's context ({limit:,}, model.max_seq_len) "
+              f"leaves {limit - longest:,} after the longest prompt ({longest:,} tokens); generating at most that",
+              file=sys.stderr)
     groups: dict[int, list[int]] = defaultdict(list)   # token length -> rows
     rows = [(i, ids) for i, ids in enumerate(encoded) for _ in range(args.num_samples)]
     for r, (_, ids) in enumerate(rows):

@@ -83,3 +83,12 @@ def test_damaged_weights_are_refused_not_run(run_dir, tmp_path):
     with pytest.raises(ValueError, match=f"weights file {damaged} is corrupt: its tensors do not match the stored checksum"):
         generate.main([str(damaged), "--device", "cpu", "--prompt", "a", "--max-new-tokens", "2"])
     generate.main([str(run_dir / "model.safetensors"), "--device", "cpu", "--prompt", "a", "--max-new-tokens", "2"])
+
+
+def test_a_limit_past_the_context_is_said(run_dir, capsys):
+    """--max-new-tokens beyond what the context leaves after the prompt: decoding stops at the
+    context, and the tool says so instead of cutting the request silently."""
+    generate.main([str(run_dir), "--device", "cpu", "--prompt", "ab", "--max-new-tokens", "1000", "--temperature", "0"])
+    err = capsys.readouterr().err
+    assert "note: --max-new-tokens 1,000: the model's context (96, model.max_seq_len) leaves 94 after the longest " \
+           "prompt (2 tokens); generating at most that" in err, err
