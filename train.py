@@ -144,6 +144,10 @@ def check_before_hydra(argv: list[str]) -> None:
     repeated = repeated_override(argv)
     if repeated:
         sys.exit(report(repeated))
+    overrides = [i for i, a in enumerate(argv) if "=" in a and not a.startswith("-")]
+    between = next((a for i, a in enumerate(argv) if a.startswith("-") and overrides and overrides[0] < i < overrides[-1]), None)
+    if between is not None:   # Hydra's parser takes the overrides before it and fails on those after, printing its usage
+        sys.exit(report(f"{between} stands between overrides: flags go first (python train.py {between} key=value ...)"))
     for value in (a.split("=", 1)[1] for a in argv if a.startswith("run.dir=")):
         folder = Path(value).expanduser()
         if not value.strip():

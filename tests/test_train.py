@@ -196,6 +196,19 @@ def test_multirun_reports_a_failed_job_and_runs_the_rest(tmp_path, cache_dir):
     assert (tmp_path / "sweep" / "1" / "metrics.jsonl").is_file()  # job 1 ran after job 0 failed
 
 
+def test_a_flag_between_overrides_is_one_line(tmp_path):
+    """Hydra's parser takes the overrides before a flag and fails on those after it, printing its
+    whole usage; the line says where flags go. A flag after the last override still works."""
+    proc = subprocess.run(train_command(["model=tiny", "-m", "trainer.batch_size=2,1"]), cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: -m stands between overrides: flags go first (python train.py -m key=value ...)")
+    assert not (tmp_path / "outputs").exists()
+    proc = subprocess.run(train_command(["model=tiny", "--cfg", "job"]), cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "n_layer: 4" in proc.stdout, proc.stderr
+
+
 def test_run_dir_holds_hydras_files_too(tmp_path, cache_dir):
     """One run, one folder: with run.dir set, Hydra's .hydra/ and train.log land there as well."""
     proc = run_subprocess(tiny_overrides(tmp_path / "run", cache_dir, steps=1))
