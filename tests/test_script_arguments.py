@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.trainrun import REPO, TOOLS as TOOL_FILES, run_in_process, tiny_overrides
+from tests.trainrun import REPO, TOOLS as TOOL_FILES, run_in_process, run_script, tiny_overrides
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -17,17 +17,6 @@ import max_context  # noqa: E402
 from _common import run_cli  # noqa: E402
 
 SENTINEL = "an earlier result\n"
-
-
-def run_script(module, argv: list[str], monkeypatch, capsys) -> str:
-    """The script as `python scripts/<tool>.py argv` runs it; returns its one stderr line."""
-    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(module.main)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,12 @@ no file, or a silently changed value)."""
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 
 import pytest
 
-from tests.trainrun import REPO, run_in_process, tiny_overrides
+from tests.trainrun import REPO, run_in_process, run_script, subprocess_env, tiny_overrides
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -19,20 +20,8 @@ import compare_runs  # noqa: E402
 import data_stats  # noqa: E402
 import eval_loss_by_position  # noqa: E402
 import generate  # noqa: E402
-from _common import run_cli  # noqa: E402
 
 BAD_TOKENIZER = ["tokenizer=bpe", "tokenizer.min_frequency=-1"]
-
-
-def run_script(module, argv: list[str], monkeypatch, capsys) -> str:
-    """The script as `python scripts/<tool>.py argv` runs it; returns its one stderr line."""
-    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(module.main)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +123,6 @@ def test_bench_generation_checks_a_given_value_under_smoke(tmp_path, monkeypatch
 def test_every_name_option_takes_a_file_name_only(script):
     """Every tool's --name is a file stem inside --out (`_common.file_stem`): '' and 'a/b' would write
     beside --out or into a folder under it (bench_parallel fell back to its default name)."""
-    import subprocess
-
-    from tests.trainrun import subprocess_env
-
     for name in ("", "a/b"):
         proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--name", name], cwd=REPO,
                               env=subprocess_env(), capture_output=True, text=True, timeout=120)

@@ -17,6 +17,20 @@ TOOLS = {p.stem: p for folder in ("", "bench", "kernel_dev") for p in sorted((RE
          if not p.stem.startswith("_")}   # every tool by name: user tools, benchmarks, kernel development
 
 
+def run_script(module, argv: list[str], monkeypatch, capsys) -> str:
+    """A tool of scripts/ as `python scripts/<tool>.py argv` runs it, expected to refuse: returns its
+    one stderr line (exit status 2). The caller has scripts/ on sys.path, as importing the tool needs."""
+    from _common import run_cli
+
+    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(module.main)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """A token cache in tmp, shared by the tiny runs (tests never touch the user's cache)."""
