@@ -194,4 +194,4 @@ def test_a_key_given_twice_is_refused_by_train_py_and_the_tools(tmp_path, capsys
 
     with pytest.raises(ValueError, match=r"^model is given twice \(tiny, then gpt2-small\): pass it once$"):
         max_context.parse_args(["model=tiny", "--attention", "naive", "model=gpt2-small"])
-    assert train.check_before_hydra([f"run.dir={tmp_path}", "trainer.max_steps=5", "-m", "seed=1,2"]) is None
+    assert train.check_before_hydra(["-m", f"run.dir={tmp_path}", "trainer.max_steps=5", "seed=1,2"]) is None
