@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config import hydra_callbacks, plain
+from training.config import check_sweep, composed_variants, hydra_callbacks, plain
 from training.config.errors import exit_on_config_error
 from training.config.errors import report_error as report
 from training.process.exits import INTERRUPTED, help_text
@@ -159,18 +159,19 @@ def check_before_hydra(argv: list[str]) -> None:
         except OSError as e:
             sys.exit(report(f"run.dir={value} cannot be created ({e.strerror or e})"))
     flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
-    if flags or os.environ.get(ALLOW_CALLBACKS) == "1":  # --help, --cfg, another config (-cn, -cp): not a run of ours
+    if flags:  # --help, --cfg, another config (-cn, -cp): not a run of ours
         return
-    if {"-m", "--multirun"} & set(argv):   # every job's values, before the first job trains
-        from training.config import check_sweep
-
-        bad = check_sweep([a for a in argv if "=" in a])
-        if bad:
-            sys.exit(report(bad))
-    names = hydra_callbacks([a for a in argv if "=" in a])
+    multirun, allowed = bool({"-m", "--multirun"} & set(argv)), os.environ.get(ALLOW_CALLBACKS) == "1"
+    if allowed and not multirun:
+        return
+    configs = composed_variants([a for a in argv if "=" in a])   # each value a job takes, composed once
+    names = [] if allowed else hydra_callbacks(configs)
     if names:
         sys.exit(report(f"hydra.callbacks ({', '.join(names)}) would run code named in a config file before "
                         f"training starts; flashtrain runs them only with {ALLOW_CALLBACKS}=1 (docs/training.md, 'Configs are code')"))
+    bad = check_sweep(configs) if multirun else None   # every job's values, before the first job trains
+    if bad:
+        sys.exit(report(bad))
 
 
 def one_folder_per_run(argv: list[str]) -> list[str]:

@@ -415,10 +415,10 @@ def test_hydra_callbacks_from_a_config_are_refused_before_hydra_runs_them(tmp_pa
 
 
 def test_no_config_of_ours_names_hydra_callbacks():
-    from training.config import CONFIG_DIR, hydra_callbacks
+    from training.config import CONFIG_DIR, composed_variants, hydra_callbacks
 
     presets = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
-    assert presets and hydra_callbacks([f"experiment={','.join(presets)}"]) == []  # each preset, as a sweep
+    assert presets and hydra_callbacks(composed_variants([f"experiment={','.join(presets)}"])) == []  # each preset, as a sweep
 
 
 # --------------------------------------------------------------------------- hand-edited run files, the tools' outputs

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from training.config import schema
 
@@ -48,23 +48,32 @@ def plain(cfg: DictConfig) -> DictConfig:
     return values
 
 
-def hydra_callbacks(overrides: list[str]) -> list[str]:
-    """The names under `hydra.callbacks` in the config `python train.py <overrides>` composes (for
-    a multirun, in each swept value's config). Hydra instantiates those `_target_`s before the
-    task runs: code from a config file, which train.py refuses unless explicitly allowed."""
+def composed_variants(overrides: list[str]) -> list[tuple[str | None, DictConfig]]:
+    """The config `python train.py <overrides>` composes, with its `hydra` node; for a multirun, one
+    per value its jobs take (sweep_variants), each with the override that makes it (None: the
+    first). Composed once for both checks train.py makes before Hydra starts."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    names: list[str] = []
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            for variant, _ in sweep_variants(overrides):
-                callbacks = hydra_compose(config_name="train", overrides=variant, return_hydra_config=True).hydra.callbacks
-                names += [name for name in (callbacks or {}) if name not in names]
+            return [(swept, hydra_compose(config_name="train", return_hydra_config=True,
+                                          overrides=variant + ([] if any(override_key(o) == "run.dir" for o in variant)
+                                                               else ["run.dir=unused"])))   # run.dir needs no runtime
+                    for variant, swept in sweep_variants(overrides)]
     finally:
         GlobalHydra.instance().clear()
+
+
+def hydra_callbacks(configs: list[tuple[str | None, DictConfig]]) -> list[str]:
+    """The names under `hydra.callbacks` in composed configs (composed_variants). Hydra instantiates
+    those `_target_`s before the task runs: code from a config file, which train.py refuses unless
+    explicitly allowed."""
+    names: list[str] = []
+    for _, cfg in configs:
+        names += [name for name in (cfg.hydra.callbacks or {}) if name not in names]
     return names
 
 
@@ -82,15 +91,17 @@ def sweep_variants(overrides: list[str]) -> list[tuple[list[str], str | None]]:
                              for swept in (f"{o.get_key_element()}={value}" for value in list(o.sweep_string_iterator())[1:])]
 
 
-def check_sweep(overrides: list[str]) -> str | None:
-    """The first bad value among a multirun's jobs (sweep_variants), as its one error line, or None:
-    so that a sweep is refused before its first job trains, not when the bad job starts."""
+def check_sweep(configs: list[tuple[str | None, DictConfig]]) -> str | None:
+    """The first bad value among a multirun's jobs (composed_variants), as its one error line, or
+    None: so that a sweep is refused before its first job trains, not when the bad job starts."""
     from training.config.checks import validate_config
 
-    for variant, swept in sweep_variants(overrides):
+    for swept, cfg in configs:
+        job = plain(cfg)
+        with open_dict(job):
+            del job["hydra"]
         try:
-            run_dir = [] if any(o.lstrip("+~").startswith("run.dir=") for o in variant) else ["run.dir=unused"]
-            validate_config(compose(variant + run_dir))
+            validate_config(job)
         except ValueError as e:
             return f"{e} (the sweep's {'job with ' + swept if swept else 'first job'}; no job has run)"
     return None
