@@ -6,7 +6,8 @@ two source trees: run it once from each tree, alternating, and compare the lines
 Each shape is gpt2-small's or a 128-wide head's attention, bf16, q, k, v views of one fused QKV
 projection (as the model passes them), our Triton forward then the Gluon backward
 (kernel=("triton", "gluon")). The backward is what it adds to the forward in forward+backward calls
-(scripts/_common.py, pass_timer: CUDA events before, between and after each call, medians). The forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning.
+(scripts/_common.py, pass_timer: CUDA events before, between and after each call, medians). The
+forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning.
 """
 from __future__ import annotations
 
