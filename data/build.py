@@ -48,7 +48,7 @@ class DataBundle:
 
 
 def build_data(cfg, data: dict, cache_dir: Path, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
-               progress: bool | None = None) -> DataBundle:
+               progress: bool | None = None, seq_len_from: str = "trainer.seq_len") -> DataBundle:
     """Everything the loop needs from `cfg.data` and `cfg.tokenizer`; tokenizes on first use.
 
     `data` is the `cfg.data` group already checked against the config's schema, its defaults
@@ -72,7 +72,7 @@ def build_data(cfg, data: dict, cache_dir: Path, seq_len: int, seed: int, rank: 
     if train.n_tokens < seq_len + 1:
         raise ValueError(
             f"seq_len={seq_len} is longer than the whole train split ({train.n_tokens:,} tokens in "
-            f"{train.n_docs} documents of {source.fingerprint}); lower trainer.seq_len or use a larger corpus"
+            f"{train.n_docs} documents of {source.fingerprint}); lower {seq_len_from} or use a larger corpus"
         )
     validation = None
     if is_val.any():
@@ -80,7 +80,7 @@ def build_data(cfg, data: dict, cache_dir: Path, seq_len: int, seed: int, rank: 
         if val.n_tokens < seq_len + 1:
             raise ValueError(
                 f"the validation split has {val.n_tokens:,} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-                f"raise data.val_fraction (now {val_fraction}) or lower trainer.seq_len"
+                f"raise data.val_fraction (now {val_fraction}) or lower {seq_len_from}"
             )
         validation = ValidationWindows(val, seq_len, tokenizer.eot_id)
     return DataBundle(

@@ -75,7 +75,8 @@ def main(argv: list[str]) -> None:
         flag = f"--bucket-tokens {args.bucket_tokens}" if args.bucket_tokens else f"--buckets {args.buckets}"
         raise ValueError(f"{flag}: more than the {seq_len} positions of a window")
     mask = bool(cfg.data.get("document_mask", False)) if args.document_mask is None else args.document_mask
-    bundle = build_data(cfg, seq_len=seq_len, seed=cfg.seed)
+    bundle = build_data(cfg, seq_len=seq_len, seed=cfg.seed,
+                        seq_len_from="--seq-len" if args.seq_len else "--seq-len (default: the run's trainer.seq_len)")
     digest = bundle.validation_digest()
     if beside is not None and beside["validation"] != digest:
         raise ValueError(f"--beside {args.beside}: {beside['name']} was evaluated on other held-out tokens "

@@ -96,6 +96,13 @@ def test_eval_loss_by_position_refuses_both_bucket_flags(buckets, tmp_path, monk
     assert line == "error: argument --bucket-tokens: not allowed with argument --buckets (--help lists the options)"
 
 
+def test_eval_loss_by_position_names_its_own_flag_for_a_window_too_long(trained, tmp_path, monkeypatch, capsys):
+    """The data builder's message said 'lower trainer.seq_len', which this tool has no way to set."""
+    line = run_script(eval_loss_by_position, [str(trained), "--device", "cpu", "--seq-len", "40000",
+                                              "--out", str(tmp_path)], monkeypatch, capsys)
+    assert line.startswith("error: the validation split has ") and line.endswith("or lower --seq-len"), line
+
+
 @pytest.mark.parametrize("name", ["", "a/b", ".."])
 def test_compare_runs_refuses_a_name_that_is_not_a_file_name(trained, name, tmp_path, monkeypatch, capsys):
     """'' wrote out.json, .md and .png beside the --out folder, 'a/b' into a folder under it."""

@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
     cfg = compose(args.overrides)
     validate_config(cfg)   # train.py's checks, before the tokenizer trains or the cache is written
     device = torch.device(args.device)
-    bundle = build_data(cfg, seq_len=args.seq_len, seed=cfg.seed)
+    bundle = build_data(cfg, seq_len=args.seq_len, seed=cfg.seed, seq_len_from="--seq-len")
     result = bench(bundle.train, args.batch_size, args.batches, device)
     result.update(
         seq_len=args.seq_len, batch_size=args.batch_size, batches=args.batches, data=bundle.fingerprint,

@@ -210,7 +210,7 @@ def ablation(args, device, out) -> dict:
     seq_len = args.ablation_len
     batch = max(1, args.tokens // seq_len)
     cfg = compose_cfg(case_overrides(args.attention[0], seq_len, args, device))
-    data = build_data(cfg, seq_len=seq_len, seed=cfg.seed)
+    data = build_data(cfg, seq_len=seq_len, seed=cfg.seed, seq_len_from="--ablation-len")
     model, step_model, optimizer = build(cfg, args.attention[0], device)
     bar = tqdm(total=10**9, disable=False, file=open(os.devnull, "w"))
 
