@@ -111,6 +111,18 @@ def test_passkey_prompts_are_sized_by_filler_counted_within_a_run():
     assert source.for_tokenizer(words).fingerprint == source.fingerprint + "-runs"
 
 
+def test_a_passkey_length_below_the_shortest_prompt_gives_bare_documents():
+    """The dense curriculum's first stage asks for length=32 to mean filler-free documents, key sentence
+    and question alone (docs/long-context.md): any length below the shortest prompt gives just those."""
+    from data.passkey import FILLER
+    from data.sources.passkey import PasskeySource
+    from data.tokenizer import ByteTokenizer
+
+    source = PasskeySource(4, 5, [0.0, 1.0], 5, 0).for_tokenizer(ByteTokenizer())
+    for _, doc in source.documents():
+        assert FILLER.strip() not in doc and doc.startswith("Remember this: the secret key is")
+
+
 def test_stdlib_min_doc_bytes_keeps_the_longest_documents():
     from data.sources.stdlib import StdlibSource
 
