@@ -57,9 +57,10 @@ def test_files_jsonl_and_parquet_one_document_per_record(tmp_path, corpus):
     assert sorted(documents(b)) == sorted(expected)
 
 
-def test_local_record_files_datasets_cannot_read_are_named_with_the_reason(tmp_path):
+def test_local_record_files_datasets_cannot_read_are_named_with_the_reason(tmp_path, capfd):
     """`datasets` says 'An error occurred while generating the dataset' and keeps the reason in the
-    exception's cause; the one line names the user's files and gives that reason."""
+    exception's cause; the one line names the user's files and gives that reason, and is the only
+    error said (the builders log their own, naming the file but not what to do)."""
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": "some text"}) + "\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"other": 3}) + "\n")
     with pytest.raises(ValueError, match=(rf"cannot read {tmp_path / 'a.jsonl'}, {tmp_path / 'b.jsonl'} as json "
@@ -67,8 +68,11 @@ def test_local_record_files_datasets_cannot_read_are_named_with_the_reason(tmp_p
         bundle_for(tmp_path, {"name": "files", "paths": [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")],
                               "text_field": "body"})
     (tmp_path / "torn.parquet").write_bytes(b"PAR1 not really a parquet file")
+    capfd.readouterr()
     with pytest.raises(ValueError, match=rf"cannot read {tmp_path / 'torn.parquet'} as parquet records: .*parquet"):
         bundle_for(tmp_path, {"name": "files", "paths": [str(tmp_path / "torn.parquet")], "text_field": "body"})
+    said = capfd.readouterr()
+    assert "Failed to read" not in said.err + said.out, said
 
 
 @pytest.mark.parametrize("download", ["full", "lazy"])

@@ -23,6 +23,9 @@ def load_records(path: str, *, config: str | None = None, split: str = "train", 
         # datasets keys its prepared copy of local files by path and mtime: an edit that keeps the
         # mtime (`cp -p`, `rsync -a`) would reuse stale records, so key the copy by content as well.
         cache_dir = Path(cache_dir) / f"content-{local_files_signature(local)[:16]}"
+    verbosity = datasets.logging.get_verbosity()
+    if local:   # a builder logs its own ERROR line for a file it cannot read; ours below names the file and why
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         return datasets.load_dataset(
             path, config, split=split, data_files=data_files, streaming=streaming, revision=revision,
@@ -42,6 +45,8 @@ def load_records(path: str, *, config: str | None = None, split: str = "train", 
             files = ", ".join(str(f) for f in local[:3]) + (f" and {len(local) - 3} more" if len(local) > 3 else "")
             raise ValueError(f"cannot read {files} as {path} records: {detail}") from None
         raise ValueError(f"cannot load dataset {path!r} (config={config}, split={split}): {detail}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def first_bad_json_record(files) -> str | None:
