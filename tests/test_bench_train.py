@@ -25,3 +25,11 @@ def test_smoke_ablation_adds_each_loop_piece_to_the_same_step(tmp_path, monkeypa
     rows = json.loads((tmp_path / "train_cpu_smoke_ablation.json").read_text())["ablation"]["rows"]
     assert [r["features"] for r in rows] == list(bench_train.ABLATION)
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_a_token_count_that_is_not_a_multiple_of_a_length_is_noted():
+    """A step holds whole sequences: --tokens 10000 at T=3000 trains 9,000 a step, and says so."""
+    assert bench_train.rounding_notes(10000, [1000, 3000, 3000, 4096]) == [
+        "--tokens 10000 at T=3000: 3 sequence(s) a step, 9000 tokens",
+        "--tokens 10000 at T=4096: 2 sequence(s) a step, 8192 tokens"]
+    assert bench_train.rounding_notes(16384, [1024, 4096]) == []

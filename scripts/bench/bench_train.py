@@ -254,13 +254,21 @@ def profile(step, steps: int, device) -> dict:
             "table_cpu": events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70)}
 
 
+def rounding_notes(tokens: int, lengths: list[int]) -> list[str]:
+    """A note for each length that --tokens is not a multiple of: a step holds whole sequences, so
+    it takes fewer tokens there (the report's tokens_per_step says how many)."""
+    return [f"--tokens {tokens} at T={n}: {tokens // n} sequence(s) a step, {tokens // n * n} tokens"
+            for n in sorted(set(lengths)) if tokens % n]
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str]) -> dict:
     parser = _common.argument_parser(__doc__)
     parser.add_argument("--attention", default="sdpa,flash", help="comma-separated: sdpa, flash, naive")
     parser.add_argument("--lengths", default="1024,4096,16384", help="comma-separated sequence lengths")
-    parser.add_argument("--tokens", type=int, default=16384, help="tokens per optimizer step")
+    parser.add_argument("--tokens", type=int, default=16384,
+                        help="tokens per optimizer step, in whole sequences (rounded down to a multiple of each length)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation)")
     parser.add_argument("--ablation", action="store_true", help="loop features one by one, and a profile")
@@ -293,7 +301,7 @@ def main(argv: list[str]) -> dict:
     if args.smoke:
         args.overrides = ["model=tiny", "model.vocab_size=512", "data.max_bytes=2000000", *args.overrides]
     out = console()
-    notes: list[str] = []   # what this device cannot run is left out, with the reason
+    notes = rounding_notes(args.tokens, used)   # and what this device cannot run is left out, with the reason
     args.attention = _common.runnable_attentions(args.attention, device, notes)
     for note in notes:
         out.print(f"[yellow]{note}[/]")
