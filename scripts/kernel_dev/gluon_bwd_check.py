@@ -19,9 +19,9 @@ is recorded. Timing (one subprocess, after the others, alone on the GPU): backwa
 milliseconds and TFLOP/s (2.5 x the forward's 4 B H N^2 D, halved when causal) at gpt2-small's
 attention (12 x 64: B=16 T=1K, B=4 T=4K, B=1 T=16K) and 16 x 128 (T=4K, 16K), causal, q/k/v views
 of a fused QKV projection, for each variant that passed, our Triton backward (deterministic and
-atomic; FLASHTRAIN_AUTOTUNE=0 pins its tiles) and cuDNN's (SDPA, through autograd on a retained
-graph). Writes DIR/gluon_bwd_check.json (date, GPU, versions, commit) and a Markdown table,
-rewritten as results arrive.
+atomic; FLASHTRAIN_AUTOTUNE=0 pins its tiles) and cuDNN's (SDPA through autograd: what its
+backward adds to a forward+backward, _common.pass_timer). Writes DIR/gluon_bwd_check.json (date,
+GPU, versions, commit) and a Markdown table, rewritten as results arrive.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
 import _common  # noqa: F401  (puts the repo root on sys.path)
 
-from _common import REPO_ROOT, environment, write_json
+from _common import REPO_ROOT, environment, pass_timer, write_json
 
 
 
@@ -180,17 +180,28 @@ def correctness(variant: str, out: Path, groups: list[str]) -> dict:
 
 # ---- timing ---------------------------------------------------------------------------------
 
-def cudnn_backward(q, k, v, do, causal=True):
-    """cuDNN's backward (SDPA forced to CUDNN_ATTENTION) as autograd runs it on a retained graph."""
+def cudnn_backward_ms(q, k, v, do, causal=True, warm=False):
+    """Milliseconds cuDNN's backward (SDPA forced to CUDNN_ATTENTION, through autograd) adds to its
+    forward+backward (_common.pass_timer): timed alone on a retained graph it would start on an idle
+    GPU with all of autograd's host work on the clock, which our direct launches do not carry."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     leaves = [t.transpose(1, 2).detach().clone().requires_grad_() for t in (q, k, v)]
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
     dout = do.transpose(1, 2)
-    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    def forward():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
+
+    def backward(out):
+        torch.autograd.grad(out, leaves, dout)
+
+    if warm:   # one call compiles
+        return lambda: backward(forward())
+    timed, _ = pass_timer(q.device)
+    return lambda: timed(forward, backward)["bwd"]
 
 
 def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
@@ -212,7 +223,7 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
         o, lse = _launch_forward(q, k, v, causal, scale)
         runs = {"triton": lambda: _launch_backward(do, q, k, v, o, lse, causal, scale, deterministic=True),
                 "triton-atomic": lambda: _launch_backward(do, q, k, v, o, lse, causal, scale, deterministic=False),
-                "cudnn": cudnn_backward(q, k, v, do, causal)}
+                "cudnn": cudnn_backward_ms(q, k, v, do, causal, warm)}   # times itself
         if warm:
             bench = lambda fn: fn()  # noqa: E731  (one call compiles)
         runs.update({f"gluon-{name}": (lambda f=VARIANTS[name]: f(do, q, k, v, o, lse, causal, scale, True))
@@ -222,7 +233,7 @@ def timing(variants: list[str], out: Path, warm: bool = False) -> dict:
         result["rows"].append(row)
         for name, fn in runs.items():   # baselines first: a variant that hangs cannot take them along
             try:
-                row["ms"][name] = bench(fn)
+                row["ms"][name] = fn() if name == "cudnn" else bench(fn)
             except Exception as exc:  # noqa: BLE001
                 row["ms"][name] = f"FAIL {type(exc).__name__}: {str(exc)[:200]}"
             print("   ", name, row["ms"][name], flush=True)
