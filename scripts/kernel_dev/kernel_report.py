@@ -5,6 +5,7 @@ pipelining for every tile shape the tuner may pick.
     python scripts/kernel_dev/kernel_report.py --kernels fwd,kv --dims 128 --shape 1/16384/16/16
     python scripts/kernel_dev/kernel_report.py --unspecialized          # compiled the way test_kernel_compile checks them
     python scripts/kernel_dev/kernel_report.py --gluon                  # the Gluon Hopper forward's variants instead
+    python scripts/kernel_dev/kernel_report.py --gluon-bwd --dims 64    # the Gluon backward's steps, per option and tile
     python scripts/kernel_dev/kernel_report.py --scores dropout,softcap # with attention dropout and soft-capping on
 
 Triton compiles for sm_90a without a GPU (ptxas ships in its wheel), so what ptxas says about a
@@ -17,7 +18,10 @@ Inductor's signature test does), loads stay scalar and synchronous and the regis
 
 Per kernel, head dim and tile shape: registers per thread and spilled bytes (`ptxas -v`), the
 cp.async copies and synchronous loads left in the TTGIR, and whether ptxas serialised wgmma
-(warning C7515). Numbers depend on the Triton version: to match a GPU machine, install its version
+(warning C7515) or injected a wait for one (C7517). `--gluon-bwd` also reads the SASS (nvdisasm): the
+instructions and the local-memory loads and stores (spill traffic) of each step body, the loop bodies
+that run exp2 (a causal kernel has a masked and an unmasked one), with each option at 64 and 128
+queries a step. Numbers depend on the Triton version: to match a GPU machine, install its version
 beside this one (`pip install --target DIR triton==X`) and put DIR first on PYTHONPATH.
 """
 from __future__ import annotations
@@ -165,7 +169,52 @@ def ptxas_report(compiled) -> dict:
             "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
             "async_copies": ttgir.count("async_copy_global_to_local"),
             "sync_loads": ttgir.count("tt.load "),
-            "wgmma_serialized": "C7515" in log}
+            "wgmma_serialized": "C7515" in log, "wgmma_wait_injected": "C7517" in log}
+
+
+def sass_step_bodies(compiled, min_exp2: int = 16) -> list[dict]:
+    """The loop bodies of a kernel's SASS (nvdisasm, from Triton's wheel) that run at least `min_exp2`
+    MUFU.EX2: per body its instructions, exp2s (a thread's scores), and LDL/STL (spill traffic)."""
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    bodies, body = [], None
+    for line in sass.splitlines():
+        if re.match(r"^\s*\.L_x_\d+:", line):
+            body = {"instructions": 0, "exp2": 0, "LDL": 0, "STL": 0}
+            bodies.append(body)
+        elif body is not None and re.search(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?[A-Z]", line):
+            body["instructions"] += 1
+            body["exp2"] += "MUFU.EX2" in line
+            body["LDL"] += " LDL" in line
+            body["STL"] += " STL" in line
+    return [b for b in bodies if b["exp2"] >= min_exp2]
+
+
+def gluon_bwd_report(dims: list[int]) -> list[dict]:
+    """The Gluon backward (kernels/gluon/backward.py) per head dim, causal and not, plain, with dropout
+    and soft-capped, at 64 and 128 queries a step: ptxas' registers (the launch cap), spills and
+    wgmma warnings, and each step body's instructions and spill traffic."""
+    from kernels.checks import drawn_dropout_p
+    from kernels.gluon.backward import compile_for_sm90
+
+    options = {"plain": {}, "dropout": {"dropout_p": drawn_dropout_p(0.1)}, "softcap": {"softcap": 50.0}}
+    rows = []
+    for dim in dims:
+        for causal in (False, True):
+            for option, kw in options.items():
+                for block_m in (64, 128):
+                    compiled = compile_for_sm90(dim, causal=causal, config={"BLOCK_M": block_m}, **kw)
+                    report = ptxas_report(compiled)
+                    rows.append({"head_dim": dim, "causal": causal, "option": option, "BLOCK_M": block_m,
+                                 **{k: report[k] for k in ("registers", "spill_bytes", "wgmma_serialized",
+                                                            "wgmma_wait_injected")},
+                                 "steps": sass_step_bodies(compiled)})
+    return rows
 
 
 def gluon_report(dims: list[int]) -> list[dict]:
@@ -214,6 +263,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--limit", type=int, default=None, help="only the first N candidates of each list")
     parser.add_argument("--unspecialized", action="store_true", help="compile without a launch's specialisation")
     parser.add_argument("--gluon", action="store_true", help="the Gluon forward's ladder (kernels/lab/gluon_forward_ladder.py)")
+    parser.add_argument("--gluon-bwd", action="store_true", help="the Gluon backward's steps, per option and tile")
     parser.add_argument("--scores", default="", help=f"comma-separated score options to compile on, of {', '.join(SCORES)} "
                         "(dropout 0.1, a soft cap of 30; kernels/scores.py)")
     parser.add_argument("--json", action="store_true", help="also write kernel_report.json under --out")
@@ -242,6 +292,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import triton
 
+    if args.gluon_bwd:
+        rows = gluon_bwd_report([d for d in dims if d != 256])
+        print_table(f"Gluon backward, sm_90a, triton {triton.__version__} (step bodies: instructions / LDL+STL)",
+                    ["D", "causal", "option", "queries a step", "registers (cap)", "spill B", "C7515", "C7517",
+                     "step bodies"],
+                    [[r["head_dim"], r["causal"], r["option"], r["BLOCK_M"], r["registers"], r["spill_bytes"],
+                      r["wgmma_serialized"], r["wgmma_wait_injected"],
+                      ", ".join(f"{b['instructions']} / {b['LDL'] + b['STL']}" for b in r["steps"])] for r in rows])
+        if args.json:
+            write_json(args.out / "kernel_report.json", {"triton": triton.__version__, "gluon_bwd": True, "rows": rows})
+        return rows
     if args.gluon:
         rows = gluon_report([d for d in dims if d != 256])
         print_table(f"Gluon forward, sm_90a, triton {triton.__version__}",
