@@ -52,10 +52,15 @@ def compose_cfg(overrides: list[str]):
     return cfg
 
 
+def sequences_a_step(tokens: int, seq_len: int) -> int:
+    """The batch of a case: a step holds whole sequences, so --tokens rounds down (at least one)."""
+    return max(1, tokens // seq_len)
+
+
 def case_overrides(attention: str, seq_len: int, args, device: torch.device) -> list[str]:
-    """train.py's overrides of one case: T = seq_len, batch --tokens // T, compiled on CUDA."""
+    """train.py's overrides of one case: T = seq_len, batch sequences_a_step, compiled on CUDA."""
     return GPT2 + [f"attention={attention}", f"trainer.seq_len={seq_len}",
-                   f"trainer.batch_size={max(1, args.tokens // seq_len)}",
+                   f"trainer.batch_size={sequences_a_step(args.tokens, seq_len)}",
                    f"trainer.compile={str(device.type == 'cuda').lower()}", *args.overrides]
 
 
@@ -168,8 +173,7 @@ def first_step(args, device, out) -> list[dict]:
 
 
 def measure(attention: str, seq_len: int, args, device, out) -> dict:
-    tokens = args.tokens
-    batch = max(1, tokens // seq_len)
+    batch = sequences_a_step(args.tokens, seq_len)
     overrides = case_overrides(attention, seq_len, args, device)
     cfg = compose_cfg(overrides)
     row = {"attention": attention, "T": seq_len, "B": batch, "tokens_per_step": batch * seq_len}
@@ -208,7 +212,7 @@ def ablation(args, device, out) -> dict:
     from training.builders import build_data
 
     seq_len = args.ablation_len
-    batch = max(1, args.tokens // seq_len)
+    batch = sequences_a_step(args.tokens, seq_len)
     cfg = compose_cfg(case_overrides(args.attention[0], seq_len, args, device))
     data = build_data(cfg, seq_len=seq_len, seed=cfg.seed, seq_len_from="--ablation-len")
     model, step_model, optimizer = build(cfg, args.attention[0], device)
@@ -257,8 +261,8 @@ def profile(step, steps: int, device) -> dict:
 def rounding_notes(tokens: int, lengths: list[int]) -> list[str]:
     """A note for each length that --tokens is not a multiple of: a step holds whole sequences, so
     it takes fewer tokens there (the report's tokens_per_step says how many)."""
-    return [f"--tokens {tokens} at T={n}: {tokens // n} sequence(s) a step, {tokens // n * n} tokens"
-            for n in sorted(set(lengths)) if tokens % n]
+    return [f"--tokens {tokens} at T={n}: {sequences_a_step(tokens, n)} sequence(s) a step, "
+            f"{sequences_a_step(tokens, n) * n} tokens" for n in sorted(set(lengths)) if tokens % n]
 
 
 # ----------------------------------------------------------------------------- main
