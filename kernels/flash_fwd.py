@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.scores import dropout_keep, dropout_seed_of, sink_start, softcap_scores
+from kernels.scores import dropout_draw, dropout_seed_of, kept, sink_start, softcap_scores
 from kernels.tiles import (LN2, key_ranges, load_tile, mask_row, query_program, row_key_bounds, stage_range, store_tile, tile_offsets,
                            visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
@@ -76,7 +76,7 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     p = tl.math.exp2(s * scale - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums every probability, dropped or not
     if DROPOUT_P > 0:  # the dropped ones leave O; 1 / (1 - p) scales it at the end
-        p = tl.where(dropout_keep(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0], DROPOUT_P), p, 0.0)
+        p = kept(dropout_draw(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0]), p, DROPOUT_P)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)

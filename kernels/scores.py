@@ -44,11 +44,13 @@ column bits 0 and 3 are registers of one thread, row bit 0 a lane bit. In S = Q 
 (lanes 4 apart) compute each call, each for its own 8 scores; in S^T, which the backward's dK/dV
 kernels work on, rows are keys and the same holds with key bit 0 the lane. Row and key bits 3 are
 the only ones in registers in both orientations, so this is as few calls a score as a draw both
-directions share can make: one per 8 scores each way (with 16-bit draws on row bit 3 and key bits
-0 and 3, the forward made one per 8 and the backward one per 4: kernels/LOG.md, 2026-12-04). The
-compiler, given the counter as a tile start plus a masked arange, computes each call once and moves
-no score between threads. Seven rounds, as FlashAttention-2 uses (Philox4x32-7 passes the BigCrush
-battery; ten is cuRAND's margin).
+directions share can make in a thread: one per 8 scores each way (with 16-bit draws on row bit 3
+and key bits 0 and 3, the forward made one per 8 and the backward one per 4: kernels/LOG.md,
+2026-12-04). The compiler, given the counter as a tile start plus a masked arange, computes each
+call once. The Gluon kernels, whose accumulator layouts are explicit, go one step further: of the
+two calls that a pair of lanes both read, each lane makes one and shuffles its partner the words
+it lacks (SHARE, `_shared_word`), one call per 16 scores. Seven rounds, as FlashAttention-2 uses
+(Philox4x32-7 passes the BigCrush battery; ten is cuRAND's margin).
 The seed and offset are two int64 drawn per call from torch's generator on q's device
 (`dropout_seed`): the backward reads the same two numbers, a resumed run that restored the
 generator draws the same ones, and torch.compile traces the draw. `dropout_mask` launches the
@@ -174,28 +176,112 @@ def dropout_keep(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOC
     """(BLOCK_M, BLOCK_N) booleans: whether score (start_m + r, start_n + c) of head bh (b * H + h)
     is kept. start_m and start_n are multiples of 16, as every tile's start is; DROPOUT_P a multiple
     of 1/256 (kernels.checks.drawn_dropout_p)."""
-    r = tl.arange(0, BLOCK_M)[:, None]
-    c = tl.arange(0, BLOCK_N)[None, :]
-    return dropout_keep_at(seed, offset, bh, start_m, r, start_n, c, (r * 0 + c * 0).to(tl.uint32), DROPOUT_P)
+    return dropout_draw(seed, offset, bh, start_m, start_n, BLOCK_M, BLOCK_N) < _keep_below(DROPOUT_P)
 
 
 @triton.jit
-def dropout_keep_at(seed, offset, bh, start_q, q, start_k, k, zero, DROPOUT_P: tl.constexpr):
+def dropout_draw(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`dropout_keep`'s draws (`dropout_draw_at`), for `kept`."""
+    r = tl.arange(0, BLOCK_M)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    return dropout_draw_at(seed, offset, bh, start_m, r, start_n, c, (r * 0 + c * 0).to(tl.uint32))
+
+
+@triton.jit
+def dropout_keep_at(seed, offset, bh, start_q, q, start_k, k, zero, DROPOUT_P: tl.constexpr,
+                    SHARE: tl.constexpr = 0):
     """Whether score (query start_q + q, key start_k + k) of head bh is kept, for a tile in any
     orientation and layout: q and k are the tile's relative query and key indices (aranges
     broadcast against each other), zero a uint32 tile of zeros of the tile's shape, start_q and
     start_k multiples of 16. Elementwise only, so the Gluon kernels call it on tiles in their
-    accumulators' layouts (S, or S^T with q and k swapped) and draw the Triton kernels' bits."""
-    KEEP: tl.constexpr = int((1.0 - DROPOUT_P) * 256 + 0.5)
-    # the call's counter: the score's coordinates with query and key bits 0 and 3 cleared, taken
-    # from the tile's own arange so that the compiler sees which of a thread's scores share a call
-    keys = zero + (start_k + (k & ~9)).to(tl.uint32, bitcast=True)
-    queries = zero + (start_q + (q & ~9)).to(tl.uint32, bitcast=True)
+    accumulators' layouts (S, or S^T with q and k swapped) and draw the Triton kernels' bits.
+
+    SHARE (the Gluon kernels', whose layouts are known): 1 where the tile is S in a wgmma
+    accumulator (query bit 0 is lane bit 2), 2 where it is S^T (key bit 0 is). Then the two lanes
+    that need each call's bits split the calls instead of both making each: see `_shared_word`."""
+    return dropout_draw_at(seed, offset, bh, start_q, q, start_k, k, zero, SHARE) < _keep_below(DROPOUT_P)
+
+
+@triton.constexpr_function
+def _keep_below(dropout_p):
+    """A draw (`dropout_draw_at`) below this keeps its score: 256 (1 - p) at the top of a word."""
+    return int((1.0 - dropout_p) * 256 + 0.5) << 24
+
+
+@triton.jit
+def dropout_draw_at(seed, offset, bh, start_q, q, start_k, k, zero, SHARE: tl.constexpr = 0):
+    """`dropout_keep_at`'s draw: the score's byte at the top of a uint32 (compared there, the bits
+    below it cannot matter); the score is kept iff it is below `_keep_below`."""
+    if SHARE == 0:
+        word = _dropout_word(seed, offset, bh, start_q, q & ~9, start_k, k & ~9, q, k, zero)
+    else:
+        word = _shared_word(seed, offset, bh, start_q, q, start_k, k, zero, SHARE)
+    return word << (24 - 16 * (q & 1) - 8 * (k & 1)).to(tl.uint32)
+
+
+@triton.jit
+def _dropout_word(seed, offset, bh, start_q, call_q, start_k, call_k, q, k, zero):
+    """The word of call (start_q + call_q, start_k + call_k) that holds score (q, k)'s byte.
+    The call's counter is its coordinates (the score's with query and key bits 0 and 3 cleared),
+    taken from the tile's own arange so that the compiler sees which of a thread's scores share
+    a call; query and key bit 3 pick the word."""
+    keys = zero + (start_k + call_k).to(tl.uint32, bitcast=True)
+    queries = zero + (start_q + call_q).to(tl.uint32, bitcast=True)
     w0, w1, w2, w3 = philox(seed, keys, queries, zero + bh.to(tl.uint32), zero + offset)
-    word = tl.where((q & 8) != 0, tl.where((k & 8) != 0, w3, w2), tl.where((k & 8) != 0, w1, w0))
-    # the score's byte moved to the top: compared there, the bits below it cannot matter
-    up = (24 - 16 * (q & 1) - 8 * (k & 1)).to(tl.uint32)
-    return (word << up) < (KEEP << 24)
+    return tl.where((q & 8) != 0, tl.where((k & 8) != 0, w3, w2), tl.where((k & 8) != 0, w1, w0))
+
+
+@triton.jit
+def _shared_word(seed, offset, bh, start_q, q, start_k, k, zero, SHARE: tl.constexpr):
+    """`_dropout_word` with each Philox call made by one of the two lanes that read it.
+
+    In a wgmma accumulator the call's 16 scores are 8 in each of two lanes 4 apart (lane bit 2
+    is S's query bit 0, S^T's key bit 0), and each lane holds both halves of two calls that differ
+    in the other index's bit 4, a register. The lane whose bit is 0 makes the call with that bit
+    clear, its partner the one with it set; each then takes the word it lacks from the same
+    register of its partner (shfl.sync.bfly 4: the partner's score is the one at the next row or
+    key, at the same word). Half the calls for two shuffles and a select a word. The CPU
+    interpreter has no lanes: there the partner's word is its call made again."""
+    if SHARE == 1:   # S: query bit 0 is the lane, keys pair on bit 4
+        lane = q & 1
+        pair = (k >> 4) & 1
+        word = _dropout_word(seed, offset, bh, start_q, q & ~9, start_k, (k & ~25) | (lane << 4), q, k, zero)
+        if PTX:
+            other = _partner(word)
+        else:
+            other = _dropout_word(seed, offset, bh, start_q, q & ~9, start_k, (k & ~25) | ((1 - lane) << 4), q, k, zero)
+    else:            # S^T: key bit 0 is the lane, queries pair on bit 4
+        lane = k & 1
+        pair = (q >> 4) & 1
+        word = _dropout_word(seed, offset, bh, start_q, (q & ~25) | (lane << 4), start_k, k & ~9, q, k, zero)
+        if PTX:
+            other = _partner(word)
+        else:
+            other = _dropout_word(seed, offset, bh, start_q, (q & ~25) | ((1 - lane) << 4), start_k, k & ~9, q, k, zero)
+    return tl.where(pair == lane, word, other)
+
+
+@triton.jit
+def _partner(x):
+    """x from the lane 4 away (lane bit 2 flipped), the same register. Every lane of the warp
+    must run it together, as the Gluon kernels' straight-line tile code does."""
+    return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [x],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def kept(draw, p, DROPOUT_P: tl.constexpr):
+    """p where its draw (`dropout_draw_at`) keeps it, 0 where dropped, in float32. On the GPU the
+    compare and the select are one piece of inline PTX: left to LLVM, the select moved past P's
+    cast to 16 bits (fptrunc of a select with a constant operand) onto the halves of packed pairs
+    (two PRMTs and a SEL a score), or ptxas packed the keep bits into a register and unpacked
+    them a bit at a time (kernels/LOG.md, 2026-12-05)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            f"{{ .reg .pred k; setp.lt.u32 k, $1, {_keep_below(DROPOUT_P)}; selp.f32 $0, $2, 0f00000000, k; }}", "=r,r,r",
+            [draw, p], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.where(draw < _keep_below(DROPOUT_P), p, 0.0)
 
 
 @triton.jit

@@ -19,12 +19,14 @@ import math
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import HAS_CUDA, requires_cuda
 from kernels import attention_reference, flash_attention
 from kernels.decode import decode_reference, flash_decode
 from kernels.checks import drawn_dropout_p
-from kernels.scores import dropout_mask, dropout_seed
+from kernels.scores import dropout_draw_at, dropout_mask, dropout_seed
 from test_document_mask import ids_from_lengths, lengths
 from test_flash_attention import (DEVICE, DTYPES, assert_as_exact_as_plain, make_inputs,  # noqa: F401
                                   poison_uninitialised_memory, strided_leaf)
@@ -248,6 +250,42 @@ def test_the_mask_is_philox_of_each_scores_coordinates(p):
     byte = (word >> (8 * (2 * (i & 1) + (j & 1))).astype(np.uint64)) & np.uint64(0xFF)
     want = byte < round((1 - drawn_dropout_p(p)) * 256)
     assert np.array_equal(ours.reshape(B * H, n_q, n_k), want)
+
+
+@triton.jit
+def _draws_kernel(Rng, Out, bh, start_q, start_k, SHARE: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Out (ROWS, COLS): dropout_draw_at over a tile at (start_q, start_k) of head bh, S or, if
+    TRANSPOSED, S^T (rows are keys)."""
+    seed = tl.load(Rng)
+    offset = tl.load(Rng + 1).to(tl.uint32)
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.arange(0, COLS)[None, :]
+    zero = (r * 0 + c * 0).to(tl.uint32)
+    if TRANSPOSED:
+        draw = dropout_draw_at(seed, offset, bh, start_q, c, start_k, r, zero, SHARE)
+    else:
+        draw = dropout_draw_at(seed, offset, bh, start_q, r, start_k, c, zero, SHARE)
+    tl.store(Out + r * COLS + c, draw.to(tl.int32, bitcast=True))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="SHARE's shuffle needs a wgmma accumulator: the Gluon tests check it on the GPU")
+@pytest.mark.parametrize("share", [1, 2])
+@pytest.mark.parametrize("start", [(0, 0), (48, 16), (16, 80)])
+def test_lanes_that_split_the_philox_calls_draw_the_same_bits(share, start):
+    """SHARE's pairing (each lane makes the call whose bit 4 is its lane bit and takes the word it
+    lacks from its partner): the same draw for every score as each lane making every call, for
+    tiles that start on 16 but not 32. The interpreter has no lanes and makes the partner's call
+    again; on the GPU the Gluon kernels' dropout tests compare the shuffled masks with these."""
+    torch.manual_seed(7)
+    rng = dropout_seed("cpu")
+    shape = (32, 128) if share == 1 else (128, 32)   # S^T: keys down, queries across
+    draws = {}
+    for mode in (0, share):
+        out = torch.empty(shape, dtype=torch.int32)
+        _draws_kernel[(1,)](rng, out, 5, *start, SHARE=mode, TRANSPOSED=share == 2, ROWS=shape[0], COLS=shape[1])
+        draws[mode] = out
+    assert torch.equal(draws[0], draws[share])
 
 
 @pytest.mark.parametrize("p", [1e-3, 1 - 1e-3])

@@ -331,6 +331,8 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     if MASK:  # key j of query i: j < n_k, and causal j <= i + n_k - n_q
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL and DROPOUT_P > 0:   # see _apart: else LLVM makes the masked step's Philox calls twice
+            queries = _apart(queries)
         seen = (keys[:, None] < n_k) & (queries[None, :] >= 0)
         if CAUSAL:
             seen = seen & (keys[:, None] <= queries[None, :] + (n_k - n_q))
@@ -398,16 +400,26 @@ def _own(x):
 
 
 @gluon.jit
+def _apart(x):
+    """Integer x through an opaque copy, which ptxas drops. The causal mask compares each query
+    (column) with each key; given that, LLVM no longer sees that a thread's columns with the same
+    call counter (`kernels.scores.dropout_draw_at`) make the same Philox call, and the masked step
+    made about twice the calls of the unmasked one (kernels/LOG.md, 2026-12-05). A mask computed
+    from the copy leaves the draw's arithmetic to itself."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                     layout: gl.constexpr, DROPOUT_P: gl.constexpr):
     """(BLOCK_N, BLOCK_M) booleans in `layout`: whether the forward kept score (query start_m + c, key
     start_n + r), kernels/scores.py's draw on S^T. Key bit 0 is a lane of the S^T accumulator,
-    query bits 0 and 3 and key bit 3 are registers: two threads compute each Philox call, each once,
-    for 8 scores of its own."""
+    query bits 0 and 3 and key bit 3 are registers: of each two calls that a thread and the thread
+    4 lanes away both read, each makes one and takes its partner's words (SHARE=2)."""
     r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))[None, :]
     return dropout_keep_at(seed, offset, bh, start_m, c, start_n, r, gl.zeros([BLOCK_N, BLOCK_M], gl.uint32, layout),
-                           DROPOUT_P)
+                           DROPOUT_P, SHARE=2)
 
 
 @gluon.jit

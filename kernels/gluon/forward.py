@@ -61,7 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.gluon import descriptors, tma_strides
 from kernels.gluon.compat import thread_barrier, tma_load, tma_store
-from kernels.scores import dropout_keep_at, dropout_seed_of, hardware_tanh
+from kernels.scores import dropout_draw_at, dropout_seed_of, hardware_tanh, kept
 from kernels.launch import cdiv
 from kernels.launch import launch as run_kernel
 from kernels.tiles import LN2, LOG2E
@@ -143,17 +143,16 @@ def _p_operand(p, dtype, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _dropout_keep(rng, start_n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
-                  DROPOUT_P: gl.constexpr):
-    """(ROWS, BLOCK_N) booleans in the scores' `layout`: whether score (first row + r, start_n + c)
-    is kept (kernels/scores.py's dropout_keep_at). Row bit 3 and key bits 0 and 3 are registers of
-    one thread in the wgmma accumulator, row bit 0 a lane: each thread computes each of its Philox
-    calls once, and so does the thread 4 lanes away, for the call's other 8 scores."""
+def _dropout_draw(rng, start_n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """(ROWS, BLOCK_N) draws in the scores' `layout` for score (first row + r, start_n + c), which
+    `kept` compares (kernels/scores.py's dropout_draw_at). Row bit 3 and key bits 0 and 3 are registers of
+    one thread in the wgmma accumulator, row bit 0 a lane: of each two calls that a thread and the
+    thread 4 lanes away both read, each makes one and takes its partner's words (SHARE=1)."""
     seed, offset, bh, start_row = rng
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
-    return dropout_keep_at(seed, offset, bh, start_row, r, start_n, c, gl.zeros([ROWS, BLOCK_N], gl.uint32, layout),
-                           DROPOUT_P)
+    return dropout_draw_at(seed, offset, bh, start_row, r, start_n, c, gl.zeros([ROWS, BLOCK_N], gl.uint32, layout),
+                           SHARE=1)
 
 
 @gluon.jit
@@ -175,13 +174,13 @@ def _attend(q_smem, k_smem, v_smem, v_ready, v_phase, release, acc, m_i, l_i, ro
     if PINGPONG:
         mbarrier.arrive(release, count=1)
     if DROPOUT_P > 0:
-        keep = _dropout_keep(rng, start_n, ROWS, BLOCK_N, s_layout, DROPOUT_P)
+        draw = _dropout_draw(rng, start_n, ROWS, BLOCK_N, s_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK, SOFTCAP)
     l_i = l_i * alpha + gl.sum(p, 1)   # the normaliser sums every probability, dropped or not
     acc = _rows_scale(acc, alpha)
     if DROPOUT_P > 0:   # the dropped ones leave O; 1 / (1 - p) scales it at the end
-        p = gl.where(keep, p, 0.0)
+        p = kept(draw, p, DROPOUT_P)
     p = _p_operand(p, q_smem.dtype, o_layout)
     mbarrier.wait(v_ready, v_phase)
     acc = warpgroup_mma(p, v_smem, acc, is_async=True)
@@ -348,12 +347,12 @@ def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
     if DROPOUT_P > 0:
-        keep = _dropout_keep(rng, 0, ROWS, BLOCK_N, s_layout, DROPOUT_P)
+        draw = _dropout_draw(rng, 0, ROWS, BLOCK_N, s_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     p, m_i, alpha = _softmax(s, m_i, rows, 0, n_k, shift, qk_scale, CAUSAL, True, SOFTCAP)
     l_i = l_i * alpha + gl.sum(p, 1)
     if DROPOUT_P > 0:
-        p = gl.where(keep, p, 0.0)
+        p = kept(draw, p, DROPOUT_P)
     p = _p_operand(p, q_smem.dtype, o_layout)
     for start_n in range(BLOCK_N, mid, BLOCK_N):
         acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
@@ -393,7 +392,7 @@ def _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
     if DROPOUT_P > 0:
-        keep = _dropout_keep(rng, start_n, ROWS, BLOCK_N, s_layout, DROPOUT_P)
+        draw = _dropout_draw(rng, start_n, ROWS, BLOCK_N, s_layout)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))        # QK^T done; P V may still run
     p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK, SOFTCAP)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -401,7 +400,7 @@ def _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = _rows_scale(acc, alpha)
     if DROPOUT_P > 0:
-        p = gl.where(keep, p, 0.0)
+        p = kept(draw, p, DROPOUT_P)
     return acc, m_i, l_i, _p_operand(p, q_smem.dtype, o_layout)
 
 
