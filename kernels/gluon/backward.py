@@ -354,8 +354,9 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
     else:
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-    if DROPOUT_P > 0:   # dS = P (dL/dP - Delta), dL/dP 0 where dropped, scaled by 1 / (1 - p) where kept
-        ds_t = (gl.maximum(p_t, 0.0) * dp_t * (1.0 / (1.0 - DROPOUT_P)) - gl.abs(p_t) * delta[None, :]).to(k_s.dtype)
+    if DROPOUT_P > 0:   # dS = P (dL/dP - Delta), dL/dP 0 where dropped, scaled by 1 / (1 - p) where kept:
+        # here (1 - p) dS, whose 1 / (1 - p) joins dQ's and dK's final scale (launch_backward)
+        ds_t = (gl.maximum(p_t, 0.0) * dp_t - gl.abs(p_t) * (delta * (1.0 - DROPOUT_P))[None, :]).to(k_s.dtype)
     elif FOLDED:   # dp_t is dP^T - Delta
         ds_t = (p_t * dp_t).to(k_s.dtype)
     else:
@@ -599,7 +600,8 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
     and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
     blocks [BLOCK_M, D]. DKpart, DVpart: SPLIT_GROUP's (B H, Nk, D) float32 shares of dK and dV. Rng:
-    with DROPOUT_P > 0, the call's seed and offset (kernels/scores.py); None otherwise."""
+    with DROPOUT_P > 0, the call's seed and offset (kernels/scores.py); None otherwise. sm_scale: dK's
+    factor, the softmax scale, over (1 - p) with dropout (the steps' dS is (1 - p) dS)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -769,8 +771,9 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
               ([1, block_m], llay), ([1, block_m], llay), ([block_m, D], dqlay))
     described = descriptors(cache, ("gluon-bwd-tma", *key), tensors,
                             lambda: [_descriptor(t, *block) for t, block in zip(tensors, blocks)])
+    grad_scale = scale / (1.0 - dropout_p)   # dK's and dQ's: the kernel's dS is (1 - p) dS with dropout
     args = (*described, sem, ticket, shares[0], shares[1], rng if dropout_p > 0 else None, H, h_kv, n_q, n_k,
-            n_q_pad, scale * LOG2E.value, scale)
+            n_q_pad, scale * LOG2E.value, grad_scale)
     launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * (H if split else h_kv),), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                 SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, SOFTCAP=float(softcap),
@@ -778,9 +781,9 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
            ("gluon-bwd", *key))
     if split:
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,
-                                                                           scale),
+                                                                           grad_scale),
                dict(HEAD_DIM=D, BLOCK_N=DKDV_ROWS, num_warps=4), cache, ("gluon-bwd-dkdv", *key))
-    launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, scale),
+    launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, grad_scale),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-dq", *key))
     return dq, dk, dv, rows[1].view(B, H, n_q_pad)[..., :n_q]   # Delta, for the sinks' gradient
 
