@@ -52,7 +52,7 @@ from kernels.tuning import fwd_configs, fwd_prune, persistent
 def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
               start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, start_m,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-              SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr):
+              SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, SHARE_DRAW: tl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of a query tile."""
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; scaled below
@@ -76,7 +76,7 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     p = tl.math.exp2(s * scale - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums every probability, dropped or not
     if DROPOUT_P > 0:  # the dropped ones leave O; 1 / (1 - p) scales it at the end
-        p = kept(dropout_draw(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0]), p, DROPOUT_P)
+        p = kept(dropout_draw(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0], SHARE_DRAW), p, DROPOUT_P)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -109,14 +109,18 @@ def flash_fwd_kernel(
     n_heads, kv_group, n_q, n_k, qk_scale, seq_bucket, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOCS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, SHARE_DRAW: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e).
     Docs: (B, 2, N) int32 document bounds when DOCS (any pointer otherwise); window is
     read when WINDOW. kernels/scores.py: SOFTCAP > 0 caps the scores at it; Sinks (H,) float32
     holds each head's sink logit (None: no sinks); DROPOUT_P > 0 drops probabilities, Rng holding
     the call's seed and offset (None without dropout). Without the three, the code is the plain
-    kernel's: None arguments and the constexprs compile to nothing."""
+    kernel's: None arguments and the constexprs compile to nothing. SHARE_DRAW=1 (kernels/scores.py's
+    SHARE, on S): the two lanes that read each Philox call split the calls, which is right only where
+    S is a wgmma accumulator: `_triton_forward` sets it on sm_90, where tl.dot's result is one
+    (tests/test_attention_scores.py reads that off the compiled kernel)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     # torch.compile passes Python floats as fp64; keep every score in fp32.
@@ -147,7 +151,8 @@ def flash_fwd_kernel(
         for start_n in range(first, end, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
                                       start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh,
-                                      start_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P)
+                                      start_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P,
+                                      SHARE_DRAW)
 
     if DROPOUT_P > 0:
         acc = acc * (1.0 / (1.0 - DROPOUT_P))

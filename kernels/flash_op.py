@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from kernels import plan as plans
-from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, check_scores, softmax_scale_for
+from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, check_scores, device_arch, softmax_scale_for
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import flash_fwd_kernel
 from kernels.gluon.backward import launch_backward as gluon_backward
@@ -65,6 +65,13 @@ def _constexprs(head_dim: int, causal: bool, docs: bool, window: bool, dtype: to
     return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), CAUSAL=causal, DOCS=docs,
                 WINDOW=window, PRECISION="ieee" if dtype == torch.float32 else "tf32", SOFTCAP=float(softcap),
                 DROPOUT_P=float(dropout_p))
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_scores(device: torch.device) -> bool:
+    """Whether tl.dot's scores are a wgmma accumulator on `device` (sm_90), whose lanes the forward's
+    shared dropout draw relies on."""
+    return device_arch(device) == "sm_90"
 
 
 _TUNED: dict = {}   # (kernel, length band, constexprs, dtype, device) -> the tuned tile's launch keywords
@@ -118,6 +125,9 @@ def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
     consts = _constexprs(D, causal, doc_bounds is not None, window > 0, q.dtype, softcap, dropout_p)
+    # the lanes split the dropout draw where S is a wgmma accumulator (flash_fwd_kernel's SHARE_DRAW), passed
+    # either way: Inductor's analysis of what a kernel writes needs every constexpr bound
+    consts = {**consts, "SHARE_DRAW": int(dropout_p > 0 and _wgmma_scores(q.device))}
     length = max(n_q, n_k)
 
     def grid(meta):

@@ -180,11 +180,12 @@ def dropout_keep(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
-def dropout_draw(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def dropout_draw(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SHARE: tl.constexpr = 0):
     """`dropout_keep`'s draws (`dropout_draw_at`), for `kept`."""
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
-    return dropout_draw_at(seed, offset, bh, start_m, r, start_n, c, (r * 0 + c * 0).to(tl.uint32))
+    return dropout_draw_at(seed, offset, bh, start_m, r, start_n, c, (r * 0 + c * 0).to(tl.uint32), SHARE)
 
 
 @triton.jit

@@ -288,6 +288,54 @@ def test_lanes_that_split_the_philox_calls_draw_the_same_bits(share, start):
     assert torch.equal(draws[0], draws[share])
 
 
+SHARED_DRAW_LAYOUTS = r"""
+import json, re, sys
+sys.path.insert(0, "scripts/kernel_dev")
+from kernel_report import compile_for_hopper, kernel_table, launch_values, score_args
+from kernels import tuning
+kernel, table, names = kernel_table("fwd")
+seen, rows = set(), []
+for dim, candidates in sorted(table.items()):
+    for block_m, block_n, warps, stages in candidates:
+        if (dim, block_m, block_n, warps) in seen:
+            continue
+        seen.add((dim, block_m, block_n, warps))
+        consts = dict(HEAD_DIM=dim, BLOCK_D=dim, CAUSAL=True, DOCS=False, WINDOW=False, PRECISION="tf32",
+                      BLOCK_M=block_m, BLOCK_N=block_n, **score_args(kernel, ("dropout",)))
+        ttgir = compile_for_hopper(kernel, consts, warps, stages, launch_values(4, 4096, 12, 12, dim)).asm["ttgir"]
+        layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<[^\n]*)", ttgir, re.M))
+        shuffled = re.findall(r'elementwise_inline_asm "shfl[^"]*"[^\n]*?: tensor<[^>]*?(#\w+)>', ttgir)
+        rows.append(dict(dim=dim, tile=[block_m, block_n, warps], share=consts.get("SHARE_DRAW"),
+                         layouts=[layouts.get(alias, alias) for alias in shuffled]))
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.slow
+def test_the_forwards_shared_draw_shuffles_a_wgmma_accumulator():
+    """SHARE_DRAW (set on sm_90) shuffles each draw word with the lane 4 away, which holds the next row
+    of S only in a wgmma accumulator; Triton picks the draw's layout itself, so this reads it off the
+    kernel compiled for sm_90a, for every tile the tuner may pick: a layout of its own would be a
+    wrong mask, not an error."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.trainrun import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SHARED_DRAW_LAYOUTS], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {row["dim"] for row in rows} == {64, 128, 256}
+    for row in rows:
+        assert row["share"] == 1 and row["layouts"], row
+        assert all(layout.startswith("#ttg.nvidia_mma<{versionMajor = 3") for layout in row["layouts"]), row
+
+
 @pytest.mark.parametrize("p", [1e-3, 1 - 1e-3])
 def test_a_dropout_p_the_8_bit_draw_rounds_away_is_refused(p):
     q, k, v, _ = make_inputs(1, 16, 16, 2, 2, 16, DTYPES[0])

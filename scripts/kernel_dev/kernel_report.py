@@ -50,8 +50,9 @@ def score_args(kernel, scores=()) -> dict:
     SCORES) on: dropout 0.1, a soft cap of 30; what is off is a zero constexpr or a None pointer,
     which compile to the code the kernel has without the option. A pointer left out is compiled as one."""
     names = getattr(kernel, "arg_names", None) or kernel.fn.arg_names
-    off = {"Rng": None, "Sinks": None, "SOFTCAP": 0.0, "DROPOUT_P": 0.0}
-    on = {"dropout": {"DROPOUT_P": 0.1}, "softcap": {"SOFTCAP": 30.0}, "sinks": {}}
+    off = {"Rng": None, "Sinks": None, "SOFTCAP": 0.0, "DROPOUT_P": 0.0, "SHARE_DRAW": 0}
+    on = {"dropout": {"DROPOUT_P": 0.1, **({"SHARE_DRAW": 1} if "SHARE_DRAW" in names else {})},   # as on sm_90
+          "softcap": {"SOFTCAP": 30.0}, "sinks": {}}
     drop = {"dropout": "Rng", "sinks": "Sinks"}
     args = {**off, **{k: v for s in scores for k, v in on[s].items()}}
     return {k: v for k, v in args.items() if k in names and k not in {drop.get(s) for s in scores}}
