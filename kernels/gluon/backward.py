@@ -317,10 +317,11 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     else:   # capped or dropped scores need S^T and dP^T as they are
         s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        lse2 = _row_vector(lse_bufs.index(s), s_layout)
     if DROPOUT_P > 0:   # the forward's mask, drawn while the tensor cores compute S^T and dP^T
         keep_t = _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N, BLOCK_M, s_layout, DROPOUT_P)
     s_t = warpgroup_mma_wait(1, deps=(s_t,))
+    if not FOLDED:
+        lse2 = _row_vector(lse_bufs.index(s), s_layout)
     if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
         u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
         p_t = gl.exp2(u * (SOFTCAP * LOG2E) - lse2[None, :])
