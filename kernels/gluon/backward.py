@@ -306,7 +306,13 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     FOLDED: gl.constexpr = SOFTCAP == 0 and DROPOUT_P == 0
-    if FOLDED:   # the accumulators start at -L2 / qk_scale and -Delta, so no row vector outlives the
+    if SOFTCAP > 0 and DROPOUT_P == 0:   # capped scores need S^T as it is; Delta still folds into dP^T
+        delta = _row_vector(delta_bufs.index(s), s_layout)
+        dp_init = _own(zero_s - delta[None, :])
+        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), dp_init, is_async=True)
+        lse2 = _row_vector(lse_bufs.index(s), s_layout)
+    elif FOLDED:   # the accumulators start at -L2 / qk_scale and -Delta, so no row vector outlives the
         # issue; both starting tiles are written before the first wgmma, so none waits for the other
         lse2 = _row_vector(lse_bufs.index(s), s_layout)
         delta = _row_vector(delta_bufs.index(s), s_layout)
@@ -346,7 +352,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         p_t = p_t * (1.0 - u * u)
     if DV_EARLY:   # dV queued behind dP^T: the tensor cores run it while dS is computed and stored
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-    if not FOLDED:
+    if DROPOUT_P > 0:
         delta = _row_vector(delta_bufs.index(s), s_layout)
     if DV_EARLY:
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
@@ -354,10 +360,8 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
     if DROPOUT_P > 0:   # dS = P (dL/dP - Delta), dL/dP 0 where dropped, scaled by 1 / (1 - p) where kept
         ds_t = (gl.maximum(p_t, 0.0) * dp_t * (1.0 / (1.0 - DROPOUT_P)) - gl.abs(p_t) * delta[None, :]).to(k_s.dtype)
-    elif FOLDED:   # dp_t is dP^T - Delta
+    else:   # dp_t is dP^T - Delta
         ds_t = (p_t * dp_t).to(k_s.dtype)
-    else:
-        ds_t = (p_t * (dp_t - delta[None, :])).to(k_s.dtype)
     ds_s.store(ds_t)
     if not DV_EARLY:
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
