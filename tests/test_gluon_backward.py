@@ -256,5 +256,5 @@ def test_backward_compiles_for_sm90():
         # no wgmma waits for an earlier one (ptxas' C7517: kernels/LOG.md, the starting tiles' `_own`), and the
         # step that runs most (the last loop body: unmasked), plain or soft-capped, keeps its spills out of the loop
         assert not row["wgmma_wait_injected"] and len(row["steps"]) >= 2, row
-        if not row.get("dropout_p"):   # plain 1-5 (triton 3.6 and 3.9); soft-capped 1 under 3.6, 29 under 3.9
+        if not row.get("dropout_p"):   # plain 1-5 (triton 3.6 and 3.9); soft-capped 1 under 3.6, 23 under 3.9
             assert row["steps"][-1]["LDL"] + row["steps"][-1]["STL"] <= (32 if row.get("softcap") else 8), row

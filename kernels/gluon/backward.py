@@ -68,7 +68,7 @@ accumulator in q's dtype and layout (and `gluon_bwd_dkdv_kernel` sums GQA's dK/d
 
 Soft-capping (kernels/scores.py): S^T is capped as the forward capped it, P^T follows from the capped
 scores, and the cap's derivative 1 - tanh^2 is folded into the P^T that dS^T reads; in a 128-query
-step that P' is held as float16 pairs (`_packed_scale`).
+step that P' is held as float16 pairs (`packed_p_scale`).
 
 Dropout (kernels/scores.py): each step regenerates the forward's keep mask of its S^T tile from the
 call's seed, with the same Philox calls the Triton kernels make, between issuing the S^T and dP^T
@@ -85,6 +85,7 @@ tile's keys are never visited, and only those that see some but not all run the 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -114,13 +115,13 @@ TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False,
 SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
 # Dropout keeps its keep mask alive from S^T's issue to P^T: at head dim 64 the 128-query step then
 # spills ~850 B a thread (ptxas, triton 3.6), the 64-query one nothing, so dropout calls take it.
-# Soft-capped ones keep 128 queries, their P' packed (_packed_scale).
+# Soft-capped ones keep 128 queries, their P' packed (packed_p_scale).
 SCORE_TILES = {64: dict(BLOCK_M=64)}
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.
 SPLIT_MAX_BYTES = 2 << 30
-LOG2_P_SCALE: gl.constexpr = gl.constexpr(15)   # _packed_scale's factor, 2^15: P' <= 1 stays below float16's 65504
+LOG2_P_SCALE = 15   # packed_p_scale's factor, 2^15: P' <= 1 stays below float16's 65504
 DKDV_ROWS = 32   # key rows per program of the shares' sum (two float32 tiles in registers)
 CONSUMER_WARPS = 8                               # two warpgroups
 WORKER_REGS: gl.constexpr = gl.constexpr(24)     # producer and dQ writer; setmaxnreg gives the rest to the consumers
@@ -143,10 +144,11 @@ def _query_tile(n_heads, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
 def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
                           stride_ob, stride_on, stride_oh, stride_od,
                           stride_dob, stride_don, stride_doh, stride_dod,
-                          n_heads, n_q, n_q_pad,
+                          n_heads, n_q, n_q_pad, l2_shift,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One (query tile, batch x head) program: its Delta and L2 rows (padded rows: 0 and +inf), its
-    zeroed dQ accumulator rows and counter. Program (0, 0) resets the ticket counter."""
+    """One (query tile, batch x head) program: its Delta and L2 - l2_shift rows (padded rows: 0 and
+    +inf; l2_shift: log2 of a packed P's factor, packed_p_scale), its zeroed dQ accumulator rows and
+    counter. Program (0, 0) resets the ticket counter."""
     pid_m, pid_bh, b, h, rows, cols = _query_tile(n_heads, BLOCK_M, HEAD_DIM)
     in_q = (rows < n_q)[:, None]
     o = tl.load(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
@@ -155,7 +157,7 @@ def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
                  mask=in_q, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(Lse + pid_bh.to(tl.int64) * n_q + rows, mask=rows < n_q, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E - l2_shift)
     row0 = pid_bh.to(tl.int64) * n_q_pad
     tl.store(Delta + row0 + rows, delta)
     tl.store(Lse2 + row0 + rows, lse2)
@@ -213,14 +215,15 @@ def _acc_layout(rows, cols, num_warps):
 
 
 @gluon.constexpr_function
-def _packed_scale(softcap, dropout_p, block_m, dtype):
+def packed_p_scale(softcap, dropout_p, block_m, dtype):
     """The factor a packed P' carries (0.0: no packing). A 128-query soft-capped step (no dropout)
     holds P' = P (1 - u^2), the P that dS^T reads, as float16 pairs, 32 registers where float32 took
     64: ptxas then spills 1 load or store in the unmasked step rather than 159 (triton 3.6, head
-    dim 64; kernels/LOG.md). With bf16 inputs P' is scaled by 2^15 so that rows of a long context,
-    whose P are ~1/N, stay normal float16 (down to ~2e-9, not 6e-5); dS^T carries the factor into
-    the bf16 operands and dQ's and dK's float32 sums, which drop it when stored. float16 inputs'
-    dS^T could overflow with it, and their own P have float16's range anyway: no factor."""
+    dim 64; kernels/LOG.md). With bf16 inputs the step computes 2^15 P (the prologue writes L2 - 15)
+    so that rows of a long context, whose P are ~1/N, stay normal float16 (down to ~2e-9, not 6e-5);
+    dV's operand and dS^T carry the factor into dV, dK and dQ, which drop it when stored (the
+    program's end, the epilogue). float16 inputs' dS^T could overflow with it, and their own P have
+    float16's range anyway: no factor."""
     if softcap == 0 or dropout_p > 0 or block_m < 128:
         return 0.0
     return 2.0 ** LOG2_P_SCALE if dtype == gl.bfloat16 else 1.0
@@ -322,7 +325,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     FOLDED: gl.constexpr = SOFTCAP == 0 and DROPOUT_P == 0
-    P_SCALE: gl.constexpr = _packed_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
+    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
     if SOFTCAP > 0 and DROPOUT_P == 0:   # capped scores need S^T as it is; Delta still folds into dP^T
         delta = _row_vector(delta_bufs.index(s), s_layout)
         dp_init = _own(zero_s - delta[None, :])
@@ -349,8 +352,6 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
         if BLOCK_M == 128 and DROPOUT_P == 0:   # read at its use: 380 -> 240 B of spills (3.6, causal)
             lse2 = _row_vector(lse_bufs.index(s), s_layout)
-        if P_SCALE > 1:   # P_SCALE P: its exponent raised by log2(P_SCALE) (dV, dK, dQ drop it at their end)
-            lse2 = lse2 - LOG2_P_SCALE
         p_t = gl.exp2(u * (SOFTCAP * LOG2E) - lse2[None, :])
     elif FOLDED:   # s_t is S^T - L2 / qk_scale
         p_t = gl.exp2(s_t * qk_scale)
@@ -371,7 +372,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     else:
         p_op = gl.convert_layout(p_t.to(k_s.dtype), a_layout)
     if SOFTCAP > 0:   # dS = P (dP - Delta) (1 - u^2): fold the cap's derivative into the P that dS reads
-        if P_SCALE > 0:   # packed: float16 pairs, scaled (_packed_scale)
+        if P_SCALE > 0:   # packed: float16 pairs (packed_p_scale; with bf16 the prologue's L2 made P 2^15 P)
             p_t = (p_t * (1.0 - u * u)).to(gl.float16)
         else:
             p_t = p_t * (1.0 - u * u)
@@ -386,7 +387,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     if DROPOUT_P > 0:   # dS = P (dL/dP - Delta), dL/dP 0 where dropped, scaled by 1 / (1 - p) where kept
         ds_t = (gl.maximum(p_t, 0.0) * dp_t * (1.0 / (1.0 - DROPOUT_P)) - gl.abs(p_t) * delta[None, :]).to(k_s.dtype)
     else:   # dp_t is dP^T - Delta
-        ds_t = (p_t.to(gl.float32) * dp_t).to(k_s.dtype)   # with P_SCALE > 0, P_SCALE dS
+        ds_t = (p_t.to(gl.float32) * dp_t).to(k_s.dtype)   # with P_SCALE > 1, P_SCALE dS
     ds_s.store(ds_t)
     if not DV_EARLY:
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
@@ -402,14 +403,12 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     jb = i % DQ_BUFS
     if DQ_OVERLAP:   # dQ stored while dK still runs
         dq, dv, p_op = warpgroup_mma_wait(1, deps=(dq, dv, p_op))
-        dq = _unscaled(dq, P_SCALE)
         mbarrier.wait(dq_empty.index(jb), ((i // DQ_BUFS) & 1) ^ 1)   # the writer is done with its last use
         dq_bufs.index(jb).store(dq)
         fence_async_shared()
         dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
     else:
         dq, dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_op, ds_op))
-        dq = _unscaled(dq, P_SCALE)
         mbarrier.wait(dq_empty.index(jb), ((i // DQ_BUFS) & 1) ^ 1)
         dq_bufs.index(jb).store(dq)
         fence_async_shared()
@@ -421,7 +420,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
 
 @gluon.jit
 def _unscaled(x, P_SCALE: gl.constexpr):
-    """x without the packed P's factor (_packed_scale) that dS^T carried into it."""
+    """x without the packed P's factor (packed_p_scale) that dV's operand or dS^T carried into it."""
     if P_SCALE > 1:
         x = x * (1.0 / P_SCALE)
     return x
@@ -482,7 +481,7 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, CAUSAL: gl.cons
         mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
     if DROPOUT_P > 0:
         dv = dv * (1.0 / (1.0 - DROPOUT_P))
-    P_SCALE: gl.constexpr = _packed_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
+    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
     return _unscaled(dk, P_SCALE), _unscaled(dv, P_SCALE)
 
 
@@ -786,8 +785,10 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
         split = split_group(B, H, h_kv, n_k, D)
     shares = torch.empty((2, B * H, n_k, D), dtype=torch.float32, device=dev) if split else (dq_acc, dq_acc)
 
+    p_scale = max(1.0, packed_p_scale(softcap, dropout_p, block_m, _GL_DTYPES[q.dtype]))
     launch(gluon_bwd_prep_kernel, (n_m, B * H),
-           (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad),
+           (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad,
+            math.log2(p_scale)),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-prep", *key))
     qlay, klay, llay, dqlay = _layouts(q.dtype, block_m, block_n, D)
     q_block, k_block = [1, block_m, 1, D], [1, block_n, 1, D]
@@ -807,7 +808,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,
                                                                            scale),
                dict(HEAD_DIM=D, BLOCK_N=DKDV_ROWS, num_warps=4), cache, ("gluon-bwd-dkdv", *key))
-    launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, scale),
+    launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, scale / p_scale),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-dq", *key))
     return dq, dk, dv, rows[1].view(B, H, n_q_pad)[..., :n_q]   # Delta, for the sinks' gradient
 
@@ -827,7 +828,7 @@ def compile_aux_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
                 signature[name] = "constexpr"
             elif name.startswith("stride_") or name.startswith("n_"):
                 signature[name] = "i32"
-            elif name == "sm_scale":
+            elif name in ("sm_scale", "l2_shift"):
                 signature[name] = "fp32"
             else:
                 signature[name] = "*" + pointers.get(name, "fp32")
