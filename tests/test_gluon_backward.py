@@ -101,12 +101,12 @@ def test_gqa_split_decision():
 
 
 def test_tile_config_layers():
-    """A call's tiles: the head dim's, then the score options' (soft-capping, dropout), then a
-    benchmark's own config, each overriding the last, the same key included."""
+    """A call's tiles: the head dim's, then dropout's, then a benchmark's own config, each overriding
+    the last, the same key included."""
     from kernels.gluon.backward import TILES, config_for
-    assert config_for(64) == TILES[64] and config_for(64, scores=True)["BLOCK_M"] == 64
-    assert config_for(64, scores=True, config=dict(BLOCK_M=128))["BLOCK_M"] == 128
-    assert config_for(128, scores=True) == TILES[128]
+    assert config_for(64) == TILES[64] and config_for(64, dropout=True)["BLOCK_M"] == 64
+    assert config_for(64, dropout=True, config=dict(BLOCK_M=128))["BLOCK_M"] == 128
+    assert config_for(128, dropout=True) == TILES[128]
 
 
 @requires_hopper
@@ -243,6 +243,8 @@ def test_backward_compiles_for_sm90():
     # GQA's split programs, soft-capping and dropout, together (one compile per head dim for all three)
     variants += [dict(head_dim=d, causal=True, deterministic=True, softcap=50.0, dropout_p=0.1,
                       config=dict(SPLIT_GROUP=True)) for d in (64, 128)]
+    # soft-capping alone at head dim 64: the 128-query step with P' packed (float16 pairs)
+    variants += [dict(head_dim=64, causal=True, deterministic=True, softcap=50.0)]
     rows = compile_variants(variants)
     assert [r["head_dim"] for r in rows if r.get("kernel") == "aux"] == [64, 64, 64, 128, 128, 128]
     assert [r["wgmma"] > 0 for r in rows if r.get("kernel") == "v1"] == [True]
@@ -252,7 +254,7 @@ def test_backward_compiles_for_sm90():
         # triton 3.6 (the GPU's), 468 under 3.9
         assert row["spill_bytes"] <= (512 if row["head_dim"] == 64 or row.get("softcap") else 128), row
         # no wgmma waits for an earlier one (ptxas' C7517: kernels/LOG.md, the starting tiles' `_own`), and the
-        # plain step that runs most (the last loop body: unmasked) keeps its spills out of the loop
+        # step that runs most (the last loop body: unmasked), plain or soft-capped, keeps its spills out of the loop
         assert not row["wgmma_wait_injected"] and len(row["steps"]) >= 2, row
-        if not row.get("softcap"):
-            assert row["steps"][-1]["LDL"] + row["steps"][-1]["STL"] <= 8, row
+        if not row.get("dropout_p"):   # plain 1-5 (triton 3.6 and 3.9); soft-capped 1 under 3.6, 23 under 3.9
+            assert row["steps"][-1]["LDL"] + row["steps"][-1]["STL"] <= (32 if row.get("softcap") else 8), row

@@ -67,7 +67,8 @@ accumulator and the counters; the main kernel; `gluon_bwd_dq_kernel` writes dQ =
 accumulator in q's dtype and layout (and `gluon_bwd_dkdv_kernel` sums GQA's dK/dV shares).
 
 Soft-capping (kernels/scores.py): S^T is capped as the forward capped it, P^T follows from the capped
-scores, and the cap's derivative 1 - tanh^2 is folded into the P^T that dS^T reads.
+scores, and the cap's derivative 1 - tanh^2 is folded into the P^T that dS^T reads; in a 128-query
+step that P' is held as float16 pairs (`packed_p_scale`).
 
 Dropout (kernels/scores.py): each step regenerates the forward's keep mask of its S^T tile from the
 call's seed, with the same Philox calls the Triton kernels make, between issuing the S^T and dP^T
@@ -77,13 +78,14 @@ the dP^T wait: dV sums max(P^T, 0), the dropped P^T (its 1 / (1 - p) applied onc
 dV), and dS^T = P^T (dL/dP^T - Delta) with dL/dP^T = dP^T / (1 - p) where kept and 0 where dropped
 is s max(P^T, 0) dP^T - |P^T| Delta, s = 1 / (1 - p).
 
-Tiles (TILES): head dim 64, 128 queries x 128 keys (64 x 128 when soft-capped: SOFTCAP_TILES); head
+Tiles (TILES): head dim 64, 128 queries x 128 keys (64 x 128 with dropout: SCORE_TILES); head
 dim 128, 64 x 128 (the dK, dV, S^T and dP^T accumulators and the dQ tile must fit 240 registers). Causal: query tiles that see none of a key
 tile's keys are never visited, and only those that see some but not all run the masked step.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -111,14 +113,15 @@ TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False,
          128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
                   HANDOFF_AT_END=True)}
 SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
-# Soft-capping keeps tanh's tile alive from S^T to dS^T, and dropout its keep mask: at head dim 64
-# the 128-query step then spills ~1 KB a thread (ptxas, triton 3.6), the 64-query one nothing, so
-# soft-capped and dropout calls take it.
+# Dropout keeps its keep mask alive from S^T's issue to P^T: at head dim 64 the 128-query step then
+# spills ~850 B a thread (ptxas, triton 3.6), the 64-query one nothing, so dropout calls take it.
+# Soft-capped ones keep 128 queries, their P' packed (packed_p_scale).
 SCORE_TILES = {64: dict(BLOCK_M=64)}
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.
 SPLIT_MAX_BYTES = 2 << 30
+LOG2_P_SCALE = 15   # packed_p_scale's factor, 2^15: P' <= 1 stays below float16's 65504
 DKDV_ROWS = 32   # key rows per program of the shares' sum (two float32 tiles in registers)
 CONSUMER_WARPS = 8                               # two warpgroups
 WORKER_REGS: gl.constexpr = gl.constexpr(24)     # producer and dQ writer; setmaxnreg gives the rest to the consumers
@@ -141,10 +144,11 @@ def _query_tile(n_heads, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
 def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
                           stride_ob, stride_on, stride_oh, stride_od,
                           stride_dob, stride_don, stride_doh, stride_dod,
-                          n_heads, n_q, n_q_pad,
+                          n_heads, n_q, n_q_pad, l2_shift,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One (query tile, batch x head) program: its Delta and L2 rows (padded rows: 0 and +inf), its
-    zeroed dQ accumulator rows and counter. Program (0, 0) resets the ticket counter."""
+    """One (query tile, batch x head) program: its Delta and L2 - l2_shift rows (padded rows: 0 and
+    +inf; l2_shift: log2 of a packed P's factor, packed_p_scale), its zeroed dQ accumulator rows and
+    counter. Program (0, 0) resets the ticket counter."""
     pid_m, pid_bh, b, h, rows, cols = _query_tile(n_heads, BLOCK_M, HEAD_DIM)
     in_q = (rows < n_q)[:, None]
     o = tl.load(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
@@ -153,7 +157,7 @@ def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
                  mask=in_q, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(Lse + pid_bh.to(tl.int64) * n_q + rows, mask=rows < n_q, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E - l2_shift)
     row0 = pid_bh.to(tl.int64) * n_q_pad
     tl.store(Delta + row0 + rows, delta)
     tl.store(Lse2 + row0 + rows, lse2)
@@ -208,6 +212,21 @@ def _acc_layout(rows, cols, num_warps):
     warps_n = num_warps // warps_m
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n],
                                      instr_shape=[16, cols // warps_n, 16])
+
+
+@gluon.constexpr_function
+def packed_p_scale(softcap, dropout_p, block_m, dtype):
+    """The factor a packed P' carries (0.0: no packing). A 128-query soft-capped step (no dropout)
+    holds P' = P (1 - u^2), the P that dS^T reads, as float16 pairs, 32 registers where float32 took
+    64: ptxas then spills 1 load or store in the unmasked step rather than 159 (triton 3.6, head
+    dim 64; kernels/LOG.md). With bf16 inputs the step computes 2^15 P (the prologue writes L2 - 15)
+    so that rows of a long context, whose P are ~1/N, stay normal float16 (down to ~2e-9, not 6e-5);
+    dV's operand and dS^T carry the factor into dV, dK and dQ, which drop it when stored (the
+    program's end, the epilogue). float16 inputs' dS^T could overflow with it, and their own P have
+    float16's range anyway: no factor."""
+    if softcap == 0 or dropout_p > 0 or block_m < 128:
+        return 0.0
+    return 2.0 ** LOG2_P_SCALE if dtype == gl.bfloat16 else 1.0
 
 
 @gluon.jit
@@ -306,7 +325,13 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     FOLDED: gl.constexpr = SOFTCAP == 0 and DROPOUT_P == 0
-    if FOLDED:   # the accumulators start at -L2 / qk_scale and -Delta, so no row vector outlives the
+    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
+    if SOFTCAP > 0 and DROPOUT_P == 0:   # capped scores need S^T as it is; Delta still folds into dP^T
+        delta = _row_vector(delta_bufs.index(s), s_layout)
+        dp_init = _own(zero_s - delta[None, :])
+        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), dp_init, is_async=True)
+    elif FOLDED:   # the accumulators start at -L2 / qk_scale and -Delta, so no row vector outlives the
         # issue; both starting tiles are written before the first wgmma, so none waits for the other
         lse2 = _row_vector(lse_bufs.index(s), s_layout)
         delta = _row_vector(delta_bufs.index(s), s_layout)
@@ -320,7 +345,8 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     if DROPOUT_P > 0:   # the forward's mask, drawn while the tensor cores compute S^T and dP^T
         keep_t = _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N, BLOCK_M, s_layout, DROPOUT_P)
     s_t = warpgroup_mma_wait(1, deps=(s_t,))
-    if not FOLDED:
+    if not FOLDED:   # L2 read at its use: beside the issue its 32 registers stayed live through the keep
+        # mask's draw and tanh's tile (128 queries: dropout's spills 99 -> 30 loads and stores a step)
         lse2 = _row_vector(lse_bufs.index(s), s_layout)
     if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
         u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
@@ -346,10 +372,13 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     else:
         p_op = gl.convert_layout(p_t.to(k_s.dtype), a_layout)
     if SOFTCAP > 0:   # dS = P (dP - Delta) (1 - u^2): fold the cap's derivative into the P that dS reads
-        p_t = p_t * (1.0 - u * u)
+        if P_SCALE > 0:   # packed: float16 pairs (packed_p_scale; with bf16 the prologue's L2 made P 2^15 P)
+            p_t = (p_t * (1.0 - u * u)).to(gl.float16)
+        else:
+            p_t = p_t * (1.0 - u * u)
     if DV_EARLY:   # dV queued behind dP^T: the tensor cores run it while dS is computed and stored
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-    if not FOLDED:
+    if DROPOUT_P > 0:
         delta = _row_vector(delta_bufs.index(s), s_layout)
     if DV_EARLY:
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
@@ -358,10 +387,8 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     if DROPOUT_P > 0:   # dS = P (dL/dP - Delta), dL/dP 0 where dropped, scaled by 1 / (1 - p) where kept:
         # here (1 - p) dS, whose 1 / (1 - p) joins dQ's and dK's final scale (launch_backward)
         ds_t = (gl.maximum(p_t, 0.0) * dp_t - gl.abs(p_t) * (delta * (1.0 - DROPOUT_P))[None, :]).to(k_s.dtype)
-    elif FOLDED:   # dp_t is dP^T - Delta
-        ds_t = (p_t * dp_t).to(k_s.dtype)
-    else:
-        ds_t = (p_t * (dp_t - delta[None, :])).to(k_s.dtype)
+    else:   # dp_t is dP^T - Delta
+        ds_t = (p_t.to(gl.float32) * dp_t).to(k_s.dtype)   # with P_SCALE > 1, P_SCALE dS
     ds_s.store(ds_t)
     if not DV_EARLY:
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
@@ -390,6 +417,14 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         compat.thread_barrier()
         mbarrier.arrive(step_done.index(i % 2), count=1)
     return dk, dv
+
+
+@gluon.jit
+def _unscaled(x, P_SCALE: gl.constexpr):
+    """x without the packed P's factor (packed_p_scale) that dV's operand or dS^T carried into it."""
+    if P_SCALE > 1:
+        x = x * (1.0 / P_SCALE)
+    return x
 
 
 @gluon.jit
@@ -457,7 +492,8 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, CAUSAL: gl.cons
         mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
     if DROPOUT_P > 0:
         dv = dv * (1.0 / (1.0 - DROPOUT_P))
-    return dk, dv
+    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
+    return _unscaled(dk, P_SCALE), _unscaled(dv, P_SCALE)
 
 
 @gluon.jit
@@ -634,15 +670,14 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def config_for(head_dim: int, scores: bool = False, config: dict | None = None) -> dict:
-    """TILES of a head dim, with SCORE_TILES' changes for soft-capped or dropout calls (`scores`) and
-    `config`'s on top."""
-    return {**TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if scores else {}), **(config or {})}
+def config_for(head_dim: int, dropout: bool = False, config: dict | None = None) -> dict:
+    """TILES of a head dim, with SCORE_TILES' changes for dropout calls and `config`'s on top."""
+    return {**TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if dropout else {}), **(config or {})}
 
 
-def tiles(head_dim: int, scores: bool = False) -> str:
-    """The tiles of a head dim, as a kernel plan names them (`scores`: soft-capped or dropout)."""
-    cfg = config_for(head_dim, scores)
+def tiles(head_dim: int, dropout: bool = False) -> str:
+    """The tiles of a head dim, as a kernel plan names them."""
+    cfg = config_for(head_dim, dropout)
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}, {cfg['STAGES']} stages"
 
 
@@ -671,7 +706,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = config_for(head_dim, softcap > 0 or dropout_p > 0, config)
+    cfg = config_for(head_dim, dropout_p > 0, config)
     qlay, klay, llay, dqlay = _layouts(dtype, cfg["BLOCK_M"], cfg["BLOCK_N"], head_dim)
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -740,7 +775,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     (laid out as q, k, v), or None."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    cfg = config_for(D, softcap > 0 or dropout_p > 0, config)
+    cfg = config_for(D, dropout_p > 0, config)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     n_m = cdiv(n_q, block_m)
     n_q_pad = n_m * block_m
@@ -762,8 +797,10 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
         split = split_group(B, H, h_kv, n_k, D)
     shares = torch.empty((2, B * H, n_k, D), dtype=torch.float32, device=dev) if split else (dq_acc, dq_acc)
 
+    p_scale = max(1.0, packed_p_scale(softcap, dropout_p, block_m, _GL_DTYPES[q.dtype]))
     launch(gluon_bwd_prep_kernel, (n_m, B * H),
-           (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad),
+           (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad,
+            math.log2(p_scale)),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-prep", *key))
     qlay, klay, llay, dqlay = _layouts(q.dtype, block_m, block_n, D)
     q_block, k_block = [1, block_m, 1, D], [1, block_n, 1, D]
@@ -784,7 +821,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,
                                                                            grad_scale),
                dict(HEAD_DIM=D, BLOCK_N=DKDV_ROWS, num_warps=4), cache, ("gluon-bwd-dkdv", *key))
-    launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, grad_scale),
+    launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, grad_scale / p_scale),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-dq", *key))
     return dq, dk, dv, rows[1].view(B, H, n_q_pad)[..., :n_q]   # Delta, for the sinks' gradient
 
@@ -804,7 +841,7 @@ def compile_aux_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
                 signature[name] = "constexpr"
             elif name.startswith("stride_") or name.startswith("n_"):
                 signature[name] = "i32"
-            elif name == "sm_scale":
+            elif name in ("sm_scale", "l2_shift"):
                 signature[name] = "fp32"
             else:
                 signature[name] = "*" + pointers.get(name, "fp32")
