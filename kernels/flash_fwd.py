@@ -42,9 +42,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.scores import dropout_draw, dropout_seed_of, kept, sink_start, softcap_scores
-from kernels.tiles import (LN2, key_ranges, load_tile, mask_row, query_program, row_key_bounds, stage_range, store_tile, tile_offsets,
-                           visible)
+from kernels.scores import dropout_draw, dropout_seed_of, kept, sink_start, softcap_tanh
+from kernels.tiles import (LN2, LOG2E, key_ranges, load_tile, mask_row, query_program, row_key_bounds, stage_range,
+                           store_tile, tile_offsets, visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
 
 
@@ -57,9 +57,9 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; scaled below
     scale = qk_scale
-    if SOFTCAP > 0:  # c tanh(scale s / c), already in the log2 domain (kernels/scores.py)
-        s, _ = softcap_scores(s, qk_scale, SOFTCAP, q.dtype)
-        scale = 1.0
+    if SOFTCAP > 0:  # c tanh(scale s / c): u = tanh(scale s / c) here, and c log2(e) its scale below
+        s = softcap_tanh(s, qk_scale, SOFTCAP, q.dtype)   # (kernels/scores.py), one FMA a score for P
+        scale = SOFTCAP * LOG2E
     if MASK:  # row i sees keys [row_lo_i, row_hi_i), which lies within [0, n_k)
         s = tl.where(visible(start_n + offs_n, row_lo, row_hi), s, float("-inf"))
     # The running max lives in the scaled log2 domain. Scaling the row max (qk_scale > 0,

@@ -95,14 +95,24 @@ def hardware_tanh(x):
 def softcap_scores(dots, qk_scale, SOFTCAP: tl.constexpr, INPUT_DTYPE: tl.constexpr):
     """(c tanh(s / c) log2(e), u = tanh(s / c)) of raw products `dots` = q.k, where s = scale q.k and
     qk_scale = scale log2(e), c = SOFTCAP: the capped scores in the kernels' base-2 domain, and the
-    tanh whose 1 - u^2 is the cap's derivative. INPUT_DTYPE, q's: 16-bit inputs on a GPU take the
-    hardware's tanh, float32 ones the polynomial (see the module's docstring)."""
+    tanh whose 1 - u^2 is the cap's derivative."""
+    u = softcap_tanh(dots, qk_scale, SOFTCAP, INPUT_DTYPE)
+    return u * (SOFTCAP * LOG2E), u
+
+
+@triton.jit
+def softcap_tanh(dots, qk_scale, SOFTCAP: tl.constexpr, INPUT_DTYPE: tl.constexpr):
+    """u = tanh(s / c) of raw products `dots`, as `softcap_scores`. A forward scales u by c log2(e)
+    where it scales raw scores by qk_scale: in its row max (c > 0, so max(u) c log2(e) is the max of
+    the capped scores) and in P's exponent, one FMA with the max as without the cap, where the
+    capped tile itself, kept for the max, cost a multiply a score more (kernels/LOG.md, 2026-12-05).
+    INPUT_DTYPE, q's: 16-bit inputs on a GPU take the hardware's tanh, float32 ones the polynomial
+    (see the module's docstring)."""
     x = dots * (qk_scale / (SOFTCAP * LOG2E))
     if PTX and INPUT_DTYPE != tl.float32:
-        u = hardware_tanh(x)
+        return hardware_tanh(x)
     else:
-        u = tanh(x)
-    return u * (SOFTCAP * LOG2E), u
+        return tanh(x)
 
 
 # ---- sinks -------------------------------------------------------------------------------------

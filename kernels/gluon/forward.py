@@ -112,9 +112,9 @@ def _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL: gl.constexpr, 
     with P = exp2(s * scale - m_new) and alpha = exp2(m_old - m_new), the factor by which the running
     sum and accumulator shrink. MASK: key j of row i counts iff j < n_k (and j <= i + shift, causal).
     SOFTCAP > 0: the scores are c tanh(scale s / c) first, in the log2 domain (kernels/scores.py)."""
-    if SOFTCAP > 0:
-        s = hardware_tanh(s * (qk_scale / (SOFTCAP * LOG2E))) * (SOFTCAP * LOG2E)
-        qk_scale = 1.0
+    if SOFTCAP > 0:   # u = tanh(scale s / c), scaled by c log2(e) as raw scores are by qk_scale (softcap_tanh)
+        s = hardware_tanh(s * (qk_scale / (SOFTCAP * LOG2E)))
+        qk_scale = SOFTCAP * LOG2E
     if MASK:
         cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
         visible = cols[None, :] < n_k
