@@ -114,8 +114,9 @@ TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False,
                   HANDOFF_AT_END=True)}
 SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
 # Dropout keeps its keep mask alive from S^T's issue to P^T: at head dim 64 the 128-query step then
-# spills ~850 B a thread (ptxas, triton 3.6), the 64-query one nothing, so dropout calls take it.
-# Soft-capped ones keep 128 queries, their P' packed (packed_p_scale).
+# spills 30 loads and stores a step (ptxas, triton 3.6), the 64-query one none, and is slower (backward
+# 0.937 against 0.896 ms at 4K; benchmarks/attention/score_options_ab_h200.md), so dropout calls take
+# the 64-query step. Soft-capped ones keep 128 queries, their P' packed (packed_p_scale).
 SCORE_TILES = {64: dict(BLOCK_M=64)}
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
