@@ -49,7 +49,8 @@ neither vector lives past the issue. At head dim 64 and 128 x 128 that cut ptxas
 mask, about 1% at head dim 128; kernels/LOG.md, 2026-12-04 late). The subtraction moves into the
 tensor cores' float32 sums, whose rounding is at the scale of L2 / (scale log2 e): an error of a
 few units of L2's last place in P's exponent, far below the 16-bit P^T and dS^T the matmuls take.
-Capped and dropout steps need S^T and dP^T as they are and keep the vectors.
+Dropout steps need S^T and dP^T as they are and keep both vectors; capped ones need S^T as it is
+and keep L2 (read after S^T's wait), but start dP^T at -Delta.
 
 dQ. Query tile m of head h receives one dQ share from every key tile that sees it, key tiles
 c(m) .. 0 (c(m) the last one, the causal diagonal; all key tiles without a mask). The writer adds
