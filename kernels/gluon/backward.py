@@ -341,7 +341,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         dp_init = _own(zero_s - delta[None, :])
         s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), s_init, is_async=True)
         dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), dp_init, is_async=True)
-    else:   # capped or dropped scores need S^T and dP^T as they are
+    else:   # dropped scores, capped or not, need S^T and dP^T as they are
         s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     if DROPOUT_P > 0:   # the forward's mask, drawn while the tensor cores compute S^T and dP^T
@@ -672,6 +672,13 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+@functools.cache
+def _launch_p_scale(softcap: float, dropout_p: float, block_m: int, dtype: torch.dtype) -> float:
+    """packed_p_scale for a launch, at least 1 (the prologue subtracts its log2 from L2, the epilogue
+    divides dQ's scale by it); cached, as the constexpr function's wrapper costs ~2.5 us a call."""
+    return max(1.0, packed_p_scale(softcap, dropout_p, block_m, _GL_DTYPES[dtype]))
+
+
 def config_for(head_dim: int, dropout: bool = False, config: dict | None = None) -> dict:
     """TILES of a head dim, with SCORE_TILES' changes for dropout calls and `config`'s on top."""
     return {**TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if dropout else {}), **(config or {})}
@@ -799,7 +806,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
         split = split_group(B, H, h_kv, n_k, D)
     shares = torch.empty((2, B * H, n_k, D), dtype=torch.float32, device=dev) if split else (dq_acc, dq_acc)
 
-    p_scale = max(1.0, packed_p_scale(softcap, dropout_p, block_m, _GL_DTYPES[q.dtype]))
+    p_scale = _launch_p_scale(softcap, dropout_p, block_m, q.dtype)
     launch(gluon_bwd_prep_kernel, (n_m, B * H),
            (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad,
             math.log2(p_scale)),
