@@ -256,20 +256,24 @@ def _shared_word(seed, offset, bh, start_q, q, start_k, k, zero, SHARE: tl.const
     if SHARE == 1:   # S: query bit 0 is the lane, keys pair on bit 4
         lane = q & 1
         pair = (k >> 4) & 1
-        word = _dropout_word(seed, offset, bh, start_q, q & ~9, start_k, (k & ~25) | (lane << 4), q, k, zero)
-        if PTX:
-            other = _partner(word)
-        else:
-            other = _dropout_word(seed, offset, bh, start_q, q & ~9, start_k, (k & ~25) | ((1 - lane) << 4), q, k, zero)
     else:            # S^T: key bit 0 is the lane, queries pair on bit 4
         lane = k & 1
         pair = (q >> 4) & 1
-        word = _dropout_word(seed, offset, bh, start_q, (q & ~25) | (lane << 4), start_k, k & ~9, q, k, zero)
-        if PTX:
-            other = _partner(word)
-        else:
-            other = _dropout_word(seed, offset, bh, start_q, (q & ~25) | ((1 - lane) << 4), start_k, k & ~9, q, k, zero)
+    word = _paired_word(seed, offset, bh, start_q, q, start_k, k, zero, lane, SHARE)
+    if PTX:
+        other = _partner(word)
+    else:
+        other = _paired_word(seed, offset, bh, start_q, q, start_k, k, zero, 1 - lane, SHARE)
     return tl.where(pair == lane, word, other)
+
+
+@triton.jit
+def _paired_word(seed, offset, bh, start_q, q, start_k, k, zero, bit, SHARE: tl.constexpr):
+    """`_dropout_word` of the call whose pairing bit (bit 4 of the key with SHARE=1, of the query
+    with SHARE=2) is `bit`."""
+    if SHARE == 1:
+        return _dropout_word(seed, offset, bh, start_q, q & ~9, start_k, (k & ~25) | (bit << 4), q, k, zero)
+    return _dropout_word(seed, offset, bh, start_q, (q & ~25) | (bit << 4), start_k, k & ~9, q, k, zero)
 
 
 @triton.jit
