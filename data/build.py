@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,15 +49,20 @@ class DataBundle:
 
 
 def build_data(cfg, data: dict, cache_dir: Path, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
-               progress: bool | None = None, seq_len_from: str = "trainer.seq_len") -> DataBundle:
+               progress: bool | None = None, seq_len_from: str = "trainer.seq_len",
+               check_tokenizer: Callable[[str], None] | None = None) -> DataBundle:
     """Everything the loop needs from `cfg.data` and `cfg.tokenizer`; tokenizes on first use.
 
     `data` is the `cfg.data` group already checked against the config's schema, its defaults
     filled in, and `cache_dir` a folder known to be writable: training.builders.build_data, which
-    every caller uses, does both before this is called."""
+    every caller uses, does both before this is called. check_tokenizer(fingerprint) runs once the
+    tokenizer is known and before the corpus is tokenized with it: a resume refuses another
+    tokenizer there, before the longest part of the work."""
     progress = rank == 0 if progress is None else progress
     source = build_source(cfg.data, cache_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, tokenizer_corpus(source), cache_dir, progress)
+    if check_tokenizer is not None:
+        check_tokenizer(tokenizer.fingerprint)
     source = source.for_tokenizer(tokenizer)
     cache = load_or_build(cache_dir, source, tokenizer, verify=data["verify_cache"], progress=progress)
 

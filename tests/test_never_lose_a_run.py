@@ -259,7 +259,7 @@ def test_changed_data_refuses_with_a_way_forward_and_allow_changed_records_it(tm
 def test_another_tokenizer_is_refused_even_where_changed_data_is_allowed(tmp_path, cache_dir, capsys):
     """A checkpoint's token ids mean its tokenizer's text: a resume that tokenizes otherwise (here
     bytes -> a BPE whose padded vocabulary has the same rows) is refused in one line naming both,
-    data.allow_changed or not."""
+    data.allow_changed or not, before the corpus is tokenized with the new one."""
     data_dir = corpus(tmp_path / "corpus")
     run_dir = tmp_path / "run"
     assert run_in_process(_drop_max_bytes(files_overrides(run_dir, cache_dir, data_dir))) == 0
@@ -269,6 +269,7 @@ def test_another_tokenizer_is_refused_even_where_changed_data_is_allowed(tmp_pat
         assert run_in_process(resume + ["tokenizer=bpe", "tokenizer.vocab_size=300", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert "was trained with tokenizer bytes, this run's is bpe" in err and "does not cover it" in err, err
+        assert [d.name for d in (cache_dir / "tokens").iterdir() if "bpe" in d.name] == []   # nothing tokenized
     assert run_in_process(resume) == 0   # the same tokenizer resumes
 
 

@@ -30,17 +30,18 @@ log = logging.getLogger("train")
 
 
 def build_data(cfg, seq_len: int, seed: int, rank: int = 0, world_size: int = 1, progress: bool | None = None,
-               seq_len_from: str = "trainer.seq_len"):
+               seq_len_from: str = "trainer.seq_len", check_tokenizer=None):
     """data.build_data for `cfg.data` and `cfg.tokenizer`, after the data group's types and ranges
     are checked (schema defaults filled in) and its cache folder is known to be writable.
-    seq_len_from: what set seq_len, as a refusal names it (a tool's flag, where not the config)."""
+    seq_len_from: what set seq_len, as a refusal names it (a tool's flag, where not the config);
+    check_tokenizer: data.build.build_data's."""
     from data.build import build_data as build
 
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be at least 1")
     data = check_group("data", cfg.data)
     cache_dir = ensure_writable(Path(str(cfg.data.cache_dir)), "data.cache_dir")  # before anything is built
-    return build(cfg, data, cache_dir, seq_len, seed, rank, world_size, progress, seq_len_from)
+    return build(cfg, data, cache_dir, seq_len, seed, rank, world_size, progress, seq_len_from, check_tokenizer)
 
 
 def build_model(cfg_model, vocab_size: int, attention: str, window: int | None = None,

@@ -41,7 +41,7 @@ from training.run.files import CONFIG, TOKENIZER, WEIGHTS, copy_in, write_text
 from training.run.lineage import record, recover, superseded_dir
 from training.run.lock import RunDirLock
 from training.run.report import RunReport
-from training.run.resume import plan_start, restore
+from training.run.resume import check_tokenizer, plan_start, restore
 from training.run.store import CheckpointStore, CheckpointWriteError
 
 log = logging.getLogger("train")
@@ -77,7 +77,8 @@ class Trainer:
         seed_everything(cfg.seed)
         self.data = plan.first_on_each_node(lambda: build_data(  # a CP group's ranks read the same windows
             cfg, seq_len=t.seq_len, seed=cfg.seed, rank=plan.dp_rank, world_size=plan.dp_size,
-            progress=plan.env.local_rank == 0))  # each node's builder reports its own node's cache
+            progress=plan.env.local_rank == 0,  # each node's builder reports its own node's cache
+            check_tokenizer=lambda fingerprint: check_tokenizer(self.start, fingerprint)))
         check_probe_lengths(list(t.get("passkey_probe") or []), self.data.tokenizer)
         model = model_from_config(cfg, self.data.vocab_size)
         if cfg.model.get("init_from") and not self.start.state:  # a resumed run's weights come from its checkpoint

@@ -351,15 +351,29 @@ def _content(tokenizer_fingerprint: str | None) -> str | None:
     return tokenizer_fingerprint.rsplit("-", 1)[-1] if tokenizer_fingerprint else tokenizer_fingerprint
 
 
+def check_tokenizer(start: Start, tokenizer_fingerprint: str | None) -> None:
+    """Refuse to continue the start's checkpoint with another tokenizer: its token ids would mean
+    other text, whatever `data.allow_changed` says. The trainer asks as soon as the tokenizer is
+    built (data.build.build_data's check_tokenizer), before the corpus is tokenized with it."""
+    if start.state is None:
+        return
+    saved_tok = _tokenizer_of(start.state["config"].get("run", {}).get("data_fingerprint"))
+    if saved_tok is not None and _content(saved_tok) != _content(tokenizer_fingerprint):
+        raise CheckpointError(f"checkpoint {start.checkpoint} was trained with tokenizer {saved_tok}, this run's is "
+                              f"{tokenizer_fingerprint}: its token ids would mean other text (data.allow_changed "
+                              f"does not cover it); resume with the checkpoint's tokenizer settings")
+
+
 def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictConfig) -> tuple[Restore, dict | None]:
     """The start's checkpoint put back into the plain model (its weights), the sampler and the RNGs,
     the rest held for once the parallel plan has wrapped the model (`Restore.finish`); with the data
     change to record (data_changes.jsonl, written once the run is accepted), or None. Nothing to put
     back for a fresh start.
 
-    Refuses another model config, another tokenizer (always), and a checkpoint of other data (the
-    sampler position would index different tokens) unless `data.allow_changed`, which continues at
-    the same point of the epoch on the new data.
+    Refuses another model config and a checkpoint of other data (the sampler position would index
+    different tokens) unless `data.allow_changed`, which continues at the same point of the epoch on
+    the new data. Another tokenizer was refused as soon as it was built, before the corpus was
+    tokenized with it (`check_tokenizer`).
     """
     if start.state is None:
         return Restore(), None
@@ -367,11 +381,6 @@ def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictCon
     check_model_config(path, state["config"].get("model", {}), model_cfg)
     saved_fp = state["config"].get("run", {}).get("data_fingerprint")
     sampler_state, change = state["sampler"], None
-    saved_tok, tok = _tokenizer_of(saved_fp), _tokenizer_of(data_fingerprint)
-    if saved_tok is not None and _content(saved_tok) != _content(tok):
-        raise CheckpointError(f"checkpoint {path} was trained with tokenizer {saved_tok}, this run's is {tok}: its "
-                              f"token ids would mean other text (data.allow_changed does not cover it); resume with "
-                              f"the checkpoint's tokenizer settings")
     if saved_fp != data_fingerprint:
         if not cfg.data.get("allow_changed", False):
             raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads "
