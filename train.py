@@ -164,7 +164,7 @@ def check_before_hydra(argv: list[str]) -> None:
     multirun, allowed = bool({"-m", "--multirun"} & set(argv)), os.environ.get(ALLOW_CALLBACKS) == "1"
     if allowed and not multirun:
         return
-    configs = composed_variants([a for a in argv if "=" in a])   # each value a job takes, composed once
+    configs = composed_variants([a for a in argv if "=" in a])   # each job (each value, past 32), composed once
     names = [] if allowed else hydra_callbacks(configs)
     if names:
         sys.exit(report(f"hydra.callbacks ({', '.join(names)}) would run code named in a config file before "

@@ -183,6 +183,24 @@ def test_multirun_sweep_runs_every_job(tmp_path, cache_dir):
     assert all(math.isfinite(loss) for j in jobs for _, loss, *_ in losses(j))
 
 
+def test_a_sweep_is_checked_job_by_job_for_combinations_no_value_breaks_alone():
+    """Each value below is valid with the other sweep at its first value; one job combines two that
+    are not (a window longer than the model's table). A sweep of up to CHECKED_JOBS jobs has each
+    job's config checked, so that one is refused, naming both values, before any job runs; a larger
+    sweep still has each of its values checked once."""
+    from training.config import CHECKED_JOBS, check_sweep, composed_variants, sweep_variants
+
+    sweep = ["model.max_seq_len=512,128", "trainer.seq_len=64,256"]
+    assert [swept for _, swept in sweep_variants(sweep)] == [
+        None, "trainer.seq_len=256", "model.max_seq_len=128", "model.max_seq_len=128 trainer.seq_len=256"]
+    assert check_sweep(composed_variants(sweep)) == (
+        "trainer.seq_len=256: exceeds model.max_seq_len=128 of model 'tiny' (the sweep's job with "
+        "model.max_seq_len=128 trainer.seq_len=256; no job has run)")
+    large = [f"seed={','.join(str(i) for i in range(CHECKED_JOBS))}", "trainer.seq_len=64,128"]
+    assert [swept for _, swept in sweep_variants(large)][-1] == "trainer.seq_len=128"
+    assert len(sweep_variants(large)) == CHECKED_JOBS + 1
+
+
 def test_a_checkpoint_from_before_a_new_model_key_still_resumes():
     """Checkpoints store the model config they were trained with; one written before a key joined
     the schema (model.reset_positions, ...) compares as if it had held the key's default."""

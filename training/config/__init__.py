@@ -13,6 +13,8 @@ composed; errors.py turns its errors into one line naming the key.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -50,8 +52,8 @@ def plain(cfg: DictConfig) -> DictConfig:
 
 def composed_variants(overrides: list[str]) -> list[tuple[str | None, DictConfig]]:
     """The config `python train.py <overrides>` composes, with its `hydra` node; for a multirun, one
-    per value its jobs take (sweep_variants), each with the override that makes it (None: the
-    first). Composed once for both checks train.py makes before Hydra starts."""
+    per job (or per value, in a large sweep: sweep_variants), each with the swept values that make
+    it (None: the first). Composed once for both checks train.py makes before Hydra starts."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -77,18 +79,35 @@ def hydra_callbacks(configs: list[tuple[str | None, DictConfig]]) -> list[str]:
     return names
 
 
+# A multirun of at most this many jobs has each job's config composed and checked before the first
+# runs (~0.1 s each); a larger one has each value checked once, with the other sweeps at their first.
+CHECKED_JOBS = 32
+
+
 def sweep_variants(overrides: list[str]) -> list[tuple[list[str], str | None]]:
-    """The overrides with every sweep (`key=a,b,c`) at its first value, then each other value of
-    each sweep with the rest at their first: every value a multirun's jobs take, in as many configs
-    as there are values (not their product). Each with the override that makes it (None: the first)."""
+    """The overrides of every job a multirun makes (the product of its sweeps, `key=a,b,c`), each
+    with the swept values that make it (None: every sweep at its first value), so that a bad
+    combination is refused with the bad values. Past CHECKED_JOBS jobs: every sweep at its first
+    value, then each other value of each sweep with the rest at their first, as many configs as
+    there are values."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    base = [o.input_line if not o.is_sweep_override() else f"{o.get_key_element()}={next(o.sweep_string_iterator())}"
-            for o in parsed]
+    choices = [_values(o) for o in OverridesParser.create().parse_overrides(overrides)]
+    base = [options[0] for options in choices]
+    if math.prod(len(options) for options in choices) <= CHECKED_JOBS:
+        jobs = [list(job) for job in itertools.product(*choices)]
+        return [(job, " ".join(o for o, first in zip(job, base) if o != first) or None) for job in jobs]
     return [(base, None)] + [(base[:i] + [swept] + base[i + 1:], swept)
-                             for i, o in enumerate(parsed) if o.is_sweep_override() and o.is_discrete_sweep()
-                             for swept in (f"{o.get_key_element()}={value}" for value in list(o.sweep_string_iterator())[1:])]
+                             for i, options in enumerate(choices) for swept in options[1:]]
+
+
+def _values(override) -> list[str]:
+    """The `key=value` overrides a parsed override stands for: each value of a sweep (`key=a,b,c`),
+    the first of a range or interval sweep, the override itself where it sweeps nothing."""
+    if not override.is_sweep_override():
+        return [override.input_line]
+    values = (f"{override.get_key_element()}={value}" for value in override.sweep_string_iterator())
+    return list(values) if override.is_discrete_sweep() else [next(values)]
 
 
 def check_sweep(configs: list[tuple[str | None, DictConfig]]) -> str | None:
