@@ -42,7 +42,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.scores import dropout_draw, dropout_seed_of, kept, sink_start, softcap_tanh
+from kernels.exp2 import exp2_split
+from kernels.scores import drop_scores, dropout_seed_of, dropout_words, sink_start, softcap_tanh
 from kernels.tiles import (LN2, LOG2E, key_ranges, load_tile, mask_row, query_program, row_key_bounds, stage_range,
                            store_tile, tile_offsets, visible)
 from kernels.tuning import fwd_configs, fwd_prune, persistent
@@ -52,7 +53,8 @@ from kernels.tuning import fwd_configs, fwd_prune, persistent
 def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
               start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, start_m,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-              SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, SHARE_DRAW: tl.constexpr):
+              SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, SHARE_DRAW: tl.constexpr, PACKED_MASK: tl.constexpr,
+              EXP2_ON_FMA: tl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of a query tile."""
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; scaled below
@@ -73,10 +75,14 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
         # exp2(-inf - -inf) never produces NaN. Its P, l and acc stay exactly 0.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_shift)
-    p = tl.math.exp2(s * scale - m_shift[:, None])
+    # EXP2_ON_FMA of every 4 exponentials on the FMA units (kernels/exp2.py), in unmasked tiles (no -inf)
+    p = exp2_split(s * scale - m_shift[:, None], 0 if MASK else EXP2_ON_FMA)
     l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums every probability, dropped or not
     if DROPOUT_P > 0:  # the dropped ones leave O; 1 / (1 - p) scales it at the end
-        p = kept(dropout_draw(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0], SHARE_DRAW), p, DROPOUT_P)
+        if PACKED_MASK:  # cast first: the 16-bit P holds half the registers while the mask is drawn
+            p = p.to(q.dtype)
+        words, r, c = dropout_words(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0], SHARE_DRAW)
+        p = drop_scores(words, r, c, p, q.dtype, DROPOUT_P, PACKED_MASK)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -97,7 +103,9 @@ def _fwd_epilogue(Out, Lse, b, h, n_heads, stride_ob, stride_on, stride_oh, stri
     tl.store(Lse + (b * n_heads + h) * n_q + offs_m, lse, mask=offs_m < n_q)
 
 
-@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "SOFTCAP", "DROPOUT_P", "seq_bucket"],
+@triton.autotune(configs=fwd_configs(),
+                 key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "SOFTCAP", "DROPOUT_P", "PACKED_MASK", "EXP2_ON_FMA",
+                      "seq_bucket"],
                  prune_configs_by=fwd_prune(), **persistent())
 @triton.jit
 def flash_fwd_kernel(
@@ -110,7 +118,7 @@ def flash_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOCS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, SHARE_DRAW: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PACKED_MASK: tl.constexpr = 0, EXP2_ON_FMA: tl.constexpr = 0,
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e).
     Docs: (B, 2, N) int32 document bounds when DOCS (any pointer otherwise); window is
@@ -120,7 +128,11 @@ def flash_fwd_kernel(
     kernel's: None arguments and the constexprs compile to nothing. SHARE_DRAW=1 (kernels/scores.py's
     SHARE, on S): the two lanes that read each Philox call split the calls, which is right only where
     S is a wgmma accumulator: `_triton_forward` sets it on sm_90, where tl.dot's result is one
-    (tests/test_attention_scores.py reads that off the compiled kernel)."""
+    (tests/test_attention_scores.py reads that off the compiled kernel). PACKED_MASK=1 (only with
+    SHARE_DRAW=1 and 16-bit inputs): P is cast first and the mask zeroes halves of its packed pairs
+    (kernels/scores.py's drop_scores); `_triton_forward` sets it where kernels.scores.PACKED_DROPOUT is on.
+    EXP2_ON_FMA (0 to 4): of every 4 exponentials of P in an unmasked tile, how many the FMA units
+    compute (kernels/exp2.py), from kernels.exp2.on_fma."""
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     # torch.compile passes Python floats as fp64; keep every score in fp32.
@@ -152,7 +164,7 @@ def flash_fwd_kernel(
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
                                       start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh,
                                       start_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P,
-                                      SHARE_DRAW)
+                                      SHARE_DRAW, PACKED_MASK, EXP2_ON_FMA)
 
     if DROPOUT_P > 0:
         acc = acc * (1.0 / (1.0 - DROPOUT_P))

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from kernels import plan as plans
+from kernels import exp2, scores
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, check_scores, device_arch, softmax_scale_for
 from kernels.flash_bwd import flash_bwd_delta_kernel, flash_bwd_kv_dq_kernel, flash_bwd_kv_kernel, flash_bwd_q_kernel
 from kernels.flash_fwd import flash_fwd_kernel
@@ -125,9 +126,12 @@ def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None
     out = torch.empty((B, n_q, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
     consts = _constexprs(D, causal, doc_bounds is not None, window > 0, q.dtype, softcap, dropout_p)
-    # the lanes split the dropout draw where S is a wgmma accumulator (flash_fwd_kernel's SHARE_DRAW), passed
-    # either way: Inductor's analysis of what a kernel writes needs every constexpr bound
-    consts = {**consts, "SHARE_DRAW": int(dropout_p > 0 and _wgmma_scores(q.device))}
+    # the lanes split the dropout draw where S is a wgmma accumulator (flash_fwd_kernel's SHARE_DRAW), and the
+    # mask may zero packed pairs there (PACKED_MASK); passed either way: Inductor's analysis of what a kernel
+    # writes needs every constexpr bound
+    share = int(dropout_p > 0 and _wgmma_scores(q.device))
+    consts = {**consts, "SHARE_DRAW": share, "PACKED_MASK": int(share and q.dtype != torch.float32 and scores.PACKED_DROPOUT),
+              "EXP2_ON_FMA": exp2.on_fma("triton", D, softcap, dropout_p, q.dtype)}
     length = max(n_q, n_k)
 
     def grid(meta):

@@ -70,6 +70,11 @@ from kernels.tiles import LOG2E
 PHILOX_ROUNDS = tl.constexpr(7)
 PTX = tl.constexpr(not INTERPRET)   # inline PTX runs on the GPU only
 
+# Code paths counted on the CPU (the sm_90 code's registers and instructions: kernels/LOG.md,
+# 2026-12-05) but not yet timed nor tested on a GPU: each stays off until a device A/B shows it
+# faster and the GPU tests, which run it either way, pass. Launches read them at each call.
+PACKED_DROPOUT = False   # the forwards zero dropped halves of P's packed 16-bit pairs (`drop_scores`)
+
 
 # ---- soft-capping ------------------------------------------------------------------------------
 
@@ -193,9 +198,18 @@ def dropout_keep(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOC
 def dropout_draw(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  SHARE: tl.constexpr = 0):
     """`dropout_keep`'s draws (`dropout_draw_at`), for `kept`."""
+    word, r, c = dropout_words(seed, offset, bh, start_m, start_n, BLOCK_M, BLOCK_N, SHARE)
+    return _top_byte(word, r, c)
+
+
+@triton.jit
+def dropout_words(seed, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SHARE: tl.constexpr = 0):
+    """(words, r, c) of a (BLOCK_M, BLOCK_N) tile from (start_m, start_n): each score's word
+    (`dropout_word_at`) and the tile's relative query and key indices, for `drop_scores`."""
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
-    return dropout_draw_at(seed, offset, bh, start_m, r, start_n, c, (r * 0 + c * 0).to(tl.uint32), SHARE)
+    return dropout_word_at(seed, offset, bh, start_m, r, start_n, c, (r * 0 + c * 0).to(tl.uint32), SHARE), r, c
 
 
 @triton.jit
@@ -223,10 +237,22 @@ def _keep_below(dropout_p):
 def dropout_draw_at(seed, offset, bh, start_q, q, start_k, k, zero, SHARE: tl.constexpr = 0):
     """`dropout_keep_at`'s draw: the score's byte at the top of a uint32 (compared there, the bits
     below it cannot matter); the score is kept iff it is below `_keep_below`."""
+    return _top_byte(dropout_word_at(seed, offset, bh, start_q, q, start_k, k, zero, SHARE), q, k)
+
+
+@triton.jit
+def dropout_word_at(seed, offset, bh, start_q, q, start_k, k, zero, SHARE: tl.constexpr = 0):
+    """The Philox word that holds score (q, k)'s byte (arguments as `dropout_keep_at`'s): what
+    `drop_scores` reads, a pair of keys 2j, 2j + 1 of one query sharing it."""
     if SHARE == 0:
-        word = _dropout_word(seed, offset, bh, start_q, q & ~9, start_k, k & ~9, q, k, zero)
+        return _dropout_word(seed, offset, bh, start_q, q & ~9, start_k, k & ~9, q, k, zero)
     else:
-        word = _shared_word(seed, offset, bh, start_q, q, start_k, k, zero, SHARE)
+        return _shared_word(seed, offset, bh, start_q, q, start_k, k, zero, SHARE)
+
+
+@triton.jit
+def _top_byte(word, q, k):
+    """Score (q, k)'s byte of its word (byte 2 (q bit 0) + (k bit 0)) moved to the top."""
     return word << (24 - 16 * (q & 1) - 8 * (k & 1)).to(tl.uint32)
 
 
@@ -297,6 +323,40 @@ def kept(draw, p, DROPOUT_P: tl.constexpr):
             [draw, p], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return tl.where(draw < _keep_below(DROPOUT_P), p, 0.0)
+
+
+@triton.jit
+def drop_scores(word, q, k, p, dtype: tl.constexpr, DROPOUT_P: tl.constexpr, PACKED: tl.constexpr):
+    """P with its dropped scores 0, `kept` of each score's draw: in P's own dtype, the caller's cast
+    to `dtype` following. word: `dropout_word_at`'s, q and k the tile's query and key indices as there.
+
+    PACKED (a 16-bit dtype, on the GPU): cast first, then zero the dropped halves of each 32-bit
+    register, which holds keys 2j and 2j + 1 of one query wherever the tile is an MMA accumulator
+    or A operand (callers pass it only there: kernels/flash_fwd.py's PACKED_MASK). Both draws sit
+    in adjacent bytes of one word, so four instructions serve the pair (`_kept_pair_ptx`), where
+    the unpacked mask takes a shift, a compare and a select a score before the cast."""
+    if PACKED and PTX:
+        select = (q & 1).to(tl.uint32) * 0x0202 + 0x4140   # prmt: bytes 2 (q bit 0) + 0 and + 1
+        p = p.to(dtype)
+        return tl.inline_asm_elementwise(_kept_pair_ptx(DROPOUT_P), "=r,r,r,r,r,r", [word, select, p],
+                                         dtype=p.dtype, is_pure=True, pack=2)
+    else:
+        return kept(_top_byte(word, q, k), p, DROPOUT_P)
+
+
+@triton.constexpr_function
+def _kept_pair_ptx(dropout_p):
+    """PTX of `drop_scores`'s packed step, per 32-bit register $5 of two 16-bit probabilities (keys
+    2j, 2j + 1 of one query) with their word $1 and byte selector $3 (0x4140 for query bit 0 clear,
+    0x4342 set; $2 and $4 are the same for the register's second score):
+      prmt  each half gets its score's draw byte, 0 above it;
+      add   0x8000 - T to each half: its bit 15 is set iff draw >= T (dropped), T = `_keep_below`'s
+            256 (1 - p); no carry crosses halves (the sum stays within 0x8000 - 255 .. 0x80FE);
+      prmt  sign-replicates bit 15 and bit 31 over their halves: 0xFFFF where dropped;
+      and   P with its complement (ptxas: one LOP3)."""
+    half = 0x8000 - (_keep_below(dropout_p) >> 24)
+    return (f"{{ .reg .b32 z, d; mov.b32 z, 0; prmt.b32 d, $1, z, $3; add.u32 d, d, 0x{half * 0x10001:08X}; "
+            f"prmt.b32 d, d, z, 0xBB99; not.b32 d, d; and.b32 $0, $5, d; }}")
 
 
 @triton.jit

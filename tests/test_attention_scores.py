@@ -300,13 +300,15 @@ for dim, candidates in sorted(table.items()):
         if (dim, block_m, block_n, warps) in seen:
             continue
         seen.add((dim, block_m, block_n, warps))
-        consts = dict(HEAD_DIM=dim, BLOCK_D=dim, CAUSAL=True, DOCS=False, WINDOW=False, PRECISION="tf32",
-                      BLOCK_M=block_m, BLOCK_N=block_n, **score_args(kernel, ("dropout",)))
-        ttgir = compile_for_hopper(kernel, consts, warps, stages, launch_values(4, 4096, 12, 12, dim)).asm["ttgir"]
-        layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<[^\n]*)", ttgir, re.M))
-        shuffled = re.findall(r'elementwise_inline_asm "shfl[^"]*"[^\n]*?: tensor<[^>]*?(#\w+)>', ttgir)
-        rows.append(dict(dim=dim, tile=[block_m, block_n, warps], share=consts.get("SHARE_DRAW"),
-                         layouts=[layouts.get(alias, alias) for alias in shuffled]))
+        for packed in (0, 1):   # PACKED_MASK: the mask's asm on P's packed pairs (kernels/scores.py's drop_scores)
+            consts = dict(HEAD_DIM=dim, BLOCK_D=dim, CAUSAL=True, DOCS=False, WINDOW=False, PRECISION="tf32",
+                          BLOCK_M=block_m, BLOCK_N=block_n, **{**score_args(kernel, ("dropout",)), "PACKED_MASK": packed})
+            ttgir = compile_for_hopper(kernel, consts, warps, stages, launch_values(4, 4096, 12, 12, dim)).asm["ttgir"]
+            layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<[^\n]*)", ttgir, re.M))
+            found = {name: re.findall(r'elementwise_inline_asm "' + start + r'[^"]*"[^\n]*?: tensor<[^>]*?(#\w+)>', ttgir)
+                     for name, start in (("shuffled", "shfl"), ("pairs", r"\{ \.reg \.b32 z, d;"))}
+            rows.append(dict(dim=dim, tile=[block_m, block_n, warps], share=consts.get("SHARE_DRAW"), packed=packed,
+                             **{name: [layouts.get(alias, alias) for alias in aliases] for name, aliases in found.items()}))
 print(json.dumps(rows))
 """
 
@@ -316,7 +318,8 @@ def test_the_forwards_shared_draw_shuffles_a_wgmma_accumulator():
     """SHARE_DRAW (set on sm_90) shuffles each draw word with the lane 4 away, which holds the next row
     of S only in a wgmma accumulator; Triton picks the draw's layout itself, so this reads it off the
     kernel compiled for sm_90a, for every tile the tuner may pick: a layout of its own would be a
-    wrong mask, not an error."""
+    wrong mask, not an error. So does PACKED_MASK's asm, whose two scores a call must be keys 2j and
+    2j + 1 of one query, as they are in that layout."""
     import json
     import os
     import subprocess
@@ -332,8 +335,34 @@ def test_the_forwards_shared_draw_shuffles_a_wgmma_accumulator():
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {row["dim"] for row in rows} == {64, 128, 256}
     for row in rows:
-        assert row["share"] == 1 and row["layouts"], row
-        assert all(layout.startswith("#ttg.nvidia_mma<{versionMajor = 3") for layout in row["layouts"]), row
+        assert row["share"] == 1 and row["shuffled"] and bool(row["pairs"]) == bool(row["packed"]), row
+        assert all(layout.startswith("#ttg.nvidia_mma<{versionMajor = 3") for layout in row["shuffled"] + row["pairs"]), row
+
+
+@pytest.mark.parametrize("p", [0.1, 0.2, 0.5, 0.8])
+def test_the_packed_mask_ptx_keeps_what_the_byte_compare_keeps(p):
+    """drop_scores' packed step (its PTX run by tests/ptx_emulator.py) zeroes exactly the 16-bit halves
+    whose draw byte the unpacked compare drops, keeps the others' bits, for every draw byte in either
+    half of the pair and either query parity (which bytes of the word are the pair's)."""
+    from kernels.scores import _keep_below, _kept_pair_ptx
+    from ptx_emulator import run_ptx
+
+    drawn = drawn_dropout_p(p)
+    asm, below = _kept_pair_ptx(drawn), _keep_below(drawn) >> 24
+    g = torch.Generator().manual_seed(int(p * 1000))
+    for parity in (0, 1):
+        select = 0x4140 + 0x0202 * parity
+        for draw in range(256):
+            for half in (0, 1):
+                other, rest, low, high = torch.randint(1, 2**16, (4,), generator=g).tolist()
+                draws = [draw, other & 0xFF] if half == 0 else [other & 0xFF, draw]
+                word = (draws[0] | draws[1] << 8) << (16 * parity) | rest << (16 * (1 - parity))
+                pair = low | high << 16   # two nonzero 16-bit probabilities
+                (out,) = run_ptx(asm, [0, word, word, select, select, pair], 1)
+                for i in (0, 1):
+                    value = (pair >> (16 * i)) & 0xFFFF
+                    expect = value if draws[i] < below else 0
+                    assert (out >> (16 * i)) & 0xFFFF == expect, (parity, draws, i, hex(word), hex(pair), hex(out))
 
 
 @pytest.mark.parametrize("p", [1e-3, 1 - 1e-3])
@@ -449,6 +478,30 @@ def test_score_options_through_the_gluon_forward(shape, causal, dtype, options, 
     chosen = dict(dropout=dict(dropout_p=0.2), softcap=dict(softcap=5.0), sinks=dict(sinks=heads(shape[3])))
     kw = {name: value for option, more in chosen.items() if options in (option, "all") for name, value in more.items()}
     check(q, k, v, do, causal, kernel=("gluon", backward), **kw)
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("forward", ["triton", "gluon"])
+@pytest.mark.parametrize("shape, causal, dtype", [((2, 1024, 1024, 8, 2, 64), True, torch.bfloat16),
+                                                  ((1, 300, 517, 4, 4, 128), False, torch.float16),
+                                                  ((1, 517, 300, 4, 1, 64), True, torch.bfloat16)],
+                         ids=lambda x: IDS(x) if isinstance(x, tuple) else str(x))
+def test_the_packed_dropout_mask_is_the_unpacked_one(monkeypatch, forward, shape, causal, dtype):
+    """kernels.scores.PACKED_DROPOUT (the forwards zero dropped halves of P's packed pairs; off until
+    measured faster) gives the unpacked mask's output and LSE bit for bit, and is as exact as the
+    plain formula given the mask: Triton picks which scores share an asm call, so a pair that were
+    not keys 2j, 2j + 1 of one query would drop other scores than the mask says."""
+    from kernels import scores
+
+    q, k, v, do = make_inputs(*shape, dtype)
+    kw = dict(causal=causal, dropout_p=0.2, kernel=(forward, "triton"), return_lse=True)
+    with replayed_generator():
+        unpacked = flash_attention(q, k, v, **kw)
+    monkeypatch.setattr(scores, "PACKED_DROPOUT", True)
+    with replayed_generator():
+        packed = flash_attention(q, k, v, **kw)
+    assert torch.equal(packed[0], unpacked[0]) and torch.equal(packed[1], unpacked[1])
+    check(q, k, v, do, causal, dropout_p=0.2, kernel=(forward, "triton"))
 
 
 @requires_cuda

@@ -171,14 +171,17 @@ from kernel_report import compile_gluon_fwd, ptxas_report
 from kernels import gluon
 from kernels.lab.gluon_forward_ladder import LADDER
 
-def check(variant, head_dim, causal):
-    compiled = compile_gluon_fwd(variant, head_dim, causal)
+def check(variant, head_dim, causal, **scores):
+    compiled = compile_gluon_fwd(variant, head_dim, causal, **scores)
     report = ptxas_report(compiled)
     return {"wgmma": "wgmma.mma_async" in compiled.asm["ptx"], "spill_bytes": report["spill_bytes"],
             "shared_bytes": compiled.metadata.shared}
 
 results = {f"default-{d}-{c}": check(None, d, c) for d in gluon.HEAD_DIMS for c in (False, True)}
 results.update({f"{v}-64-True": check(v, 64, True) for v in LADDER})
+results.update({f"dropout-{d}-{'packed' if packed else 'unpacked'}": check(None, d, True, dropout_p=0.1, packed_mask=packed)
+                for d in gluon.HEAD_DIMS for packed in (False, True)})
+results.update({f"softcap-{d}-exp2-fma": check(None, d, True, softcap=30.0, exp2_on_fma=2) for d in gluon.HEAD_DIMS})
 print(json.dumps(results))
 """
 
@@ -186,9 +189,11 @@ print(json.dumps(results))
 @pytest.mark.slow
 def test_gluon_forward_compiles_for_sm90_without_spills(compiles, request):
     """The Gluon Hopper forward (kernels/gluon/forward.py) compiles for sm_90a under this Triton, no GPU
-    needed: the variants flash_attention runs at both head dims, causal and not, and every rung of
-    its ladder (kernels/lab/gluon_forward_ladder.py) once. Each reaches wgmma, spills nothing, and fits
-    the H100/H200's 227 KB of shared memory."""
+    needed: the variants flash_attention runs at both head dims, causal and not, every rung of its
+    ladder (kernels/lab/gluon_forward_ladder.py) once, with dropout, its mask on P's packed pairs or
+    not (kernels/scores.py's PACKED_DROPOUT), and soft-capped with half its exponentials on the FMA
+    units (kernels/exp2.py). Each reaches wgmma, spills nothing, and fits the H100/H200's 227 KB of
+    shared memory."""
     results = compile_in_subprocess(compiles, request.node.originalname)
     assert len(results) >= 6, results
     for name, r in results.items():

@@ -59,9 +59,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels import exp2, scores
 from kernels.gluon import descriptors, tma_strides
 from kernels.gluon.compat import thread_barrier, tma_load, tma_store
-from kernels.scores import dropout_draw_at, dropout_seed_of, hardware_tanh, kept
+from kernels.exp2 import exp2_split
+from kernels.scores import drop_scores, dropout_seed_of, dropout_word_at, hardware_tanh
 from kernels.launch import cdiv
 from kernels.launch import launch as run_kernel
 from kernels.tiles import LN2, LOG2E
@@ -107,11 +109,13 @@ def _stage_range(STAGE: gl.constexpr, mid, hi):
 
 @gluon.jit
 def _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-             SOFTCAP: gl.constexpr):
+             SOFTCAP: gl.constexpr, EXP2_ON_FMA: gl.constexpr):
     """The online-softmax step on raw scores s (ROWS x BLOCK_N, keys from start_n): (P, m_new, alpha)
     with P = exp2(s * scale - m_new) and alpha = exp2(m_old - m_new), the factor by which the running
     sum and accumulator shrink. MASK: key j of row i counts iff j < n_k (and j <= i + shift, causal).
-    SOFTCAP > 0: the scores are c tanh(scale s / c) first, in the log2 domain (kernels/scores.py)."""
+    SOFTCAP > 0: the scores are c tanh(scale s / c) first, in the log2 domain (kernels/scores.py).
+    EXP2_ON_FMA (0 to 4): of every 4 exponentials of P, how many the FMA units compute in an unmasked
+    tile, to relieve the special-function unit (kernels/exp2.py)."""
     if SOFTCAP > 0:   # u = tanh(scale s / c), scaled by c log2(e) as raw scores are by qk_scale (softcap_tanh)
         s = hardware_tanh(s * (qk_scale / (SOFTCAP * LOG2E)))
         qk_scale = SOFTCAP * LOG2E
@@ -127,7 +131,11 @@ def _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL: gl.constexpr, 
     m_shift = m_new
     if MASK:  # a row that has seen only masked keys keeps m = -inf; shift by 0 so that no NaN appears
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    return gl.exp2(s * qk_scale - m_shift[:, None]), m_new, gl.exp2(m_i - m_shift)
+    if EXP2_ON_FMA > 0 and not MASK:   # no -inf in an unmasked tile
+        p = exp2_split(s * qk_scale - m_shift[:, None], EXP2_ON_FMA)
+    else:
+        p = gl.exp2(s * qk_scale - m_shift[:, None])
+    return p, m_new, gl.exp2(m_i - m_shift)
 
 
 @gluon.jit
@@ -137,29 +145,35 @@ def _rows_scale(acc, alpha):
 
 
 @gluon.jit
-def _p_operand(p, dtype, o_layout: gl.constexpr):
-    """P cast to the input dtype, in registers laid out as wgmma's A operand for O += P V."""
+def _p_operand(p, dtype, o_layout: gl.constexpr, draw, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr):
+    """P cast to the input dtype, in registers laid out as wgmma's A operand for O += P V. With
+    DROPOUT_P > 0 its dropped scores are 0 (draw: `_dropout_words`' of the tile; PACKED_MASK: zeroed
+    after the cast, on P's packed pairs in the accumulator's layout: kernels/scores.py's drop_scores)."""
+    if DROPOUT_P > 0:
+        words, r, c = draw
+        p = drop_scores(words, r, c, p, dtype, DROPOUT_P, PACKED_MASK)
     return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
 
 
 @gluon.jit
-def _dropout_draw(rng, start_n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """(ROWS, BLOCK_N) draws in the scores' `layout` for score (first row + r, start_n + c), which
-    `kept` compares (kernels/scores.py's dropout_draw_at). Row bit 3 and key bits 0 and 3 are registers of
-    one thread in the wgmma accumulator, row bit 0 a lane: of each two calls that a thread and the
-    thread 4 lanes away both read, each makes one and takes its partner's words (SHARE=1)."""
+def _dropout_words(rng, start_n, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """(words, r, c) in the scores' `layout` for score (first row + r, start_n + c): each score's
+    Philox word, which `drop_scores` reads (kernels/scores.py's dropout_word_at). Row bit 3 and key bits 0
+    and 3 are registers of one thread in the wgmma accumulator, row bit 0 a lane: of each two calls
+    that a thread and the thread 4 lanes away both read, each makes one and takes its partner's
+    words (SHARE=1)."""
     seed, offset, bh, start_row = rng
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
     c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
-    return dropout_draw_at(seed, offset, bh, start_row, r, start_n, c, gl.zeros([ROWS, BLOCK_N], gl.uint32, layout),
-                           SHARE=1)
+    zero = gl.zeros([ROWS, BLOCK_N], gl.uint32, layout)
+    return dropout_word_at(seed, offset, bh, start_row, r, start_n, c, zero, SHARE=1), r, c
 
 
 @gluon.jit
 def _attend(q_smem, k_smem, v_smem, v_ready, v_phase, release, acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale,
             rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             CAUSAL: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
-            DROPOUT_P: gl.constexpr, num_warps: gl.constexpr):
+            DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr, num_warps: gl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into one warpgroup's (acc, m, l).
 
     q_smem (ROWS x D), k_smem and v_smem (BLOCK_N x D) are shared-memory tiles; K has landed,
@@ -173,15 +187,15 @@ def _attend(q_smem, k_smem, v_smem, v_ready, v_phase, release, acc, m_i, l_i, ro
     s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(release, count=1)
+    draw = None
     if DROPOUT_P > 0:
-        draw = _dropout_draw(rng, start_n, ROWS, BLOCK_N, s_layout)
+        draw = _dropout_words(rng, start_n, ROWS, BLOCK_N, s_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK, SOFTCAP)
+    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK, SOFTCAP, EXP2_ON_FMA)
     l_i = l_i * alpha + gl.sum(p, 1)   # the normaliser sums every probability, dropped or not
     acc = _rows_scale(acc, alpha)
-    if DROPOUT_P > 0:   # the dropped ones leave O; 1 / (1 - p) scales it at the end
-        p = kept(draw, p, DROPOUT_P)
-    p = _p_operand(p, q_smem.dtype, o_layout)
+    # the dropped ones leave O; 1 / (1 - p) scales it at the end
+    p = _p_operand(p, q_smem.dtype, o_layout, draw, DROPOUT_P, PACKED_MASK)
     mbarrier.wait(v_ready, v_phase)
     acc = warpgroup_mma(p, v_smem, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -240,7 +254,8 @@ SIZES = ["n_heads", "kv_group", "n_q", "n_k"]
 @gluon.jit
 def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, WG: gl.constexpr):
+                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
+                 WG: gl.constexpr):
     """Loads Q's two halves, then every K/V tile the consumers visit, into the ring."""
     q_desc, k_desc, v_desc, o_desc = descs
     q_bufs, k_bufs, v_bufs = bufs
@@ -260,7 +275,8 @@ def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
 @gluon.jit
 def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, WG: gl.constexpr):
+                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
+                 WG: gl.constexpr):
     """One warpgroup: rows [start_m + 64 WG, + 64) of the program, every K/V tile of the ring.
     scores: (Rng, Sinks), the dropout seed and the sinks (kernels/scores.py), each None when unused."""
     q_desc, k_desc, v_desc, o_desc = descs
@@ -292,14 +308,14 @@ def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
         if hi > 0:
             acc, m_i, l_i = _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i,
                                            rows, mid, hi, n_k, shift, qk_scale, rng, ROWS, BLOCK_N, HEAD_DIM, STAGES,
-                                           CAUSAL, PINGPONG, SOFTCAP, DROPOUT_P, WG)
+                                           CAUSAL, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, WG)
     else:
         for stage in gl.static_range(2):   # the unmasked key tiles, then the masked ones
             first, end = _stage_range(stage, mid, hi)
             for start_n in range(first, end, BLOCK_N):
                 acc, m_i, l_i = _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i,
                                          rows, start_n, n_k, shift, qk_scale, rng, ROWS, BLOCK_N, HEAD_DIM, STAGES,
-                                         CAUSAL, stage == 1, PINGPONG, SOFTCAP, DROPOUT_P, WG)
+                                         CAUSAL, stage == 1, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, WG)
     if DROPOUT_P > 0:
         acc = acc * (1.0 / (1.0 - DROPOUT_P))
     _epilogue(acc, m_i, l_i, q_bufs.index(WG), o_desc, lse_ptr, b, h, n_heads, n_q, start_row, ROWS, HEAD_DIM, 4)
@@ -309,7 +325,8 @@ def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
 def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows,
              start_n, n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
-             SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, WG: gl.constexpr):
+             SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
+                 WG: gl.constexpr):
     tile = start_n // BLOCK_N
     stage = tile % STAGES
     phase = (tile // STAGES) & 1
@@ -322,7 +339,7 @@ def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
     acc, m_i, l_i = _attend(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
                             v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), v_ready.index(stage), phase,
                             turn.index(1 - WG), acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale, rng,
-                            ROWS, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PINGPONG, SOFTCAP, DROPOUT_P, 4)
+                            ROWS, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, 4)
     mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, m_i, l_i
 
@@ -331,7 +348,8 @@ def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
 def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows, mid, hi,
                    n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
-                   DROPOUT_P: gl.constexpr, WG: gl.constexpr):
+                   DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
+                 WG: gl.constexpr):
     """FlashAttention-3's intra-warpgroup overlap, for hi > 0 key columns: QK^T of tile t is issued
     together with P V of tile t - 1, and the softmax of tile t runs while that P V wgmma is still
     in flight. Only then is acc rescaled (alpha_t) and buffer t - 1 released. Tile 0 is peeled off
@@ -346,22 +364,21 @@ def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc
                       use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
+    draw = None
     if DROPOUT_P > 0:
-        draw = _dropout_draw(rng, 0, ROWS, BLOCK_N, s_layout)
+        draw = _dropout_words(rng, 0, ROWS, BLOCK_N, s_layout)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    p, m_i, alpha = _softmax(s, m_i, rows, 0, n_k, shift, qk_scale, CAUSAL, True, SOFTCAP)
+    p, m_i, alpha = _softmax(s, m_i, rows, 0, n_k, shift, qk_scale, CAUSAL, True, SOFTCAP, EXP2_ON_FMA)
     l_i = l_i * alpha + gl.sum(p, 1)
-    if DROPOUT_P > 0:
-        p = kept(draw, p, DROPOUT_P)
-    p = _p_operand(p, q_smem.dtype, o_layout)
+    p = _p_operand(p, q_smem.dtype, o_layout, draw, DROPOUT_P, PACKED_MASK)
     for start_n in range(BLOCK_N, mid, BLOCK_N):
         acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
                                                l_i, p, rows, start_n, n_k, shift, qk_scale, rng, ROWS, BLOCK_N,
-                                               HEAD_DIM, STAGES, CAUSAL, False, PINGPONG, SOFTCAP, DROPOUT_P, WG)
+                                               HEAD_DIM, STAGES, CAUSAL, False, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, WG)
     for start_n in range(gl.maximum(mid, BLOCK_N), hi, BLOCK_N):
         acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
                                                l_i, p, rows, start_n, n_k, shift, qk_scale, rng, ROWS, BLOCK_N,
-                                               HEAD_DIM, STAGES, CAUSAL, True, PINGPONG, SOFTCAP, DROPOUT_P, WG)
+                                               HEAD_DIM, STAGES, CAUSAL, True, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, WG)
     last = gl.cdiv(hi, BLOCK_N) - 1
     stage = last % STAGES
     mbarrier.wait(v_ready.index(stage), (last // STAGES) & 1)
@@ -375,7 +392,8 @@ def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc
 def _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, p, rows,
                         start_n, n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-                        PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, WG: gl.constexpr):
+                        PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
+                 WG: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(ROWS, HEAD_DIM, 4)
     tile = start_n // BLOCK_N
@@ -391,23 +409,23 @@ def _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn
     acc = warpgroup_mma(p, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
+    draw = None
     if DROPOUT_P > 0:
-        draw = _dropout_draw(rng, start_n, ROWS, BLOCK_N, s_layout)
+        draw = _dropout_words(rng, start_n, ROWS, BLOCK_N, s_layout)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))        # QK^T done; P V may still run
-    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK, SOFTCAP)
+    p, m_i, alpha = _softmax(s, m_i, rows, start_n, n_k, shift, qk_scale, CAUSAL, MASK, SOFTCAP, EXP2_ON_FMA)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(kv_empty.index(prev), count=1)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = _rows_scale(acc, alpha)
-    if DROPOUT_P > 0:
-        p = kept(draw, p, DROPOUT_P)
-    return acc, m_i, l_i, _p_operand(p, q_smem.dtype, o_layout)
+    return acc, m_i, l_i, _p_operand(p, q_smem.dtype, o_layout, draw, DROPOUT_P, PACKED_MASK)
 
 
 @gluon.jit(do_not_specialize=SIZES)
 def attention_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Rng, Sinks, n_heads, kv_group, n_q, n_k, qk_scale,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                     OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, num_warps: gl.constexpr):
+                     OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr,
+                     PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr, num_warps: gl.constexpr):
     """BLOCK_M = 128 rows per program: consumer warpgroups 0 and 1 (64 rows each) and a producer warp.
     SOFTCAP, DROPOUT_P, Rng and Sinks as the Triton forward's (kernels/flash_fwd.py): without them
     (0.0 and None) the code is the plain kernel's."""
@@ -446,11 +464,11 @@ def attention_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Rng, Sinks, n_head
     scores = (Rng, Sinks)
     gl.warp_specialize([
         (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores, BLOCK_N, STAGES, CAUSAL,
-                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, 0)),
+                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, 0)),
         (_ws_consumer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores, BLOCK_N, STAGES, CAUSAL,
-                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, 1)),
+                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, 1)),
         (_ws_producer, (descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores, BLOCK_N, STAGES, CAUSAL,
-                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, 0)),
+                        PINGPONG, OVERLAP, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, 0)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -545,6 +563,8 @@ def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant
         descriptor(t, rows) for t, rows in zip(tensors, (spec.rows, BLOCK_N, BLOCK_N, spec.rows))])
     args = (*described, lse, rng, sinks, H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value)
     run_kernel(spec.kernel, (cdiv(n_q, spec.block_m), B * H), args,
-               {**spec.constexprs, **spec.options, "SOFTCAP": float(softcap), "DROPOUT_P": float(dropout_p)},
+               {**spec.constexprs, **spec.options, "SOFTCAP": float(softcap), "DROPOUT_P": float(dropout_p),
+                "PACKED_MASK": int(dropout_p > 0 and scores.PACKED_DROPOUT),
+                "EXP2_ON_FMA": exp2.on_fma("gluon", D, softcap, dropout_p, q.dtype)},
                cache, "gluon_fwd")
     return out, lse

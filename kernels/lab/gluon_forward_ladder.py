@@ -56,7 +56,8 @@ def variant_launch(variant: str, causal: bool, head_dim: int) -> Launch:
 @gluon.jit(do_not_specialize=SIZES)
 def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, Rng, Sinks, n_heads, kv_group, n_q, n_k,
                             qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, num_warps: gl.constexpr):
+                            SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr,
+                            EXP2_ON_FMA: gl.constexpr, num_warps: gl.constexpr):
     """One partition of num_warps warps (BLOCK_M = 16 * num_warps rows); K/V through a ring of
     STAGES buffers, the loads of tile j + STAGES - 1 issued before tile j is computed (STAGES=1:
     load, wait, compute). The production kernel's signature; plain attention only (no score options)."""
@@ -102,7 +103,8 @@ def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, Rng, Sinks,
         for start_n in range(first, end, BLOCK_N):
             acc, m_i, l_i = _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, acc, m_i, l_i,
                                             rows, start_n, n_tiles, n_k, shift, qk_scale, b, h_kv,
-                                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, stage == 1, num_warps)
+                                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, stage == 1, EXP2_ON_FMA,
+                                            num_warps)
     _epilogue(acc, m_i, l_i, q_smem4, o_desc, lse_ptr, b, h, n_heads, n_q, start_m, BLOCK_M, HEAD_DIM, num_warps)
 
 
@@ -110,7 +112,7 @@ def attention_fwd_pipelined(q_desc, k_desc, v_desc, o_desc, lse_ptr, Rng, Sinks,
 def _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, acc, m_i, l_i,
                     rows, start_n, n_tiles, n_k, shift, qk_scale, b, h_kv,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, MASK: gl.constexpr, num_warps: gl.constexpr):
+                    CAUSAL: gl.constexpr, MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr, num_warps: gl.constexpr):
     tile = start_n // BLOCK_N
     ahead = tile + STAGES - 1
     # the buffer `ahead` fills last held tile - 1, which every warp has finished (its wgmmas waited)
@@ -122,6 +124,6 @@ def _pipelined_step(q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, ac
     return _attend(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
                    v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), v_ready.index(stage), phase,
                    k_ready.index(stage), acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale, None,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, MASK, False, 0.0, 0.0, num_warps)
+                   BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, MASK, False, 0.0, 0.0, 0, EXP2_ON_FMA, num_warps)
 
 

@@ -1,0 +1,113 @@
+"""2^x on the FMA units (kernels/exp2.py): the cubic's accuracy, its PTX against its Triton form, and
+the forwards with exponentials moved off the special-function unit, as exact as without."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from conftest import HAS_CUDA
+from kernels import exp2
+from kernels.exp2 import COEFFS, FLOOR, MAX_REL_ERROR, SPLIT_PTX, exp2_fma
+from ptx_emulator import bits, f32, run_ptx
+from test_attention_scores import check, heads
+from test_flash_attention import DTYPES, make_inputs
+
+HOPPER = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0),
+                            reason="needs an sm_90 (Hopper) GPU")
+
+
+@triton.jit
+def _exp2_fma_kernel(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, exp2_fma(tl.load(X + offs)))
+
+
+def exponents(n: int = 4096) -> np.ndarray:
+    """P's exponents: x <= 0 spread over [-140, 0] (below the clamp too), dense near 0 and around
+    integers (where the rounding to n flips), with 0, -0, tiny negatives and NaN."""
+    g = np.random.default_rng(0)
+    x = np.concatenate([-g.exponential(3.0, n // 2), -g.uniform(0, 140, n // 4),
+                        -np.repeat(np.arange(0, 128), 8) + g.uniform(-1e-3, 1e-3, 1024)])
+    x = np.minimum(x, 0)[: n - 6]
+    return np.concatenate([x, [0.0, -0.0, -1e-30, -0.5, -125.5, np.nan]]).astype(np.float32)
+
+
+def cubic(x: np.ndarray) -> np.ndarray:
+    """exp2_fma's Triton form on the CPU (the interpreter runs it)."""
+    y = torch.empty(x.size, dtype=torch.float32)
+    _exp2_fma_kernel[(1,)](torch.from_numpy(x), y, N=x.size)
+    return y.numpy()
+
+
+def test_the_cubic_is_within_its_bound_of_2_to_the_x():
+    """Relative error at most MAX_REL_ERROR (7.5e-5, plus float32 rounding) where 2^x is normal;
+    below the clamp (-126) an absolute error under 2^-125; NaN stays NaN."""
+    x = exponents()
+    y = cubic(x).astype(np.float64)
+    exact = np.exp2(x.astype(np.float64))
+    normal = x >= FLOOR.value
+    rel = np.abs(y[normal] - exact[normal]) / exact[normal]
+    assert rel.max() <= MAX_REL_ERROR + 2**-23, rel.max()
+    assert np.all(np.abs(y[~normal & ~np.isnan(x)] - exact[~normal & ~np.isnan(x)]) < 2.0**-125)
+    assert np.isnan(y[np.isnan(x)]).all() and not np.isnan(y[~np.isnan(x)]).any()
+
+
+def test_the_ptx_computes_the_triton_form():
+    """SPLIT_PTX[n] (run by tests/ptx_emulator.py) gives its first n elements the cubic as the Triton
+    form computes it, to the ulp (the PTX fuses each Horner step into one FMA, the interpreter rounds
+    the product and the sum apart), and the others 2^x (ex2.approx, emulated as 2^x rounded); its
+    literals are COEFFS."""
+    x = exponents(512)
+    want = cubic(x)
+    for n in range(1, 5):
+        for i in range(0, x.size, 4):
+            group = [bits(v) for v in x[i:i + 4]]
+            out = run_ptx(SPLIT_PTX.value[n], [0, 0, 0, 0] + group, 4)
+            for j in range(4):
+                got, expect = f32(out[j]), (float(want[i + j]) if j < n else float(np.float32(2.0 ** float(x[i + j]))))
+                ulps = 1 if j < n else 0
+                assert (math.isnan(got) and math.isnan(expect)) or abs(bits(got) - bits(expect)) <= ulps, \
+                    (n, x[i + j], got, expect)
+    for c in COEFFS:
+        assert f"0f{int(np.float32(c).view(np.uint32)):08X}" in SPLIT_PTX.value[4]
+
+
+def test_the_split_is_off_until_measured():
+    """ON_FMA (what launches use) is empty until a GPU A/B picks entries; on_fma never moves an
+    exponential with dropout or float32 inputs."""
+    assert exp2.ON_FMA == {}
+    assert exp2.on_fma("gluon", 64, 30.0, 0.0, torch.bfloat16) == 0
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(exp2, "ON_FMA", dict(exp2.CANDIDATES))
+        assert exp2.on_fma("gluon", 64, 30.0, 0.0, torch.bfloat16) == 2
+        assert exp2.on_fma("gluon", 64, 30.0, 0.1, torch.bfloat16) == 0
+        assert exp2.on_fma("triton", 64, 30.0, 0.0, torch.float32) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_triton_forward_with_exponentials_on_the_fma_units_is_as_exact(monkeypatch, causal):
+    """The soft-capped Triton forward with EXP2_ON_FMA (on the CPU the cubic takes every exponential
+    of an unmasked tile) against the float64 reference, as every kernel test is; with sinks."""
+    monkeypatch.setattr(exp2, "ON_FMA", {("triton", d, True): 1 for d in (16, 32, 64, 128)})
+    dtype = DTYPES[-1] if HAS_CUDA else torch.float16   # 16-bit: float32 keeps ex2
+    q, k, v, do = make_inputs(2, 96, 96, 4, 2, 32, dtype)
+    q = (q.float() * 3).to(dtype)
+    check(q, k, v, do, causal, sinks=heads(4), softcap=5.0)
+
+
+@HOPPER
+@pytest.mark.parametrize("forward", ["triton", "gluon"])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("shape, causal", [((2, 1024, 1024, 8, 2, 64), True), ((1, 300, 517, 4, 4, 128), False),
+                                           ((1, 2048, 2048, 4, 4, 64), False)])
+def test_the_candidate_splits_are_as_exact_on_the_gpu(monkeypatch, forward, softcap, shape, causal):
+    """Every CANDIDATES entry through its forward on the GPU, where the PTX runs: as exact as the plain
+    formula in bf16 and float16."""
+    monkeypatch.setattr(exp2, "ON_FMA", dict(exp2.CANDIDATES))
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v, do = make_inputs(*shape, dtype)
+        q = (q.float() * 4).to(dtype)
+        check(q, k, v, do, causal, kernel=(forward, "triton"), **({"softcap": softcap} if softcap else {}))
