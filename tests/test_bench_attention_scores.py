@@ -36,3 +36,25 @@ def test_smoke_run_writes_every_case_and_its_ratio(tmp_path):
 def test_a_real_run_needs_a_gpu(tmp_path):
     with pytest.raises(ValueError, match="no CUDA device"):
         bench_attention_scores.main(["--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke path")
+def test_switches_turn_code_paths_on_and_name_them(tmp_path, monkeypatch):
+    """--switches turns the named code paths on for the run and names them in the file and its text;
+    an unknown one is refused before anything runs."""
+    from kernels import exp2, scores
+
+    monkeypatch.setattr(scores, "PACKED_DROPOUT", False)
+    monkeypatch.setattr(exp2, "ON_FMA", {})
+    threads = torch.get_num_threads()
+    try:
+        bench_attention_scores.main(["--smoke", "--cases", "dropout", "--words", "triton",
+                                     "--switches", "packed-dropout,exp2-fma", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert scores.PACKED_DROPOUT and exp2.ON_FMA == exp2.CANDIDATES
+    data = json.loads((tmp_path / "attention_scores_cpu_packed-dropout_exp2-fma.json").read_text())
+    assert data["switches"] == ["packed-dropout", "exp2-fma"] and all(r["status"] == "ok" for r in data["results"])
+    assert "Switched on: the forwards' dropout mask" in (tmp_path / "attention_scores_cpu_packed-dropout_exp2-fma.md").read_text()
+    with pytest.raises(ValueError, match="--switches: fast not among"):
+        bench_attention_scores.main(["--smoke", "--switches", "fast", "--out", str(tmp_path)])
