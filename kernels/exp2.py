@@ -99,8 +99,9 @@ def exp2_split(x, ON_FMA: tl.constexpr):
 
 # (family, head dim, soft-capped) -> of every 4 exponentials of an unmasked tile, how many the FMA
 # units take: where the sm_90 code's counts put the balance of MUFU time and issue slots
-# (kernels/LOG.md, 2026-12-05). Not yet timed on a GPU: ON_FMA stays empty, every kernel on ex2,
-# until a device A/B shows the counts right; the GPU tests run CANDIDATES either way.
+# (kernels/LOG.md, 2026-12-05). Timed on an H100, the Triton forward was slower and the Gluon one
+# 2.5% faster (the tile is not MUFU-bound: LOG.md, "2026-12-05 (H100)"), so ON_FMA stays empty, every
+# kernel on ex2; the GPU tests run CANDIDATES either way.
 CANDIDATES = {("triton", 64, True): 1, ("triton", 128, True): 1, ("gluon", 64, True): 2, ("gluon", 128, True): 2,
               ("gluon", 64, False): 1}
 ON_FMA: dict = {}

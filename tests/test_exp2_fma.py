@@ -13,7 +13,7 @@ from kernels import exp2
 from kernels.exp2 import COEFFS, FLOOR, MAX_REL_ERROR, SPLIT_PTX, exp2_fma
 from ptx_emulator import bits, f32, run_ptx
 from test_attention_scores import check, heads
-from test_flash_attention import DTYPES, make_inputs
+from test_flash_attention import DEVICE, DTYPES, make_inputs
 
 HOPPER = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0),
                             reason="needs an sm_90 (Hopper) GPU")
@@ -36,10 +36,10 @@ def exponents(n: int = 4096) -> np.ndarray:
 
 
 def cubic(x: np.ndarray) -> np.ndarray:
-    """exp2_fma's Triton form on the CPU (the interpreter runs it)."""
-    y = torch.empty(x.size, dtype=torch.float32)
-    _exp2_fma_kernel[(1,)](torch.from_numpy(x), y, N=x.size)
-    return y.numpy()
+    """exp2_fma's Triton form, run where the kernels run (the CPU interpreter, or the GPU)."""
+    y = torch.empty(x.size, dtype=torch.float32, device=DEVICE)
+    _exp2_fma_kernel[(1,)](torch.from_numpy(x).to(DEVICE), y, N=x.size)
+    return y.cpu().numpy()
 
 
 def test_the_cubic_is_within_its_bound_of_2_to_the_x():
