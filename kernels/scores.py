@@ -70,10 +70,12 @@ from kernels.tiles import LOG2E
 PHILOX_ROUNDS = tl.constexpr(7)
 PTX = tl.constexpr(not INTERPRET)   # inline PTX runs on the GPU only
 
-# Code paths counted on the CPU (the sm_90 code's registers and instructions: kernels/LOG.md,
-# 2026-12-05) but not yet timed nor tested on a GPU: each stays off until a device A/B shows it
-# faster and the GPU tests, which run it either way, pass. Launches read them at each call.
-PACKED_DROPOUT = False   # the forwards zero dropped halves of P's packed 16-bit pairs (`drop_scores`)
+# The forwards zero dropped halves of P's packed 16-bit pairs (`drop_scores`): on an H100 the Triton
+# forward 3% and the Gluon one 8% faster with dropout (benchmarks/attention/score_switches_ab_h100.md).
+# Off until its GPU test (test_the_packed_dropout_mask_is_the_unpacked_one) has passed: which scores
+# share an asm call is Triton's choice, checked on the CPU only through the layout it compiles to.
+# Launches read it at each call.
+PACKED_DROPOUT = False
 
 
 # ---- soft-capping ------------------------------------------------------------------------------

@@ -487,14 +487,15 @@ def test_score_options_through_the_gluon_forward(shape, causal, dtype, options, 
                                                   ((1, 517, 300, 4, 1, 64), True, torch.bfloat16)],
                          ids=lambda x: IDS(x) if isinstance(x, tuple) else str(x))
 def test_the_packed_dropout_mask_is_the_unpacked_one(monkeypatch, forward, shape, causal, dtype):
-    """kernels.scores.PACKED_DROPOUT (the forwards zero dropped halves of P's packed pairs; off until
-    measured faster) gives the unpacked mask's output and LSE bit for bit, and is as exact as the
-    plain formula given the mask: Triton picks which scores share an asm call, so a pair that were
-    not keys 2j, 2j + 1 of one query would drop other scores than the mask says."""
+    """kernels.scores.PACKED_DROPOUT (the forwards zero dropped halves of P's packed pairs) gives the
+    unpacked mask's output and LSE bit for bit, and is as exact as the plain formula given the mask:
+    Triton picks which scores share an asm call, so a pair that were not keys 2j, 2j + 1 of one query
+    would drop other scores than the mask says."""
     from kernels import scores
 
     q, k, v, do = make_inputs(*shape, dtype)
     kw = dict(causal=causal, dropout_p=0.2, kernel=(forward, "triton"), return_lse=True)
+    monkeypatch.setattr(scores, "PACKED_DROPOUT", False)
     with replayed_generator():
         unpacked = flash_attention(q, k, v, **kw)
     monkeypatch.setattr(scores, "PACKED_DROPOUT", True)

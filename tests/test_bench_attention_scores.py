@@ -39,22 +39,25 @@ def test_a_real_run_needs_a_gpu(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke path")
-def test_switches_turn_code_paths_on_and_name_them(tmp_path, monkeypatch):
-    """--switches turns the named code paths on for the run and names them in the file and its text;
-    an unknown one is refused before anything runs."""
+def test_switches_set_code_paths_and_name_them(tmp_path, monkeypatch):
+    """--switches sets the named code paths for the run and names them in the file and its text; an
+    unknown one, or both settings of one path, is refused before anything runs."""
     from kernels import exp2, scores
 
-    monkeypatch.setattr(scores, "PACKED_DROPOUT", False)
+    monkeypatch.setattr(scores, "PACKED_DROPOUT", True)
     monkeypatch.setattr(exp2, "ON_FMA", {})
     threads = torch.get_num_threads()
     try:
         bench_attention_scores.main(["--smoke", "--cases", "dropout", "--words", "triton",
-                                     "--switches", "packed-dropout,exp2-fma", "--out", str(tmp_path)])
+                                     "--switches", "unpacked-dropout,exp2-fma", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)
-    assert scores.PACKED_DROPOUT and exp2.ON_FMA == exp2.CANDIDATES
-    data = json.loads((tmp_path / "attention_scores_cpu_packed-dropout_exp2-fma.json").read_text())
-    assert data["switches"] == ["packed-dropout", "exp2-fma"] and all(r["status"] == "ok" for r in data["results"])
-    assert "Switched on: the forwards' dropout mask" in (tmp_path / "attention_scores_cpu_packed-dropout_exp2-fma.md").read_text()
+    assert not scores.PACKED_DROPOUT and exp2.ON_FMA == exp2.CANDIDATES
+    stem = tmp_path / "attention_scores_cpu_unpacked-dropout_exp2-fma"
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["switches"] == ["unpacked-dropout", "exp2-fma"] and all(r["status"] == "ok" for r in data["results"])
+    assert "Switched: the forwards' dropout mask as a float32 select" in stem.with_suffix(".md").read_text()
     with pytest.raises(ValueError, match="--switches: fast not among"):
         bench_attention_scores.main(["--smoke", "--switches", "fast", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="exclude each other"):
+        bench_attention_scores.main(["--smoke", "--switches", "packed-dropout,unpacked-dropout", "--out", str(tmp_path)])

@@ -17,9 +17,9 @@ the Triton kernels (the option's own cost, the family held fixed); and beside th
 scaled_dot_product_attention left to pick its backend, for none and dropout (it has no soft-capping or
 sinks): what the same option costs in the kernels a user could pick instead. `--words` picks others,
 a forward/backward pair such as `triton/gluon` among them, and `--tokens`/`--batch` another length
-(the file's name then says so). `--switches` turns on code paths that are off until measured
-(SWITCHES: kernels/LOG.md, 2026-12-05), for the whole run; the file's name says which, so one device
-call can time the same tree with them off and on. Forward, backward and forward+backward come from the same
+(the file's name then says so). `--switches` sets code paths other than their defaults for the whole
+run (SWITCHES: kernels/LOG.md, 2026-12-05); the file's name says which, so one device call can time
+the same tree both ways. Forward, backward and forward+backward come from the same
 forward+backward calls, CUDA events before, between and after each, in do_bench's loop (medians,
 L2 flushed; scripts/_common.py, pass_timer); dropout's times include drawing its seed. "x none" is a case's
 forward+backward over none's under the same word; the targets the options were built to: dropout
@@ -46,19 +46,23 @@ WORDS = ("auto", "triton", "sdpa")
 SDPA_CASES = ("none", "dropout")   # SDPA soft-caps nothing and has no sinks
 TARGETS = {"dropout": 1.25, "softcap": 1.10, "sinks": 1.05}   # forward+backward x none, under auto
 HEADERS = ["case", "kernel", "plan", "fwd ms", "bwd ms", "fwd+bwd ms", "x none", "target"]
-SWITCHES = {"packed-dropout": "the forwards' dropout mask on P's packed pairs (kernels.scores.PACKED_DROPOUT)",
+SWITCHES = {"packed-dropout": "the forwards' dropout mask on P's packed pairs (kernels.scores.PACKED_DROPOUT on)",
+            "unpacked-dropout": "the forwards' dropout mask as a float32 select before P's cast "
+                                "(kernels.scores.PACKED_DROPOUT off)",
             "exp2-fma": "exponentials on the FMA units where kernels.exp2.CANDIDATES puts them"}
 
 
-def turn_on(switches: list[str]) -> None:
-    """Turn on the SWITCHES named, for every launch that follows."""
+def set_switches(switches: list[str]) -> None:
+    """Set the SWITCHES named, for every launch that follows."""
     from kernels import exp2, scores
 
     unknown = [s for s in switches if s not in SWITCHES]
     if unknown:
         raise ValueError(f"--switches: {', '.join(unknown)} not among {', '.join(SWITCHES)}")
-    if "packed-dropout" in switches:
-        scores.PACKED_DROPOUT = True
+    if {"packed-dropout", "unpacked-dropout"} <= set(switches):
+        raise ValueError("--switches: packed-dropout and unpacked-dropout exclude each other")
+    if "packed-dropout" in switches or "unpacked-dropout" in switches:
+        scores.PACKED_DROPOUT = "packed-dropout" in switches
     if "exp2-fma" in switches:
         exp2.ON_FMA = dict(exp2.CANDIDATES)
 
@@ -134,7 +138,7 @@ def write_outputs(stem, report: dict) -> None:
             f"views of a fused QKV projection; dropout 0.1, soft cap 50, a sink per head; timing: "
             f"{report['timing']}.{tuning_note(meta)} \"x none\" is the case's forward+backward over none's under "
             f"the same kernel word; the targets apply to `auto`, what a training run gets."
-            + "".join(f" Switched on: {SWITCHES[name]}." for name in report.get("switches", [])) + "\n\n"
+            + "".join(f" Switched: {SWITCHES[name]}." for name in report.get("switches", [])) + "\n\n"
             + markdown_table(HEADERS, rows(report["results"], meta["device_type"] == "cuda")) + "\n"
             + ("\nNot measured:\n" + "\n".join(failed) + "\n" if failed else ""))
     write_text(stem.with_suffix(".md"), text)
@@ -149,11 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="kernel words: auto, triton, gluon, a forward/backward pair (triton/gluon), sdpa")
     parser.add_argument("--tokens", type=int, default=SHAPE[1], help="T, the sequence length")
     parser.add_argument("--batch", type=int, default=SHAPE[0], help="B, the batch")
-    parser.add_argument("--switches", default="", help=f"comma-separated code paths to turn on, of {', '.join(SWITCHES)}")
+    parser.add_argument("--switches", default="", help=f"comma-separated code paths to set for the run, of {', '.join(SWITCHES)}")
     add_out_argument(parser, "bench_attention_scores")
     args = parser.parse_args(argv)
     switches = [s for s in dict.fromkeys(args.switches.split(",")) if s]
-    turn_on(switches)
+    set_switches(switches)
     words = [w for w in dict.fromkeys(args.words.split(",")) if w]
     cases = ["none"] + [c for c in dict.fromkeys(args.cases.split(",")) if c and c != "none"]
     unknown = [c for c in cases if c not in CASES]

@@ -49,10 +49,13 @@ def score_args(kernel, scores=()) -> dict:
     """The constexprs of the score options (kernels/scores.py) of a Triton kernel, for `scores` (of
     SCORES) on: dropout 0.1, a soft cap of 30; what is off is a zero constexpr or a None pointer,
     which compile to the code the kernel has without the option. A pointer left out is compiled as one."""
+    from kernels.scores import PACKED_DROPOUT
+
     names = getattr(kernel, "arg_names", None) or kernel.fn.arg_names
     off = {"Rng": None, "Sinks": None, "SOFTCAP": 0.0, "DROPOUT_P": 0.0, "SHARE_DRAW": 0, "PACKED_MASK": 0,
            "EXP2_ON_FMA": 0}
-    on = {"dropout": {"DROPOUT_P": 0.1, **({"SHARE_DRAW": 1} if "SHARE_DRAW" in names else {})},   # as on sm_90
+    on = {"dropout": {"DROPOUT_P": 0.1, **({"SHARE_DRAW": 1, "PACKED_MASK": int(PACKED_DROPOUT)}
+                                           if "SHARE_DRAW" in names else {})},   # as on sm_90 (bf16)
           "softcap": {"SOFTCAP": 30.0}, "sinks": {}}
     drop = {"dropout": "Rng", "sinks": "Sinks"}
     args = {**off, **{k: v for s in scores for k, v in on[s].items()}}
@@ -122,18 +125,20 @@ def compile_for_hopper(kernel, constexprs: dict, warps: int, stages: int, values
 
 
 def compile_gluon_fwd(variant: str | None, head_dim: int, causal: bool, dtype: str = "bf16", softcap: float = 0.0,
-                      dropout_p: float = 0.0, sinks: bool = False, packed_mask: bool = False, exp2_on_fma: int = 0):
+                      dropout_p: float = 0.0, sinks: bool = False, packed_mask: bool | None = None,
+                      exp2_on_fma: int = 0):
     """triton.compile of the Gluon forward `variant` (a rung of kernels/lab/gluon_forward_ladder.py's
     LADDER, the production variants included; None: the default for the head dim) for sm_90a, with
     the signature its launch has: four TMA descriptors, the LSE pointer, the dropout seed and the
     sinks (None unless dropout_p and sinks ask for them), four integers and the fp32 scale.
-    packed_mask: the dropout mask on P's packed pairs (kernels/scores.py's PACKED_DROPOUT); exp2_on_fma:
+    packed_mask: the dropout mask on P's packed pairs (None: kernels/scores.py's PACKED_DROPOUT); exp2_on_fma:
     of every 4 exponentials, how many the FMA units compute (kernels/exp2.py)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from kernels import scores
     from kernels.gluon import forward as gluon_fwd
     from kernels.lab import gluon_forward_ladder
 
@@ -151,6 +156,7 @@ def compile_gluon_fwd(variant: str | None, head_dim: int, causal: bool, dtype: s
                  **{n: "i32" for n in ("n_heads", "kv_group", "n_q", "n_k")}, "qk_scale": "fp32"}
     consts = dict(launch.constexprs, num_warps=launch.options["num_warps"], SOFTCAP=float(softcap),
                   DROPOUT_P=float(dropout_p))
+    packed_mask = scores.PACKED_DROPOUT if packed_mask is None else packed_mask
     consts.update(PACKED_MASK=int(packed_mask and dropout_p > 0), EXP2_ON_FMA=int(exp2_on_fma))
     signature.update({name: "constexpr" for name in consts})
     consts.update({name: None for name, kind in signature.items() if kind == "constexpr" and name not in consts})
