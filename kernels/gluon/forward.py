@@ -254,8 +254,8 @@ SIZES = ["n_heads", "kv_group", "n_q", "n_k"]
 @gluon.jit
 def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
-                 WG: gl.constexpr):
+                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr,
+                 EXP2_ON_FMA: gl.constexpr, WG: gl.constexpr):
     """Loads Q's two halves, then every K/V tile the consumers visit, into the ring."""
     q_desc, k_desc, v_desc, o_desc = descs
     q_bufs, k_bufs, v_bufs = bufs
@@ -275,8 +275,8 @@ def _ws_producer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
 @gluon.jit
 def _ws_consumer(descs, bufs, bars, coords, sizes, qk_scale, lse_ptr, scores,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
-                 WG: gl.constexpr):
+                 OVERLAP: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr,
+                 EXP2_ON_FMA: gl.constexpr, WG: gl.constexpr):
     """One warpgroup: rows [start_m + 64 WG, + 64) of the program, every K/V tile of the ring.
     scores: (Rng, Sinks), the dropout seed and the sinks (kernels/scores.py), each None when unused."""
     q_desc, k_desc, v_desc, o_desc = descs
@@ -326,7 +326,7 @@ def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
              start_n, n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, PINGPONG: gl.constexpr,
              SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
-                 WG: gl.constexpr):
+             WG: gl.constexpr):
     tile = start_n // BLOCK_N
     stage = tile % STAGES
     phase = (tile // STAGES) & 1
@@ -339,7 +339,8 @@ def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
     acc, m_i, l_i = _attend(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]),
                             v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]), v_ready.index(stage), phase,
                             turn.index(1 - WG), acc, m_i, l_i, rows, start_n, n_k, shift, qk_scale, rng,
-                            ROWS, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, 4)
+                            ROWS, BLOCK_N, HEAD_DIM, CAUSAL, MASK, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK,
+                            EXP2_ON_FMA, 4)
     mbarrier.arrive(kv_empty.index(stage), count=1)
     return acc, m_i, l_i
 
@@ -348,8 +349,7 @@ def _ws_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
 def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, rows, mid, hi,
                    n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
-                   DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
-                 WG: gl.constexpr):
+                   DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr, WG: gl.constexpr):
     """FlashAttention-3's intra-warpgroup overlap, for hi > 0 key columns: QK^T of tile t is issued
     together with P V of tile t - 1, and the softmax of tile t runs while that P V wgmma is still
     in flight. Only then is acc rescaled (alpha_t) and buffer t - 1 released. Tile 0 is peeled off
@@ -374,11 +374,13 @@ def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc
     for start_n in range(BLOCK_N, mid, BLOCK_N):
         acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
                                                l_i, p, rows, start_n, n_k, shift, qk_scale, rng, ROWS, BLOCK_N,
-                                               HEAD_DIM, STAGES, CAUSAL, False, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, WG)
+                                               HEAD_DIM, STAGES, CAUSAL, False, PINGPONG, SOFTCAP, DROPOUT_P,
+                                               PACKED_MASK, EXP2_ON_FMA, WG)
     for start_n in range(gl.maximum(mid, BLOCK_N), hi, BLOCK_N):
         acc, m_i, l_i, p = _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i,
                                                l_i, p, rows, start_n, n_k, shift, qk_scale, rng, ROWS, BLOCK_N,
-                                               HEAD_DIM, STAGES, CAUSAL, True, PINGPONG, SOFTCAP, DROPOUT_P, PACKED_MASK, EXP2_ON_FMA, WG)
+                                               HEAD_DIM, STAGES, CAUSAL, True, PINGPONG, SOFTCAP, DROPOUT_P,
+                                               PACKED_MASK, EXP2_ON_FMA, WG)
     last = gl.cdiv(hi, BLOCK_N) - 1
     stage = last % STAGES
     mbarrier.wait(v_ready.index(stage), (last // STAGES) & 1)
@@ -392,8 +394,8 @@ def _ws_overlapped(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc
 def _ws_overlapped_step(q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turn, acc, m_i, l_i, p, rows,
                         start_n, n_k, shift, qk_scale, rng, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-                        PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
-                 WG: gl.constexpr):
+                        PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr,
+                        PACKED_MASK: gl.constexpr, EXP2_ON_FMA: gl.constexpr, WG: gl.constexpr):
     s_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(ROWS, HEAD_DIM, 4)
     tile = start_n // BLOCK_N
