@@ -39,9 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import INTERPRET
+from kernels.scores import PTX   # inline PTX runs on the GPU only
 
-PTX = tl.constexpr(not INTERPRET)
 # the cubic's coefficients c0 .. c3 (float32), its maximum relative error on [-0.5, 0.5], the clamp
 COEFFS = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105)
 MAX_REL_ERROR = 7.5e-5
