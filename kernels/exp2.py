@@ -2,10 +2,12 @@
 
 Why. A Hopper SM evaluates 16 MUFU operations (ex2, tanh) a clock and 128 float32 FMAs. Plain
 attention at head dim 64 already needs one ex2 a score for 2 x 64 multiply-adds of tensor-core work,
-and soft-capping adds a tanh, a second MUFU operation a score: the tile's MUFU time then exceeds the
-time its instructions take to issue, and the kernel waits on the special-function unit. Computing
-some exponentials with a polynomial on the FMA units trades MUFU time for issue slots, until the two
-balance (FlashAttention-4 does this on Blackwell; kernels/LOG.md counts it for our kernels).
+and soft-capping adds a tanh, a second MUFU operation a score: counted in SASS, the soft-capped tile's
+MUFU time exceeds the time its instructions take to issue. Computing some exponentials with a
+polynomial on the FMA units trades MUFU time for issue slots until the two balance (FlashAttention-4
+does this on Blackwell). Timed on an H100 it did not pay in our forwards, which are not MUFU-bound
+(kernels/LOG.md, "2026-12-05 (H100)"): ON_FMA below is empty, and `--switches exp2-fma`
+(scripts/bench/bench_attention_scores.py) times it again where that may change.
 
 How. For x <= 0 (every P exponent is a score minus its row max):
 
