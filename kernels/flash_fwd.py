@@ -130,7 +130,7 @@ def flash_fwd_kernel(
     S is a wgmma accumulator: `_triton_forward` sets it on sm_90, where tl.dot's result is one
     (tests/test_attention_scores.py reads that off the compiled kernel). PACKED_MASK=1 (only with
     SHARE_DRAW=1 and 16-bit inputs): P is cast first and the mask zeroes halves of its packed pairs
-    (kernels/scores.py's drop_scores); `_triton_forward` sets it where kernels.scores.PACKED_DROPOUT is on.
+    (kernels/scores.py's drop_scores); `_triton_forward` sets it from kernels.scores.packed_mask.
     EXP2_ON_FMA (0 to 4): of every 4 exponentials of P in an unmasked tile, how many the FMA units
     compute (kernels/exp2.py), from kernels.exp2.on_fma."""
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")

@@ -130,8 +130,7 @@ def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None
     # mask may zero packed pairs there (PACKED_MASK); passed either way: Inductor's analysis of what a kernel
     # writes needs every constexpr bound
     share = int(dropout_p > 0 and _wgmma_scores(q.device))
-    packed = int(share and q.dtype != torch.float32 and scores.PACKED_DROPOUT)
-    consts = {**consts, "SHARE_DRAW": share, "PACKED_MASK": packed,
+    consts = {**consts, "SHARE_DRAW": share, "PACKED_MASK": scores.packed_mask(dropout_p, q.dtype, share),
               "EXP2_ON_FMA": exp2.on_fma("triton", D, softcap, dropout_p, q.dtype)}
     length = max(n_q, n_k)
 

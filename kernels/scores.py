@@ -377,6 +377,12 @@ def dropout_mask_kernel(Rng, Mask, n_heads, n_q, n_k, DROPOUT_P: tl.constexpr,
     tl.store(ptrs, keep.to(tl.int8), mask=(rows < n_q)[:, None] & (cols < n_k)[None, :])
 
 
+def packed_mask(dropout_p: float, dtype: torch.dtype, wgmma: bool) -> int:
+    """PACKED_MASK of a forward launch: dropout on 16-bit P whose pairs lie in a wgmma accumulator
+    (the Gluon forward's always, the Triton forward's on sm_90), with PACKED_DROPOUT on."""
+    return int(dropout_p > 0 and wgmma and dtype != torch.float32 and PACKED_DROPOUT)
+
+
 def dropout_seed(device) -> torch.Tensor:
     """A call's (seed, offset): two int64 from torch's default generator of `device`."""
     return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)

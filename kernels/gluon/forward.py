@@ -566,7 +566,7 @@ def gluon_attention_forward(q, k, v, causal: bool, softmax_scale: float, variant
     args = (*described, lse, rng, sinks, H, H // h_kv, n_q, n_k, softmax_scale * LOG2E.value)
     run_kernel(spec.kernel, (cdiv(n_q, spec.block_m), B * H), args,
                {**spec.constexprs, **spec.options, "SOFTCAP": float(softcap), "DROPOUT_P": float(dropout_p),
-                "PACKED_MASK": int(dropout_p > 0 and scores.PACKED_DROPOUT),
+                "PACKED_MASK": scores.packed_mask(dropout_p, q.dtype, True),
                 "EXP2_ON_FMA": exp2.on_fma("gluon", D, softcap, dropout_p, q.dtype)},
                cache, "gluon_fwd")
     return out, lse

@@ -49,12 +49,14 @@ def score_args(kernel, scores=()) -> dict:
     """The constexprs of the score options (kernels/scores.py) of a Triton kernel, for `scores` (of
     SCORES) on: dropout 0.1, a soft cap of 30; what is off is a zero constexpr or a None pointer,
     which compile to the code the kernel has without the option. A pointer left out is compiled as one."""
-    from kernels.scores import PACKED_DROPOUT
+    import torch
+
+    from kernels.scores import packed_mask
 
     names = getattr(kernel, "arg_names", None) or kernel.fn.arg_names
     off = {"Rng": None, "Sinks": None, "SOFTCAP": 0.0, "DROPOUT_P": 0.0, "SHARE_DRAW": 0, "PACKED_MASK": 0,
            "EXP2_ON_FMA": 0}
-    on = {"dropout": {"DROPOUT_P": 0.1, **({"SHARE_DRAW": 1, "PACKED_MASK": int(PACKED_DROPOUT)}
+    on = {"dropout": {"DROPOUT_P": 0.1, **({"SHARE_DRAW": 1, "PACKED_MASK": packed_mask(0.1, torch.bfloat16, True)}
                                            if "SHARE_DRAW" in names else {})},   # as on sm_90 (bf16)
           "softcap": {"SOFTCAP": 30.0}, "sinks": {}}
     drop = {"dropout": "Rng", "sinks": "Sinks"}
@@ -156,8 +158,9 @@ def compile_gluon_fwd(variant: str | None, head_dim: int, causal: bool, dtype: s
                  **{n: "i32" for n in ("n_heads", "kv_group", "n_q", "n_k")}, "qk_scale": "fp32"}
     consts = dict(launch.constexprs, num_warps=launch.options["num_warps"], SOFTCAP=float(softcap),
                   DROPOUT_P=float(dropout_p))
-    packed_mask = scores.PACKED_DROPOUT if packed_mask is None else packed_mask
-    consts.update(PACKED_MASK=int(packed_mask and dropout_p > 0), EXP2_ON_FMA=int(exp2_on_fma))
+    packed = (scores.packed_mask(dropout_p, torch_dtype, True) if packed_mask is None
+              else int(packed_mask and dropout_p > 0))
+    consts.update(PACKED_MASK=packed, EXP2_ON_FMA=int(exp2_on_fma))
     signature.update({name: "constexpr" for name in consts})
     consts.update({name: None for name, kind in signature.items() if kind == "constexpr" and name not in consts})
     source = GluonASTSource(fn=launch.kernel, signature=signature, constexprs=consts,
