@@ -72,10 +72,11 @@ PTX = tl.constexpr(not INTERPRET)   # inline PTX runs on the GPU only
 
 # The forwards zero dropped halves of P's packed 16-bit pairs (`drop_scores`): on an H100 the Triton
 # forward 3% and the Gluon one 8% faster with dropout (benchmarks/attention/score_switches_ab_h100.md).
-# Off until its GPU test (test_the_packed_dropout_mask_is_the_unpacked_one) has passed: which scores
-# share an asm call is Triton's choice, checked on the CPU only through the layout it compiles to.
-# Launches read it at each call.
-PACKED_DROPOUT = False
+# Which scores share an asm call is Triton's choice, checked on the CPU only through the layout it
+# compiles to; on the GPU test_the_packed_dropout_mask_is_the_unpacked_one checks the outputs bit for
+# bit against the unpacked mask (passed on an H100, triton 3.6). False restores the unpacked mask;
+# launches read it at each call (bench_attention_scores.py --switches unpacked-dropout).
+PACKED_DROPOUT = True
 
 
 # ---- soft-capping ------------------------------------------------------------------------------
