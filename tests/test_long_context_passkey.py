@@ -191,6 +191,11 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert len(slow) >= 4 and second.model.rope_theta ** ((dim - 2) / dim) * 2 * math.pi < 4 * second.trainer.seq_len
     based.model.rope_theta, based.model.attention_length_scale = second.model.rope_theta, None
     assert based == second
+    # the longer second stage: MIXED_LONG's overrides with more steps, nothing else changed
+    longer, long = script_overrides("MIXED_LONGER"), script_overrides("MIXED_LONG")
+    assert [o for o in longer if not o.startswith("trainer.max_steps=")] == \
+        [o for o in long if not o.startswith("trainer.max_steps=")]
+    assert composed_with("long-context-mixed", longer).trainer.max_steps > second.trainer.max_steps
 
 
 @pytest.mark.slow
