@@ -41,7 +41,9 @@
 # and the same with model.attention_length_scale (mixed-scaled, mixed-scaled-long, mixed-scaled-eval,
 # which draws the committed mixed results beside its own), and that with RoPE base 500,000 (mixed-base,
 # mixed-base-long, mixed-base-eval, drawn beside mixed-scaled's; docs/long-context.md says why), and
-# mixed-base with its stage 2 run to 4,100 steps (mixed-base, mixed-base-longer ~7.5 min, mixed-base-eval).
+# mixed-base with its stage 2 run to 4,100 steps (mixed-base, mixed-base-longer ~7.5 min, mixed-base-eval),
+# and mixed-base's stage 2 with several keys in each long document, branched from its stage 1
+# (mixed-base, then mixed-far ~5 min and mixed-far-eval ~1.3 min, beside mixed-base's grid).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
@@ -62,7 +64,8 @@ run() { local want=$1 have; have=$(left); shift
 
 # train NAME EXPERIMENT [continue] [OVERRIDES...]: start or continue runs/long-context/NAME until it
 # is done or the call's time is nearly up (SIGTERM: train.py saves a checkpoint and exits 143);
-# its config.yaml and metrics.jsonl go back under $OUT either way.
+# its config.yaml and metrics.jsonl go back under $OUT either way. RESUME=<checkpoint of another
+# run> branches a new run from it instead (into an empty runs/long-context/NAME).
 train() {
   local name=$1 experiment=$2 dir=$RUNS/$1; shift 2
   if [[ "${1:-}" == continue ]]; then
@@ -70,7 +73,7 @@ train() {
     [[ -f $dir/config.yaml ]] || { step "error: no run in $dir: this machine is not the one that trained it (it went back after 30 s idle); start over with '$name'"; exit 2; }
   fi
   step "$name: train.py experiment=$experiment run.dir=$dir resume=auto $*"
-  run $(( $(left) - 20 )) python3 train.py "experiment=$experiment" "run.dir=$dir" resume=auto logger=none \
+  run $(( $(left) - 20 )) python3 train.py "experiment=$experiment" "run.dir=$dir" "resume=${RESUME:-auto}" logger=none \
     trainer.progress=false "$@"
   mkdir -p "$OUT/long_context_passkey_$name"
   cp "$dir/config.yaml" "$dir/metrics.jsonl" "$OUT/long_context_passkey_$name/" 2>>"$LOG"
@@ -131,6 +134,11 @@ MIXED_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.pa
 # stage 2 run longer: the same units to 4,100 steps (docs/long-context.md: retrieval was still rising at 2,900)
 MIXED_LONGER=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,512]'
               data.passkey.num_docs=180 trainer.max_steps=4100 trainer.eval_every=1200 trainer.ckpt_every=1200)
+# stage 2 with more answers far back: the same units, with 8 keys in each 32K document, 4 in each 16K
+# one and 2 in each 8K one (data.passkey.piece_pairs); the short documents keep one each
+MIXED_FAR=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,512]'
+           'data.passkey.piece_pairs=[8,8,4,4,2,2,1,1,1]'
+           data.passkey.num_docs=180 trainer.max_steps=2900 trainer.eval_every=1200 trainer.ckpt_every=1200)
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
 dense() {
@@ -164,6 +172,17 @@ mixed-base-long) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 # mixed-base's stage 2 to 4,100 steps instead of 2,900, in its place (after `mixed-base`, then `mixed-base-eval`)
 mixed-base-longer) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONGER[@]}" ;;
+# mixed-base's stage 2 with several keys in each long document (MIXED_FAR), branched from mixed-base's
+# stage-1 checkpoint (run `mixed-base` first, on the same machine), then its grid beside mixed-base's
+mixed-far)
+  if [[ -f $RUNS/mixed-far/config.yaml ]]; then
+    train mixed-far long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_FAR[@]}"
+  else
+    from=$RUNS/mixed-base/checkpoints/step_00001700.pt
+    [[ -f $from ]] || { step "error: no $from: run 'mixed-base' first on this machine"; exit 2; }
+    RESUME=$from train mixed-far long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_FAR[@]}"
+  fi ;;
+mixed-far-eval) evaluate mixed-far flash 12 mixed-base ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
 naive)
@@ -178,6 +197,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-longer|-eval] | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-longer|-eval] | mixed-far[-eval] | compare" >&2; exit 2 ;;
 esac
 step done

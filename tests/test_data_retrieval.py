@@ -165,3 +165,34 @@ def test_pieces_fill_each_fixed_window_with_documents_of_one_length(tmp_path):
     source = PasskeySource(5, length, None, 5, 0, kind="dense", pairs=1, pieces=cuts)
     assert source.num_documents == 1 + 4 + 2 + 1 + 4 and len(source.names()) == source.num_documents
     assert source.fingerprint != PasskeySource(5, length, None, 5, 0, kind="dense", pairs=1).fingerprint
+
+
+def test_piece_pairs_give_each_units_documents_their_own_keys(tmp_path):
+    """data.passkey.piece_pairs=[3, 1, 1] beside pieces=[1, 4, 2]: the whole-window documents hold
+    up to three keys each (more answers at long distances; where events crowd, the generator drops
+    one), the cut ones one, each asked for in its own document; a list that does not match pieces
+    is refused in one line, before any document is made."""
+    length, cuts, keys = 1024, [1, 4, 2], [3, 1, 1]
+    data = {"name": "stdlib-passkey", "min_doc_bytes": 100_000, "max_bytes": 400_000, "val_fraction": 0.2,
+            "windows": "fixed", "document_mask": True,
+            "passkey": {"num_docs": 4, "length": length, "depths": None, "key_digits": 5, "seed": 0,
+                        "kind": "dense", "pairs": 1, "pieces": cuts, "piece_pairs": keys}}
+    b = bundle_for(tmp_path, data, seq_len=length)
+    for k in range(4):
+        window = b.train.window(k, epoch=1)
+        n = cuts[k % len(cuts)]
+        for j in range(n):
+            text = b.tokenizer.decode(window[j * length // n : (j + 1) * length // n - 1].tolist())
+            stated, asked = STATEMENT.findall(text), ASKED.findall(text)
+            assert sorted(asked) == sorted(stated), (k, j, text)
+            assert (1 < len(stated) <= 3) if keys[k % len(keys)] == 3 else len(stated) == 1, (k, j, stated)
+    plain = PasskeySource(4, length, None, 5, 0, kind="dense", pairs=1, pieces=cuts)
+    assert PasskeySource(4, length, None, 5, 0, kind="dense", pairs=1, pieces=cuts, piece_pairs=keys).fingerprint \
+        != plain.fingerprint
+    assert PasskeySource(4, length, None, 5, 0, kind="dense", pairs=1, pieces=cuts, piece_pairs=[1, 1, 1]).names() \
+        == plain.names()
+    for bad in ([3, 1], [3, 0, 1]):
+        with pytest.raises(ValueError, match="piece_pairs"):
+            PasskeySource(4, length, None, 5, 0, kind="dense", pairs=1, pieces=cuts, piece_pairs=bad)
+    with pytest.raises(ValueError, match="needs data.passkey.pieces"):
+        PasskeySource(4, length, None, 5, 0, kind="dense", pairs=1, piece_pairs=[2])

@@ -196,6 +196,12 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert [o for o in longer if not o.startswith("trainer.max_steps=")] == \
         [o for o in long if not o.startswith("trainer.max_steps=")]
     assert composed_with("long-context-mixed", longer).trainer.max_steps > second.trainer.max_steps
+    # the far variant: MIXED_LONG's second stage with several keys in each long document only
+    far = script_overrides("MIXED_FAR")
+    assert [o for o in far if not o.startswith("data.passkey.piece_pairs=")] == long
+    farther = composed_with("long-context-mixed", far).data.passkey
+    keys = dict(zip(farther.pieces, farther.piece_pairs))
+    assert len(farther.piece_pairs) == len(farther.pieces) and keys[1] > keys[4] > keys[16] == keys[512] == 1
 
 
 @pytest.mark.slow

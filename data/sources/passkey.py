@@ -6,7 +6,10 @@ filler (prompt + answer, data/passkey.py); `kind=dense`, many named keys each as
 count cycling through the list unit by unit: with `length` = the window and data.windows=fixed,
 every window holds whole documents of one length, short ones (many answers a window, where the copy
 forms) beside long ones (few answers, at distances up to the window) in one run, and with
-data.document_mask=true each document is read on its own, as the eval's prompt is."""
+data.document_mask=true each document is read on its own, as the eval's prompt is. `piece_pairs`
+(a list beside `pieces`) gives each unit's documents their own number of keys in place of `pairs`:
+several in the long ones multiplies the answers at long distances (one 32K document with one key
+has one answer, at a distance spread over the document), while the short ones keep one each."""
 from __future__ import annotations
 
 import hashlib
@@ -29,7 +32,7 @@ class PasskeySource:
 
     def __init__(self, num_docs: int, length: int, depths: list[float] | None, key_digits: int, seed: int,
                  count_tokens: Callable[[str], int] = utf8_length, kind: str = "single", pairs: int | None = None,
-                 pieces: list[int] | None = None):
+                 pieces: list[int] | None = None, piece_pairs: list[int] | None = None):
         if num_docs < 2 or length < 1 or key_digits < 1:
             raise ValueError(f"data=passkey needs num_docs >= 2, length >= 1, key_digits >= 1 (got {num_docs}, {length}, {key_digits})")
         if kind not in KINDS:
@@ -45,8 +48,13 @@ class PasskeySource:
         if pieces is not None and (not pieces or any(int(n) < 1 or length % int(n) for n in pieces)):
             raise ValueError(f"data.passkey.pieces={list(pieces)}: each count must be >= 1 and divide "
                              f"data.passkey.length={length}")
+        if piece_pairs is not None and (pieces is None or len(piece_pairs) != len(pieces)
+                                        or any(int(n) < 1 for n in piece_pairs)):
+            raise ValueError(f"data.passkey.piece_pairs={list(piece_pairs)}: needs data.passkey.pieces, one count "
+                             f"(>= 1) for each of its {len(pieces or [])} entries")
         self.num_docs, self.length, self.key_digits, self.seed = int(num_docs), int(length), int(key_digits), int(seed)
         self.pieces = None if pieces is None else [int(n) for n in pieces]
+        self.piece_pairs = None if piece_pairs is None else [int(n) for n in piece_pairs]
         self.depths = None if depths is None else [float(d) for d in depths]
         self.kind, self.pairs = kind, None if pairs is None else int(pairs)
         self.count_tokens = count_tokens
@@ -56,14 +64,17 @@ class PasskeySource:
             settings += f"|dense|{self.pairs}"
         if self.pieces is not None:
             settings += f"|pieces|{self.pieces}"
+        if self.piece_pairs is not None:
+            settings += f"|piece_pairs|{self.piece_pairs}"
         self.fingerprint = f"passkey-L{self.length}-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
 
     @classmethod
     def from_config(cls, cfg) -> "PasskeySource":
-        depths, pairs, pieces = cfg.get("depths"), cfg.get("pairs"), cfg.get("pieces")
+        depths, pairs, pieces, piece_pairs = (cfg.get(k) for k in ("depths", "pairs", "pieces", "piece_pairs"))
         return cls(int(cfg.num_docs), int(cfg.length), None if depths is None else list(depths),
                    int(cfg.get("key_digits", 5)), int(cfg.get("seed", 0)), kind=str(cfg.get("kind", "single")),
-                   pairs=None if pairs is None else int(pairs), pieces=None if pieces is None else list(pieces))
+                   pairs=None if pairs is None else int(pairs), pieces=None if pieces is None else list(pieces),
+                   piece_pairs=None if piece_pairs is None else list(piece_pairs))
 
     def for_tokenizer(self, tokenizer) -> "PasskeySource":
         """Same documents, sized in the run's tokens instead of bytes (the cache key has the tokenizer).
@@ -72,28 +83,30 @@ class PasskeySource:
         so that no token cache of the old texts is taken for the new."""
         count = lambda text: len(tokenizer.encode(text))  # noqa: E731
         source = PasskeySource(self.num_docs, self.length, self.depths, self.key_digits, self.seed, count_tokens=count,
-                               kind=self.kind, pairs=self.pairs, pieces=self.pieces)
+                               kind=self.kind, pairs=self.pairs, pieces=self.pieces, piece_pairs=self.piece_pairs)
         if self.kind == "single" and filler_tokens(count) != count(FILLER):
             source.fingerprint += "-runs"
         return source
 
-    def _layout(self) -> list[tuple[str, int]]:
-        """(name, length in tokens) of each document, in order: unit i of `length` tokens whole, or
-        cut into pieces[i % len(pieces)] documents of equal length."""
+    def _layout(self) -> list[tuple[str, int, int | None]]:
+        """(name, length in tokens, keys) of each document, in order: unit i of `length` tokens whole,
+        or cut into pieces[k] documents of equal length with piece_pairs[k] keys each (k = i mod the
+        list's length; `pairs` keys without piece_pairs)."""
         if self.pieces is None:
-            return [(f"passkey-{i}", self.length) for i in range(self.num_docs)]
-        cuts = (self.pieces[i % len(self.pieces)] for i in range(self.num_docs))
-        return [(f"passkey-{i}.{j}", self.length // n) for i, n in enumerate(cuts) for j in range(n)]
+            return [(f"passkey-{i}", self.length, self.pairs) for i in range(self.num_docs)]
+        cycle = [(n, self.pairs if self.piece_pairs is None else self.piece_pairs[k]) for k, n in enumerate(self.pieces)]
+        cuts = (cycle[i % len(cycle)] for i in range(self.num_docs))
+        return [(f"passkey-{i}.{j}", self.length // n, keys) for i, (n, keys) in enumerate(cuts) for j in range(n)]
 
     def names(self) -> list[str]:
         """The documents' names, in order, without building their texts."""
-        return [name for name, _ in self._layout()]
+        return [name for name, _, _ in self._layout()]
 
     def documents(self) -> Iterator[tuple[str, str]]:
         rng = np.random.default_rng(self.seed)
         if self.kind == "dense":
-            for name, length in self._layout():
-                yield name, dense_document(length, self.pairs, self.key_digits, rng, self.count_tokens)[0]
+            for name, length, keys in self._layout():
+                yield name, dense_document(length, keys, self.key_digits, rng, self.count_tokens)[0]
             return
         for i, name in enumerate(self.names()):
             depth = self.depths[i % len(self.depths)] if self.depths else float(rng.uniform())

@@ -109,6 +109,7 @@ class PasskeyDocs:
     kind: PasskeyKind = PasskeyKind.single        # single: one key in filler; dense: many named keys (data/retrieval.py)
     pairs: Optional[int] = ranged(None, ge=1)     # kind=dense: keys (each asked for later) per document
     pieces: Optional[List[int]] = None            # kind=dense: documents each `length`-token unit is cut into, cycling
+    piece_pairs: Optional[List[int]] = None       # with pieces: keys per document for each entry of pieces (else pairs)
 
 
 @dataclass
