@@ -72,7 +72,7 @@ train() {
     shift
     [[ -f $dir/config.yaml ]] || { step "error: no run in $dir: this machine is not the one that trained it (it went back after 30 s idle); start over with '$name'"; exit 2; }
   fi
-  step "$name: train.py experiment=$experiment run.dir=$dir resume=auto $*"
+  step "$name: train.py experiment=$experiment run.dir=$dir resume=${RESUME:-auto} $*"
   run $(( $(left) - 20 )) python3 train.py "experiment=$experiment" "run.dir=$dir" "resume=${RESUME:-auto}" logger=none \
     trainer.progress=false "$@"
   mkdir -p "$OUT/long_context_passkey_$name"
@@ -175,13 +175,11 @@ mixed-base-longer) train mixed-base long-context-mixed continue "${MIXED_SCALED[
 # mixed-base's stage 2 with several keys in each long document (MIXED_FAR), branched from mixed-base's
 # stage-1 checkpoint (run `mixed-base` first, on the same machine), then its grid beside mixed-base's
 mixed-far)
-  if [[ -f $RUNS/mixed-far/config.yaml ]]; then
-    train mixed-far long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_FAR[@]}"
-  else
-    from=$RUNS/mixed-base/checkpoints/step_00001700.pt
-    [[ -f $from ]] || { step "error: no $from: run 'mixed-base' first on this machine"; exit 2; }
-    RESUME=$from train mixed-far long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_FAR[@]}"
-  fi ;;
+  if [[ ! -f $RUNS/mixed-far/config.yaml ]]; then   # its first call branches; a later one continues
+    RESUME=$RUNS/mixed-base/checkpoints/step_00001700.pt
+    [[ -f $RESUME ]] || { step "error: no $RESUME: run 'mixed-base' first on this machine"; exit 2; }
+  fi
+  train mixed-far long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_FAR[@]}" ;;
 mixed-far-eval) evaluate mixed-far flash 12 mixed-base ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
