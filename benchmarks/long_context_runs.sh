@@ -41,9 +41,9 @@
 # and the same with model.attention_length_scale (mixed-scaled, mixed-scaled-long, mixed-scaled-eval,
 # which draws the committed mixed results beside its own), and that with RoPE base 500,000 (mixed-base,
 # mixed-base-long, mixed-base-eval, drawn beside mixed-scaled's; docs/long-context.md says why), and
-# mixed-base with its stage 2 run to 4,100 steps (mixed-base, mixed-base-longer ~7.5 min, mixed-base-eval),
-# and mixed-base's stage 2 with several keys in each long document, branched from its stage 1
-# (mixed-base, then mixed-far ~5 min and mixed-far-eval ~1.3 min, beside mixed-base's grid).
+# two other second stages, each branched from mixed-base's stage 1 and drawn beside mixed-base's grid:
+# stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval) and stage 2 with several keys in
+# each long document (mixed-far ~5 min, mixed-far-eval); `mixed-base` first, on the same machine.
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
@@ -152,6 +152,17 @@ dense() {
   done
 }
 
+# branch_of_base NAME OVERRIDES...: a second stage for mixed-base's first, in runs/long-context/NAME:
+# its first call branches from mixed-base's step-1,700 checkpoint, a later one continues it
+branch_of_base() {
+  local name=$1 RESUME=""; shift
+  if [[ ! -f $RUNS/$name/config.yaml ]]; then
+    RESUME=$RUNS/mixed-base/checkpoints/step_00001700.pt
+    [[ -f $RESUME ]] || { step "error: no $RESUME: run 'mixed-base' first on this machine"; exit 2; }
+  fi
+  train "$name" long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@"
+}
+
 case "${1:-}" in
 flash) shift; train flash long-context-passkey "$@" ;;
 dense) dense ;;
@@ -170,16 +181,13 @@ mixed-scaled-eval) evaluate mixed-scaled flash 12 mixed ;;
 mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@" ;;
 mixed-base-long) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
-# mixed-base's stage 2 to 4,100 steps instead of 2,900, in its place (after `mixed-base`, then `mixed-base-eval`)
-mixed-base-longer) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONGER[@]}" ;;
-# mixed-base's stage 2 with several keys in each long document (MIXED_FAR), branched from mixed-base's
-# stage-1 checkpoint (run `mixed-base` first, on the same machine), then its grid beside mixed-base's
-mixed-far)
-  if [[ ! -f $RUNS/mixed-far/config.yaml ]]; then   # its first call branches; a later one continues
-    RESUME=$RUNS/mixed-base/checkpoints/step_00001700.pt
-    [[ -f $RESUME ]] || { step "error: no $RESUME: run 'mixed-base' first on this machine"; exit 2; }
-  fi
-  train mixed-far long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_FAR[@]}" ;;
+# two other second stages for mixed-base's first, each in its own run branched from mixed-base's
+# step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
+# committed grid: stage 2 to 4,100 steps (MIXED_LONGER), and stage 2 with several keys in each long
+# document (MIXED_FAR)
+mixed-longer) branch_of_base mixed-longer "${MIXED_LONGER[@]}" ;;
+mixed-longer-eval) evaluate mixed-longer flash 12 mixed-base ;;
+mixed-far) branch_of_base mixed-far "${MIXED_FAR[@]}" ;;
 mixed-far-eval) evaluate mixed-far flash 12 mixed-base ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
@@ -195,6 +203,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-longer|-eval] | mixed-far[-eval] | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-longer[-eval] | mixed-far[-eval] | compare" >&2; exit 2 ;;
 esac
 step done
