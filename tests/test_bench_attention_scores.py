@@ -61,3 +61,22 @@ def test_switches_set_code_paths_and_name_them(tmp_path, monkeypatch):
         bench_attention_scores.main(["--smoke", "--switches", "fast", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="exclude each other"):
         bench_attention_scores.main(["--smoke", "--switches", "packed-dropout,unpacked-dropout", "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal of the flex word")
+def test_flex_times_none_and_softcap_and_says_why_not_on_a_cpu(tmp_path):
+    """--words flex (FlexAttention, the cap as its score_mod) runs for none and softcap only, and on a
+    CPU, where flex has no backward, each row says so instead of a time."""
+    threads = torch.get_num_threads()
+    try:
+        bench_attention_scores.main(["--smoke", "--cases", "dropout,softcap", "--words", "auto,flex",
+                                     "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "attention_scores_cpu.json").read_text())
+    assert [(r["case"], r["kernel"]) for r in data["results"]] == [
+        ("none", "auto"), ("none", "flex"), ("dropout", "auto"), ("softcap", "auto"), ("softcap", "flex")]
+    flex = [r for r in data["results"] if r["kernel"] == "flex"]
+    assert all("no backward on a CPU" in r["status"] and "fwd+bwd_ms" not in r for r in flex)
+    assert "- softcap (flex): error: ValueError: FlexAttention has no backward on a CPU" in \
+        (tmp_path / "attention_scores_cpu.md").read_text()

@@ -124,7 +124,8 @@ def _sdpa(backend_name: str | None):
     return make
 
 
-def _flex(causal: bool, seq_len: int, device: torch.device) -> Attention:
+def _flex(causal: bool, seq_len: int, device: torch.device, score_mod=None) -> Attention:
+    """FlexAttention compiled for one shape, with `score_mod` (flex's signature) on its scores."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -134,7 +135,7 @@ def _flex(causal: bool, seq_len: int, device: torch.device) -> Attention:
     mask = (create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len,
                               device=device) if causal else None)
     compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask, score_mod=score_mod, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _naive(causal: bool, seq_len: int, device: torch.device) -> Attention:

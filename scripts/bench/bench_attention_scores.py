@@ -11,12 +11,13 @@ scripts/bench/bench_attention.py --training times it), bf16, causal, q, k and v 
 fused QKV projection as the model hands them over. Cases (kernels/scores.py): none; dropout 0.1;
 soft-capping at 50 (Gemma 2's attention cap); sinks (one per head, drawn N(0, 1), their gradient
 taken); all three. Each case runs under two kernel words: `auto`, the plan a training run gets
-(the Gluon backward where it was measured faster, which the plan refuses for dropout and
-soft-capping, so their `auto` also pays for the Triton backward), and `triton`, both directions on
-the Triton kernels (the option's own cost, the family held fixed); and beside them `sdpa`, PyTorch's
-scaled_dot_product_attention left to pick its backend, for none and dropout (it has no soft-capping or
-sinks): what the same option costs in the kernels a user could pick instead. `--words` picks others,
-a forward/backward pair such as `triton/gluon` among them, and `--tokens`/`--batch` another length
+(each direction on the family kernels/plan.py measured faster with that option), and `triton`, both
+directions on the Triton kernels (the option's own cost, the family held fixed); and beside them
+`sdpa`, PyTorch's scaled_dot_product_attention left to pick its backend, for none and dropout (it has
+no soft-capping or sinks): what the same option costs in the kernels a user could pick instead.
+`--words` picks others: `gluon`, a forward/backward pair such as `triton/gluon`, and `flex`,
+FlexAttention compiled with the cap as its score_mod, for none and softcap (CUDA only: flex has no
+CPU backward; it has no dropout, and sinks are not a score_mod), and `--tokens`/`--batch` another length
 (the file's name then says so). `--switches` sets code paths other than their defaults for the whole
 run (SWITCHES: kernels/LOG.md, 2026-12-05); the file's name says which, so one device call can time
 the same tree both ways. Forward, backward and forward+backward come from the same
@@ -44,6 +45,7 @@ CASES = {"none": {}, "dropout": {"dropout_p": 0.1}, "softcap": {"softcap": 50.0}
          "all": {"dropout_p": 0.1, "softcap": 50.0, "sinks": True}}
 WORDS = ("auto", "triton", "sdpa")
 SDPA_CASES = ("none", "dropout")   # SDPA soft-caps nothing and has no sinks
+FLEX_CASES = ("none", "softcap")   # FlexAttention: the cap is a score_mod; no dropout, and a sink is no score_mod
 TARGETS = {"dropout": 1.25, "softcap": 1.10, "sinks": 1.05}   # forward+backward x none, under auto
 HEADERS = ["case", "kernel", "plan", "fwd ms", "bwd ms", "fwd+bwd ms", "x none", "target"]
 SWITCHES = {"packed-dropout": "the forwards' dropout mask on P's packed pairs (kernels.scores.PACKED_DROPOUT on)",
@@ -90,6 +92,9 @@ def measure(case: str, word: str, shape, dtype, device, timer) -> dict:
                 return sdpa_attention(q, k, v, causal=True, **options)
 
             row["plan"] = "PyTorch's SDPA, its own choice of backend"
+        elif word == "flex":
+            attention = _flex_attention(q, k, v, options.get("softcap", 0.0), device)
+            row["plan"] = "FlexAttention (compiled), the cap as its score_mod" if options else "FlexAttention (compiled)"
         else:
             kernel = tuple(word.split("/")) if "/" in word else word
 
@@ -102,6 +107,21 @@ def measure(case: str, word: str, shape, dtype, device, timer) -> dict:
     except Exception as exc:  # noqa: BLE001 (one case failing must not end the run)
         row["status"] = f"error: {error_text(exc)}"
     return row
+
+
+def _flex_attention(q, k, v, softcap: float, device):
+    """FlexAttention on (B, N, H, D) q, k, v, causal, soft-capped as the kernels cap (c tanh(s / c) on
+    the scaled scores, which is what flex hands its score_mod). Flex has no backward on a CPU."""
+    from bench_attention import _flex
+
+    if device.type != "cuda":
+        raise ValueError("FlexAttention has no backward on a CPU: the flex word runs on CUDA only")
+
+    def cap(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    flex = _flex(True, q.shape[1], device, score_mod=cap if softcap else None)
+    return lambda: flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
 def ratios(results: list[dict]) -> None:
@@ -150,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated cases of {', '.join(CASES)} (none, their base, always runs)")
     parser.add_argument("--words", default=",".join(WORDS),
-                        help="kernel words: auto, triton, gluon, a forward/backward pair (triton/gluon), sdpa")
+                        help="kernel words: auto, triton, gluon, a forward/backward pair (triton/gluon), sdpa, flex")
     parser.add_argument("--tokens", type=int, default=SHAPE[1], help="T, the sequence length")
     parser.add_argument("--batch", type=int, default=SHAPE[0], help="B, the batch")
     parser.add_argument("--switches", default="", help=f"comma-separated code paths to set for the run, of {', '.join(SWITCHES)}")
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
               "timing": timing, "targets": TARGETS, "switches": switches, "results": []}
     for case in cases:
         for word in words:
-            if word == "sdpa" and case not in SDPA_CASES:
+            if (word == "sdpa" and case not in SDPA_CASES) or (word == "flex" and case not in FLEX_CASES):
                 continue
             row = measure(case, word, shape, dtype, device, timer)
             report["results"].append(row)
