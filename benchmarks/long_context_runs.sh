@@ -132,13 +132,10 @@ DENSE_STAGES=(
 MIXED_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,512]'
             data.passkey.num_docs=180 trainer.max_steps=2900 trainer.eval_every=1200 trainer.ckpt_every=1200)
 # stage 2 run longer: the same units to 4,100 steps (docs/long-context.md: retrieval was still rising at 2,900)
-MIXED_LONGER=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,512]'
-              data.passkey.num_docs=180 trainer.max_steps=4100 trainer.eval_every=1200 trainer.ckpt_every=1200)
+MIXED_LONGER=("${MIXED_LONG[@]/trainer.max_steps=2900/trainer.max_steps=4100}")
 # stage 2 with more answers far back: the same units, with 8 keys in each 32K document, 4 in each 16K
 # one and 2 in each 8K one (data.passkey.piece_pairs); the short documents keep one each
-MIXED_FAR=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,512]'
-           'data.passkey.piece_pairs=[8,8,4,4,2,2,1,1,1]'
-           data.passkey.num_docs=180 trainer.max_steps=2900 trainer.eval_every=1200 trainer.ckpt_every=1200)
+MIXED_FAR=("${MIXED_LONG[@]}" 'data.passkey.piece_pairs=[8,8,4,4,2,2,1,1,1]')
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
 dense() {

@@ -154,12 +154,16 @@ def composed_with(experiment: str, overrides: list[str]):
 
 
 def script_overrides(array: str) -> list[str]:
-    """The overrides benchmarks/long_context_runs.sh keeps in bash array `array` (MIXED_LONG, ...)."""
+    """The overrides benchmarks/long_context_runs.sh keeps in bash array `array` (MIXED_LONG, ...), as
+    bash expands them (an array may be built from another): its MIXED_* definitions, run by bash."""
     import re
-    import shlex
+    import subprocess
 
     text = (REPO / "benchmarks" / "long_context_runs.sh").read_text()
-    return shlex.split(re.search(rf"{array}=\((.*?)\)(?:\s*#[^\n]*)?\n", text, re.S).group(1))
+    definitions = "\n".join(re.findall(r"^MIXED_\w+=\(.*?\)(?=\s*(?:#[^\n]*)?\n)", text, re.S | re.M))
+    shown = subprocess.run(["bash", "-c", f'{definitions}\nprintf "%s\\n" "${{{array}[@]}}"'],
+                           capture_output=True, text=True, check=True).stdout
+    return shown.splitlines()
 
 
 def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
@@ -193,7 +197,7 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert based == second
     # the longer second stage: MIXED_LONG's overrides with more steps, nothing else changed
     longer, long = script_overrides("MIXED_LONGER"), script_overrides("MIXED_LONG")
-    assert [o for o in longer if not o.startswith("trainer.max_steps=")] == \
+    assert len(longer) == len(long) and [o for o in longer if not o.startswith("trainer.max_steps=")] == \
         [o for o in long if not o.startswith("trainer.max_steps=")]
     assert composed_with("long-context-mixed", longer).trainer.max_steps > second.trainer.max_steps
     # the far variant: MIXED_LONG's second stage with several keys in each long document only
