@@ -43,9 +43,7 @@
 # mixed-base-long, mixed-base-eval, drawn beside mixed-scaled's; docs/long-context.md says why), and
 # two other second stages, each branched from mixed-base's stage 1 and drawn beside mixed-base's grid:
 # stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval) and stage 2 with several keys in
-# each long document (mixed-far ~5 min, mixed-far-eval); `mixed-base` first, on the same machine;
-# and mixed-far's third stage, to 4,100 steps on its units (mixed-far-longer ~4.5 min, then
-# mixed-far-longer-eval, drawn beside mixed-far's grid).
+# each long document (mixed-far ~5 min, mixed-far-eval); `mixed-base` first, on the same machine.
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
@@ -138,8 +136,6 @@ MIXED_LONGER=("${MIXED_LONG[@]/trainer.max_steps=2900/trainer.max_steps=4100}")
 # stage 2 with more answers far back: the same units, with 8 keys in each 32K document, 4 in each 16K
 # one and 2 in each 8K one (data.passkey.piece_pairs); the short documents keep one each
 MIXED_FAR=("${MIXED_LONG[@]}" 'data.passkey.piece_pairs=[8,8,4,4,2,2,1,1,1]')
-# a third stage for mixed-far: its units again, on to 4,100 steps (the cosine stretched to the new end)
-MIXED_FAR_LONGER=("${MIXED_FAR[@]/trainer.max_steps=2900/trainer.max_steps=4100}")
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
 dense() {
@@ -153,15 +149,14 @@ dense() {
   done
 }
 
-# branch NAME FROM CHECKPOINT OVERRIDES...: a further stage of mixed-base's recipe in
-# runs/long-context/NAME: its first call branches from run FROM's CHECKPOINT, a later one continues it
-branch() {
-  local name=$1 from=$2 RESUME=""; shift 2
+# branch_of_base NAME OVERRIDES...: a second stage for mixed-base's first, in runs/long-context/NAME:
+# its first call branches from mixed-base's step-1,700 checkpoint, a later one continues it
+branch_of_base() {
+  local name=$1 RESUME=""; shift
   if [[ ! -f $RUNS/$name/config.yaml ]]; then
-    RESUME=$RUNS/$from/checkpoints/$1
-    [[ -f $RESUME ]] || { step "error: no $RESUME: run '$from' first on this machine"; exit 2; }
+    RESUME=$RUNS/mixed-base/checkpoints/step_00001700.pt
+    [[ -f $RESUME ]] || { step "error: no $RESUME: run 'mixed-base' first on this machine"; exit 2; }
   fi
-  shift
   train "$name" long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@"
 }
 
@@ -187,14 +182,10 @@ mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), and stage 2 with several keys in each long
 # document (MIXED_FAR)
-mixed-longer) branch mixed-longer mixed-base step_00001700.pt "${MIXED_LONGER[@]}" ;;
+mixed-longer) branch_of_base mixed-longer "${MIXED_LONGER[@]}" ;;
 mixed-longer-eval) evaluate mixed-longer flash 12 mixed-base ;;
-mixed-far) branch mixed-far mixed-base step_00001700.pt "${MIXED_FAR[@]}" ;;
+mixed-far) branch_of_base mixed-far "${MIXED_FAR[@]}" ;;
 mixed-far-eval) evaluate mixed-far flash 12 mixed-base ;;
-# mixed-far's third stage, branched from its last checkpoint (run `mixed-far` first, on the same
-# machine), drawn beside mixed-far's committed grid
-mixed-far-longer) branch mixed-far-longer mixed-far step_00002900.pt "${MIXED_FAR_LONGER[@]}" ;;
-mixed-far-longer-eval) evaluate mixed-far-longer flash 12 mixed-far ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
 naive)
