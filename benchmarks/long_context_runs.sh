@@ -134,7 +134,8 @@ MIXED_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.pa
 # stage 2 run longer: the same units to 4,100 steps (docs/long-context.md: retrieval was still rising at 2,900)
 MIXED_LONGER=("${MIXED_LONG[@]/trainer.max_steps=2900/trainer.max_steps=4100}")
 # stage 2 with more answers far back: the same units, with 8 keys in each 32K document, 4 in each 16K
-# one and 2 in each 8K one (data.passkey.piece_pairs); the short documents keep one each
+# one and 2 in each 8K one (data.passkey.piece_pairs); the short documents keep one each. Run
+# 2026-12-05: retrieval fell (mean 0.75 -> 0.56), docs/long-context.md says why we think so
 MIXED_FAR=("${MIXED_LONG[@]}" 'data.passkey.piece_pairs=[8,8,4,4,2,2,1,1,1]')
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
