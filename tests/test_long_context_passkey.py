@@ -206,6 +206,13 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     farther = composed_with("long-context-mixed", far).data.passkey
     keys = dict(zip(farther.pieces, farther.piece_pairs))
     assert len(farther.piece_pairs) == len(farther.pieces) and keys[1] > keys[4] > keys[16] == keys[512] == 1
+    # the whole variant: MIXED_LONG's second stage with more of its units left as one 32K document
+    whole = script_overrides("MIXED_WHOLE")
+    assert [o for o in whole if not o.startswith("data.passkey.pieces=")] == \
+        [o for o in long if not o.startswith("data.passkey.pieces=")] and len(whole) == len(long)
+    more = composed_with("long-context-mixed", whole).data.passkey
+    assert len(more.pieces) == len(second.data.passkey.pieces) and more.piece_pairs is None
+    assert more.pieces.count(1) == 2 * second.data.passkey.pieces.count(1) and 512 in more.pieces
 
 
 @pytest.mark.slow
