@@ -43,7 +43,7 @@
 # mixed-base-long, mixed-base-eval, drawn beside mixed-scaled's; docs/long-context.md says why), and
 # two other second stages, each branched from mixed-base's stage 1 and drawn beside mixed-base's grid:
 # stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval) and stage 2 with several keys in
-# each long document (mixed-far ~5 min, mixed-far-eval), and stage 2 with twice the 32K documents
+# each long document (mixed-far ~5 min, mixed-far-eval), and stage 2 with more whole 32K documents
 # (mixed-whole ~5 min, mixed-whole-eval); `mixed-base` first, on the same machine.
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 set -u
@@ -138,9 +138,9 @@ MIXED_LONGER=("${MIXED_LONG[@]/trainer.max_steps=2900/trainer.max_steps=4100}")
 # one and 2 in each 8K one (data.passkey.piece_pairs); the short documents keep one each. Run
 # 2026-12-05: retrieval fell (mean 0.75 -> 0.56), docs/long-context.md says why we think so
 MIXED_FAR=("${MIXED_LONG[@]}" 'data.passkey.piece_pairs=[8,8,4,4,2,2,1,1,1]')
-# stage 2 with more answers far back, one key a document: twice the whole-32K documents (4 units of 9
-# uncut, one fewer 4K and 8K unit each), the same steps and number of units
-MIXED_WHOLE=("${MIXED_LONG[@]/data.passkey.pieces=*/data.passkey.pieces=[1,1,1,1,2,2,4,16,512]}")
+# stage 2 with more answers far back, one key a document: 4 of each 10 units one 32K document (2 of 9
+# before; one 8K unit fewer, every length kept), the same steps and number of units
+MIXED_WHOLE=("${MIXED_LONG[@]/data.passkey.pieces=*/data.passkey.pieces=[1,1,1,1,2,2,4,8,16,512]}")
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
 dense() {

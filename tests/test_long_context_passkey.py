@@ -211,8 +211,9 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert [o for o in whole if not o.startswith("data.passkey.pieces=")] == \
         [o for o in long if not o.startswith("data.passkey.pieces=")] and len(whole) == len(long)
     more = composed_with("long-context-mixed", whole).data.passkey
-    assert len(more.pieces) == len(second.data.passkey.pieces) and more.piece_pairs is None
-    assert more.pieces.count(1) == 2 * second.data.passkey.pieces.count(1) and 512 in more.pieces
+    before = second.data.passkey.pieces
+    assert set(more.pieces) == set(before) and more.piece_pairs is None and more.num_docs == second.data.passkey.num_docs
+    assert more.pieces.count(1) / len(more.pieces) > 1.5 * before.count(1) / len(before)
 
 
 @pytest.mark.slow
