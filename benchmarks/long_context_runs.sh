@@ -41,8 +41,8 @@
 # and the same with model.attention_length_scale (mixed-scaled, mixed-scaled-long, mixed-scaled-eval,
 # which draws the committed mixed results beside its own), and that with RoPE base 500,000 (mixed-base,
 # mixed-base-long, mixed-base-eval, drawn beside mixed-scaled's; docs/long-context.md says why), and
-# two other second stages, each branched from mixed-base's stage 1 and drawn beside mixed-base's grid:
-# stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval) and stage 2 with several keys in
+# three other second stages, each branched from mixed-base's stage 1 and drawn beside mixed-base's grid:
+# stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval), stage 2 with several keys in
 # each long document (mixed-far ~5 min, mixed-far-eval), and stage 2 with more whole 32K documents
 # (mixed-whole ~5 min, mixed-whole-eval); `mixed-base` first, on the same machine.
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
@@ -183,10 +183,10 @@ mixed-scaled-eval) evaluate mixed-scaled flash 12 mixed ;;
 mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@" ;;
 mixed-base-long) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
-# two other second stages for mixed-base's first, each in its own run branched from mixed-base's
+# three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
-# committed grid: stage 2 to 4,100 steps (MIXED_LONGER), and stage 2 with several keys in each long
-# document (MIXED_FAR)
+# committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document
+# (MIXED_FAR), and with more of its units one 32K document (MIXED_WHOLE)
 mixed-longer) branch_of_base mixed-longer "${MIXED_LONGER[@]}" ;;
 mixed-longer-eval) evaluate mixed-longer flash 12 mixed-base ;;
 mixed-far) branch_of_base mixed-far "${MIXED_FAR[@]}" ;;
@@ -207,6 +207,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-longer[-eval] | mixed-far[-eval] | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | compare" >&2; exit 2 ;;
 esac
 step done
