@@ -6,7 +6,10 @@
 Each trial builds a prompt (data/passkey.py: filler, the key at the given depth, a question)
 with the checkpoint's tokenizer and scores it teacher-forced: the trial counts as correct when
 the model's most likely next token is right at every position of the key, which is exactly
-when greedy decoding would write the key. Writes <out>/passkey_<name>.{json,md,png}.
+when greedy decoding would write the key. Writes <out>/passkey_<name>.{json,md,png}. The JSON also
+keeps each cell's share of answer tokens ranked first and every wrong answer beside its key, and the
+Markdown counts the wrong answers by kind: a copy of the key garbled in one digit or in more, or no
+number of the key's length at all (a near miss and a failed retrieval fail a cell alike).
 
 A length the model cannot take is a "does not fit" cell, never a zero: one whose sequence is
 longer than the model's model.max_seq_len, or one whose forward pass runs out of memory (on a GPU,
@@ -29,7 +32,7 @@ from _common import (environment, human_bytes, markdown_table, new_figure, print
 from _eval import add_beside_argument, add_checkpoint_args, load_for_eval, memory_meter, read_beside, run_name
 from _memory import is_oom, release_memory
 from training.config.schema import MAX_KEY_DIGITS
-from training.loop.evaluate import passkey_ids, score_prompt, shortest_passkey_prompt
+from training.loop.evaluate import answer_predictions, passkey_ids, shortest_passkey_prompt
 
 
 DOES_NOT_FIT = "does not fit"
@@ -56,18 +59,19 @@ def prompt_lengths(asked: list[int] | None, tokenizer, key_digits: int, cfg) -> 
 
 
 def length_column(model, trials: list[tuple[list[int], list[int]]], meter, device, precision: str,
-                  max_seq_len: int) -> tuple[list[bool] | None, str | None, int | None]:
-    """(hits, None, peak bytes) for one length's trials, or (None, why, None) when the length does
-    not fit: a sequence past model.max_seq_len, or a forward that ran out of memory (the column
-    stops at the first; memory does not depend on where the key sits)."""
+                  max_seq_len: int) -> tuple[list[list[int]] | None, str | None, int | None]:
+    """(each trial's teacher-forced predictions of its answer tokens, None, peak bytes) for one
+    length, or (None, why, None) when the length does not fit: a sequence past model.max_seq_len, or
+    a forward that ran out of memory (the column stops at the first; memory does not depend on where
+    the key sits)."""
     longest = max(len(p) + len(a) - 1 for p, a in trials)
     if longest > max_seq_len:
         return None, f"{longest:,} tokens exceed model.max_seq_len={max_seq_len:,}", None
-    hits, peak, why = [], None, None
+    predictions, peak, why = [], None, None
     for ids in trials:
         try:
             with meter() as m:
-                hits.append(score_prompt(model, ids, device, precision))
+                predictions.append(answer_predictions(model, ids, device, precision))
             peak = max(peak or 0, m.peak) if m.peak is not None else peak
         except Exception as exc:  # noqa: BLE001 (only running out of memory is a result; the rest re-raised)
             if not is_oom(exc):
@@ -77,7 +81,52 @@ def length_column(model, trials: list[tuple[list[int], list[int]]], meter, devic
         if why is not None:
             break
     release_memory(device)   # the exception, and the tensors its frames held, are gone by now
-    return (None, why, None) if why else (hits, None, peak)
+    return (None, why, None) if why else (predictions, None, peak)
+
+
+MISS_KINDS = ("one digit wrong", "several digits wrong", "not the key's length of digits")
+
+
+def miss_kind(key: str, predicted: str) -> str:
+    """What a wrong answer was (one of MISS_KINDS): a number of the key's length off in one digit or
+    in more (the copy found a key but garbled it), or no such number at all. `predicted` is the
+    teacher-forced best token at each answer position, decoded."""
+    text = predicted.strip()
+    if len(text) == len(key) and text.isdigit():
+        return MISS_KINDS[0] if sum(a != b for a, b in zip(text, key)) == 1 else MISS_KINDS[1]
+    return MISS_KINDS[2]
+
+
+def record_length(result: dict, j: int, keys: list[tuple[int, str]], trials, predictions, tokenizer) -> None:
+    """One length's cells into `result`: accuracy (every answer token ranked first), the share of
+    answer tokens ranked first (partial copies show there), and each wrong trial with what it said.
+    keys[t] is trial t's (depth row, key)."""
+    for i in range(len(result["depths"])):
+        rows = [(answer, predicted) for (row, _), (_, answer), predicted in zip(keys, trials, predictions) if row == i]
+        result["accuracy"][i][j] = float(np.mean([predicted == answer for answer, predicted in rows]))
+        result["answer_tokens_right"][i][j] = float(np.mean([np.mean([a == b for a, b in zip(answer, predicted)])
+                                                             for answer, predicted in rows]))
+    for (i, key), (_, answer), predicted in zip(keys, trials, predictions):
+        if predicted != answer:
+            said = tokenizer.decode(predicted)
+            result["misses"].append({"length": result["lengths"][j], "depth": result["depths"][i], "key": key,
+                                     "predicted": said, "kind": miss_kind(key, said)})
+
+
+def misses_markdown(result: dict) -> str:
+    """How the wrong answers went wrong, per measured length: a garbled copy of the key, or none."""
+    if "misses" not in result:   # a result from before the misses were kept
+        return ""
+    rows = []
+    for j, n in enumerate(result["lengths"]):
+        if result["accuracy"][0][j] is None:
+            continue
+        here = [m for m in result["misses"] if m["length"] == n]
+        example = next((f"{m['key']} -> {m['predicted'].strip()!r}" for m in here), "-")
+        rows.append((f"{n:,}", f"{len(here)} of {len(result['depths']) * result['trials']}",
+                     *(str(sum(m["kind"] == kind for m in here)) for kind in MISS_KINDS), example))
+    return ("\n\nThe wrong answers (the answer token the model ranks first at each position, teacher-forced, "
+            "decoded):\n\n" + markdown_table(["length", "wrong", *MISS_KINDS, "e.g. key -> said"], rows))
 
 
 def grid_table(result: dict) -> tuple[list[str], list[tuple]]:
@@ -167,6 +216,7 @@ def main(argv: list[str]) -> None:
     result = {
         "name": name, "checkpoint": str(path), "lengths": lengths, "depths": args.depths, "trials": args.trials,
         "key_digits": args.key_digits, "seed": args.seed, "accuracy": [[None] * len(lengths) for _ in args.depths],
+        "answer_tokens_right": [[None] * len(lengths) for _ in args.depths], "misses": [],
         "why_not": [None] * len(lengths), "peak_memory_bytes": [None] * len(lengths), "measured": 0,
         "trained_seq_len": int(cfg.trainer.seq_len), "tokenizer": tokenizer.fingerprint,
         "attention": cfg.attention.name, "model": cfg.model.name, "environment": environment(device),
@@ -176,18 +226,17 @@ def main(argv: list[str]) -> None:
     stem = args.out_dir / f"passkey_{name}"
     rng = np.random.default_rng(args.seed)
     for j, length in enumerate(lengths):
-        cells = [(i, passkey_ids(tokenizer, length, depth, random_key(rng, args.key_digits)))
-                 for i, depth in enumerate(args.depths) for _ in range(args.trials)]
-        hits, result["why_not"][j], result["peak_memory_bytes"][j] = length_column(
-            model, [ids for _, ids in cells], meter, device, cfg.trainer.precision, int(cfg.model.max_seq_len))
-        if hits is not None:
-            for i in range(len(args.depths)):
-                result["accuracy"][i][j] = float(np.mean([h for (row, _), h in zip(cells, hits) if row == i]))
+        keys = [(i, random_key(rng, args.key_digits)) for i in range(len(args.depths)) for _ in range(args.trials)]
+        trials = [passkey_ids(tokenizer, length, args.depths[i], key) for i, key in keys]
+        predictions, result["why_not"][j], result["peak_memory_bytes"][j] = length_column(
+            model, trials, meter, device, cfg.trainer.precision, int(cfg.model.max_seq_len))
+        if predictions is not None:
+            record_length(result, j, keys, trials, predictions, tokenizer)
         result["measured"] = j + 1
         write_json(stem.with_suffix(".json"), result)   # after each length: a stopped run keeps what it measured
     headers, rows = grid_table(result)
     print_table(f"passkey accuracy: {name}", headers, rows)
-    text = f"# Passkey retrieval: {name}\n\n" + grid_markdown(result)
+    text = f"# Passkey retrieval: {name}\n\n" + grid_markdown(result) + misses_markdown(result)
     if beside is not None:
         text += f"\n## Beside it: {beside['name']}\n\n" + grid_markdown(beside)
     write_text(stem.with_suffix(".md"), text)

@@ -69,6 +69,32 @@ def test_passkey_grid_and_heatmap(trained, tmp_path):
     result = json.loads((tmp_path / "passkey_t.json").read_text())
     assert len(result["accuracy"]) == 2 and all(len(r) == 2 and all(0 <= a <= 1 for a in r) for r in result["accuracy"])
     assert (tmp_path / "passkey_t.png").stat().st_size > 0
+    # every wrong trial is kept with what it said; a cell's token share is at least its accuracy
+    wrong = sum(round((1 - a) * 2) for row in result["accuracy"] for a in row)
+    assert len(result["misses"]) == wrong and all(m["kind"] in eval_passkey.MISS_KINDS for m in result["misses"])
+    assert all(t >= a for ts, accs in zip(result["answer_tokens_right"], result["accuracy"]) for t, a in zip(ts, accs))
+    assert "The wrong answers" in (tmp_path / "passkey_t.md").read_text()
+
+
+def test_wrong_answers_are_told_apart():
+    """A garbled copy of the key is told from an answer that is no key at all, and a cell's token
+    share counts the answer tokens that were right."""
+    from data.tokenizer import ByteTokenizer
+
+    assert eval_passkey.miss_kind("24680", " 24681") == "one digit wrong"
+    assert eval_passkey.miss_kind("24680", " 42680") == "several digits wrong"
+    assert eval_passkey.miss_kind("24680", " The r") == "not the key's length of digits"
+    assert eval_passkey.miss_kind("24680", " 2468") == "not the key's length of digits"
+    tok = ByteTokenizer()
+    answers = [tok.encode(" 24680"), tok.encode(" 13579")]
+    said = [list(answers[0]), tok.encode(" 13570")]
+    result = {"depths": [0.5], "lengths": [256], "trials": 2, "accuracy": [[None]],
+              "answer_tokens_right": [[None]], "misses": []}
+    eval_passkey.record_length(result, 0, [(0, "24680"), (0, "13579")], [([1], a) for a in answers], said, tok)
+    assert result["accuracy"] == [[0.5]] and result["answer_tokens_right"] == [[(1 + 5 / 6) / 2]]
+    assert result["misses"] == [{"length": 256, "depth": 0.5, "key": "13579", "predicted": " 13570",
+                                 "kind": "one digit wrong"}]
+    assert "| 256 | 1 of 2 | 1 | 0 | 0 | 13579 -> '13570' |" in eval_passkey.misses_markdown(result)
 
 
 def test_passkey_scoring_matches_greedy_decoding():

@@ -63,15 +63,21 @@ def check_probe_lengths(lengths: list[int], tokenizer) -> None:
 
 
 @torch.no_grad()
-def score_prompt(model: nn.Module, ids: tuple[list[int], list[int]], device: torch.device, precision: str) -> bool:
-    """Whether the model, teacher-forced, ranks the right token first at every position of the
-    answer: exactly when greedy decoding would write the key."""
+def answer_predictions(model: nn.Module, ids: tuple[list[int], list[int]], device: torch.device,
+                       precision: str) -> list[int]:
+    """The token the model, teacher-forced, ranks first at each position of the answer: what greedy
+    decoding writes while it is right, and where it first goes wrong."""
     prompt_ids, answer_ids = ids
     sequence = torch.tensor([prompt_ids + answer_ids], device=device)
     with autocast(device, precision):
         logits = model(sequence[:, :-1])
-    predicted = logits[0, len(prompt_ids) - 1 :].argmax(-1)
-    return bool((predicted == sequence[0, len(prompt_ids) :]).all())
+    return logits[0, len(prompt_ids) - 1 :].argmax(-1).tolist()
+
+
+def score_prompt(model: nn.Module, ids: tuple[list[int], list[int]], device: torch.device, precision: str) -> bool:
+    """Whether the model, teacher-forced, ranks the right token first at every position of the
+    answer: exactly when greedy decoding would write the key."""
+    return answer_predictions(model, ids, device, precision) == list(ids[1])
 
 
 @torch.no_grad()
