@@ -80,3 +80,25 @@ def test_flex_times_none_and_softcap_and_says_why_not_on_a_cpu(tmp_path):
     assert all("no backward on a CPU" in r["status"] and "fwd+bwd_ms" not in r for r in flex)
     assert "- softcap (flex): error: ValueError: FlexAttention has no backward on a CPU" in \
         (tmp_path / "attention_scores_cpu.md").read_text()
+
+
+def test_flex_word_hands_back_the_kernels_layout(monkeypatch):
+    """The flex word's output is (B, N, H, D) like the kernels', so the timer's gradient fits it (flex
+    itself works in (B, H, N, D)); a stand-in for the compiled flex runs it on a CPU."""
+    from types import SimpleNamespace
+
+    import bench_attention
+    from kernels.reference import attention_reference
+
+    def capped_sdpa(causal, seq_len, device, score_mod=None):
+        assert causal and seq_len == 16 and score_mod is not None
+        def flex_layout(q, k, v):   # (B, H, N, D) in and out, as flex_attention
+            bnhd = (t.transpose(1, 2) for t in (q, k, v))
+            return attention_reference(*bnhd, causal=True, softcap=30.0).transpose(1, 2)
+        return flex_layout
+
+    monkeypatch.setattr(bench_attention, "_flex", capped_sdpa)
+    q, k, v = (torch.randn(2, 16, 3, 8, dtype=torch.float64) for _ in range(3))
+    out = bench_attention_scores._flex_attention(q, k, v, 30.0, SimpleNamespace(type="cuda"))()
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, attention_reference(q, k, v, causal=True, softcap=30.0))

@@ -121,7 +121,9 @@ def _flex_attention(q, k, v, softcap: float, device):
         return softcap * torch.tanh(score / softcap)
 
     flex = _flex(True, q.shape[1], device, score_mod=cap if softcap else None)
-    return lambda: flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    # flex takes and returns (B, H, N, D); the output goes back to the kernels' (B, N, H, D), the
+    # layout of the gradient the timer hands the backward
+    return lambda: flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
 def ratios(results: list[dict]) -> None:
