@@ -45,6 +45,11 @@
 # stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval), stage 2 with several keys in
 # each long document (mixed-far ~5 min, mixed-far-eval), and stage 2 with more whole 32K documents
 # (mixed-whole ~5 min, mixed-whole-eval); `mixed-base` first, on the same machine.
+# The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
+# (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
+# its BPE is the committed mixed-base run's), `mixed-naive continue` ..., `mixed-naive-long`,
+# `mixed-naive-eval`, drawn beside mixed-base's. Its ~80 min of steps do not fit a machine's 30-minute
+# hold; NAIVE_STEPS=N,M trains stage 1 to N steps and stage 2 to M as a whole run (docs/long-context.md).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
@@ -101,15 +106,16 @@ evaluate() {
     --batches "$batches" --name "$stem" --out "$OUT" "${loss_beside[@]}"
 }
 
-# Before naive's first call: its BPE must be flash's (trained on the same corpus documents, so it
-# should be), or the two runs' losses per token would not compare. data_stats.py builds the BPE and
-# token cache training then reuses, and names the tokenizer by its file's hash, as the flash run's
-# committed config.yaml does.
-same_tokenizer_as_flash() {
-  local flash=$EVALS/long_context_passkey_flash/config.yaml
-  [[ -f $flash ]] || { step "error: $flash is not committed: session 1 (flash) comes first"; exit 2; }
-  step "naive: the BPE and token cache, checked against flash's tokenizer"
-  run 240 python3 scripts/data_stats.py experiment=long-context-passkey-naive --json "$OUT/naive_data.json" || exit 2
+# same_tokenizer_as FLASH_RUN EXPERIMENT: before a naive run's first call, its BPE must be that of the
+# committed flash run it is compared with (trained on the same corpus documents, so it should be), or
+# the two runs' losses per token would not compare. data_stats.py builds the BPE and token cache
+# training then reuses, and names the tokenizer by its file's hash, as the flash run's committed
+# config.yaml does.
+same_tokenizer_as() {
+  local flash=$EVALS/long_context_passkey_$1/config.yaml
+  [[ -f $flash ]] || { step "error: $flash is not committed: the flash run ($1) comes first"; exit 2; }
+  step "naive: the BPE and token cache, checked against $1's tokenizer"
+  run 240 python3 scripts/data_stats.py "experiment=$2" --json "$OUT/naive_data.json" || exit 2
   python3 - "$flash" "$OUT/naive_data.json" <<'PY' 2>&1 | tee -a "$LOG"; (( PIPESTATUS[0] == 0 )) || exit 2
 import json, sys, yaml
 flash = yaml.safe_load(open(sys.argv[1]))["run"]["data_fingerprint"].split("/")[1]
@@ -141,6 +147,11 @@ MIXED_FAR=("${MIXED_LONG[@]}" 'data.passkey.piece_pairs=[8,8,4,4,2,2,1,1,1]')
 # stage 2 with more answers far back, one key a document: 4 of each 10 units one 32K document (2 of 9
 # before; one 8K unit fewer, every length kept), the same steps and number of units
 MIXED_WHOLE=("${MIXED_LONG[@]/data.passkey.pieces=*/data.passkey.pieces=[1,1,1,1,2,2,4,8,16,512]}")
+# the recipe's second stage for experiment=long-context-mixed-naive: MIXED_LONG's units in 11,264-token
+# windows (the shortest documents 64 tokens, 11,264 / 176), as many passkey tokens (524 x 11,264 against
+# 180 x 32,768) and steps of 3 windows to as many tokens in all (2,812 x 33,792 against 2,900 x 32,768)
+MIXED_NAIVE_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,176]'
+                  data.passkey.num_docs=524 trainer.max_steps=2812 trainer.eval_every=1164 trainer.ckpt_every=1164)
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
 dense() {
@@ -195,9 +206,22 @@ mixed-whole) branch_of_base mixed-whole "${MIXED_WHOLE[@]}" ;;
 mixed-whole-eval) evaluate mixed-whole flash 12 mixed-base ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
+# the recipe with naive attention at 11,264 tokens on an H200 (an H100 does not hold its step):
+# ~80 min of steps for as many tokens as mixed-base, more than one machine is held, so a session runs
+# a share of it as a whole run, NAIVE_STEPS=N,M (stage 1 to N steps, stage 2 to M; docs/long-context.md)
+mixed-naive)
+  shift
+  [[ "${1:-}" == continue ]] || same_tokenizer_as mixed-base long-context-mixed-naive
+  train mixed-naive long-context-mixed-naive "$@" ${NAIVE_STEPS:+trainer.max_steps=${NAIVE_STEPS%,*}} ;;
+mixed-naive-long)
+  long_steps=2812
+  [[ -n ${NAIVE_STEPS:-} ]] && long_steps=${NAIVE_STEPS#*,}
+  train mixed-naive long-context-mixed-naive continue "${MIXED_NAIVE_LONG[@]/trainer.max_steps=2812/trainer.max_steps=$long_steps}" ;;
+# 35 windows of 11,264: the ~393K held-out tokens of mixed-base's 12 of 32,768
+mixed-naive-eval) evaluate mixed-naive naive 35 mixed-base ;;
 naive)
   shift
-  [[ "${1:-}" == continue ]] || same_tokenizer_as_flash
+  [[ "${1:-}" == continue ]] || same_tokenizer_as flash long-context-passkey-naive
   train naive long-context-passkey-naive "$@" ${NAIVE_STEPS:+trainer.max_steps=$NAIVE_STEPS} ;;
 # 12 windows of 32,768 and 35 of 11,264 tokens: the same ~393K held-out tokens for both
 flash-eval) evaluate flash flash 12 ;;
@@ -207,6 +231,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | compare" >&2; exit 2 ;;
 esac
 step done

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -215,6 +216,60 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert set(more.pieces) == set(before) and more.piece_pairs is None
     assert more.num_docs == second.data.passkey.num_docs
     assert more.pieces.count(1) / len(more.pieces) > 1.5 * before.count(1) / len(before)
+
+
+def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_longest_context():
+    """experiment=long-context-mixed-naive and its second stage (the script's `mixed-naive-long`) are
+    mixed-base's two stages (the README's recipe) with naive attention, in windows of naive's longest
+    trainable length on an H200: the same model, optimizer and vocabulary, units cut as flash's are
+    into documents of one key (down to 64 tokens), as many passkey tokens and as many tokens in all."""
+    flash_overrides = script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE")
+    flash = [composed_with("long-context-mixed", flash_overrides),
+             composed_with("long-context-mixed", flash_overrides + script_overrides("MIXED_LONG"))]
+    naive = [composed("long-context-mixed-naive"),
+             composed_with("long-context-mixed-naive", script_overrides("MIXED_NAIVE_LONG"))]
+    committed = json.loads((REPO / "benchmarks" / "max_context" / "max_context_h200.json").read_text())
+    longest = {(r["impl"], r["features"]): r["max_length"] for r in committed["results"]}
+    for f, n in zip(flash, naive):
+        p, q = f.data.passkey, n.data.passkey
+        assert (f.attention.name, n.attention.name) == ("flash", "naive")
+        assert n.trainer.seq_len == q.length == longest[("naive", "plain")]
+        assert abs(tokens(n) / tokens(f) - 1) < 0.001
+        assert abs(q.num_docs * q.length / (p.num_docs * p.length) - 1) < 0.005
+        assert all(q.length % k == 0 for k in q.pieces) and q.length // max(q.pieces) == p.length // max(p.pieces)
+        assert len(q.pieces) == len(p.pieces) - (f is flash[0])   # one length fewer to halve through in stage 1
+        assert q.pieces.count(max(q.pieces)) == p.pieces.count(max(p.pieces)) and q.pieces.count(1) == p.pieces.count(1)
+        assert (n.data.windows, n.data.document_mask, q.kind, q.pairs) == (f.data.windows, f.data.document_mask,
+                                                                            p.kind, p.pairs)
+        for key in ("model", "optim", "tokenizer"):
+            assert n[key] == f[key], key
+    assert naive[1].trainer.max_steps > naive[0].trainer.max_steps and naive[1].data.allow_changed
+
+
+def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path):
+    """NAIVE_STEPS=N,M (one machine's share of the ~80-minute naive run): stage 1 to N steps, stage
+    2 to M; without it, the preset's and MIXED_NAIVE_LONG's. Read off what the script would run."""
+    import subprocess
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
+    (fake / "python3").chmod(0o755)
+    runs = tmp_path / "runs" / "long-context" / "mixed-naive"
+    runs.mkdir(parents=True)
+    (runs / "config.yaml").write_text("{}")
+    (runs / "metrics.jsonl").write_text("")
+    script = REPO / "benchmarks" / "long_context_runs.sh"
+    for steps, want in ((None, ["2812"]), ("300,500", ["500"])):
+        calls = tmp_path / f"calls-{steps}"
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"),
+               **({"NAIVE_STEPS": steps} if steps else {})}
+        subprocess.run(["bash", str(script), "mixed-naive-long"], cwd=tmp_path, env=env, check=True,
+                       capture_output=True)
+        assert re.findall(r"trainer\.max_steps=(\d+)", calls.read_text()) == want
+        subprocess.run(["bash", str(script), "mixed-naive", "continue"], cwd=tmp_path, env=env, check=True,
+                       capture_output=True)
+        assert re.findall(r"trainer\.max_steps=(\d+)", calls.read_text())[1:] == ([] if steps is None else ["300"])
 
 
 @pytest.mark.slow
