@@ -45,12 +45,12 @@
 # stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval), stage 2 with several keys in
 # each long document (mixed-far ~5 min, mixed-far-eval), and stage 2 with more whole 32K documents
 # (mixed-whole ~5 min, mixed-whole-eval); `mixed-base` first, on the same machine.
+# (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
 # its BPE is the committed mixed-base run's), `mixed-naive continue` ..., `mixed-naive-long`,
 # `mixed-naive-eval`, drawn beside mixed-base's. Its ~80 min of steps do not fit a machine's 30-minute
 # hold; NAIVE_STEPS=N,M trains stage 1 to N steps and stage 2 to M as a whole run (docs/long-context.md).
-# (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
 OUT=${OUT:-outputs/long_context_runs}
