@@ -107,8 +107,6 @@ def test_the_gpu_script_refuses_to_continue_a_run_its_machine_does_not_hold(tmp_
 
 def dense_stages() -> list[list[str]]:
     """The overrides of each stage of benchmarks/long_context_runs.sh's `dense`, as the script has them."""
-    import re
-
     text = (REPO / "benchmarks" / "long_context_runs.sh").read_text()
     block = re.search(r"DENSE_STAGES=\((.*?)\n\)", text, re.S).group(1)
     return [stage.split() for stage in re.findall(r'"([^"]*)"', block)]
@@ -157,7 +155,6 @@ def composed_with(experiment: str, overrides: list[str]):
 def script_overrides(array: str) -> list[str]:
     """The overrides benchmarks/long_context_runs.sh keeps in bash array `array` (MIXED_LONG, ...), as
     bash expands them (an array may be built from another): its MIXED_* definitions, run by bash."""
-    import re
     import subprocess
 
     text = (REPO / "benchmarks" / "long_context_runs.sh").read_text()
