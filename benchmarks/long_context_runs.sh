@@ -154,6 +154,9 @@ MIXED_NAIVE_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'd
                   data.passkey.num_docs=524 trainer.max_steps=2812 trainer.eval_every=1164 trainer.ckpt_every=1164)
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
+# a BPE that never merges digits: a 5-digit key is 5 tokens of ten well-trained ones, not 2-3 chunk
+# tokens of a thousand rare ones (mixed-base's wrong answers are mostly garbled copies of the key)
+MIXED_DIGITS=(tokenizer.split_digits=true)
 dense() {
   local stage=0 more=()
   for overrides in "${DENSE_STAGES[@]}"; do
@@ -194,6 +197,10 @@ mixed-scaled-eval) evaluate mixed-scaled flash 12 mixed ;;
 mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@" ;;
 mixed-base-long) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
+# mixed-base's two stages with each digit its own token, beside it: are its garbled copies the BPE's?
+mixed-digits) shift; train mixed-digits long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_DIGITS[@]}" "$@" ;;
+mixed-digits-long) train mixed-digits long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_DIGITS[@]}" "${MIXED_LONG[@]}" ;;
+mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base ;;
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document
@@ -231,6 +238,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | compare" >&2; exit 2 ;;
 esac
 step done

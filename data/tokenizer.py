@@ -95,12 +95,19 @@ class JsonTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def train_bpe(texts: Iterator[str], vocab_size: int, min_frequency: int, out_path: Path, show_progress: bool) -> None:
-    """Byte-level BPE (GPT-2 style pre-tokenization) with <|endoftext|> as its only special token."""
+def train_bpe(texts: Iterator[str], vocab_size: int, min_frequency: int, out_path: Path, show_progress: bool,
+              split_digits: bool = False) -> None:
+    """Byte-level BPE (GPT-2 style pre-tokenization) with <|endoftext|> as its only special token.
+
+    `split_digits`: every digit its own token, never merged (as LLaMA's tokenizer does). A number is
+    then as many tokens as it has digits, all ten of them seen everywhere, where GPT-2's merges cut
+    each number into chunks by their frequency in the corpus, most of them rare tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -161,10 +168,10 @@ def _cached_bpe(cfg, source, cache_dir: Path, progress: bool) -> JsonTokenizer:
     vocab_size, min_frequency = int(cfg.vocab_size), int(cfg.min_frequency)
     if vocab_size <= 257:
         raise ValueError(f"tokenizer.vocab_size={vocab_size} must exceed the 256 byte symbols + <|endoftext|>")
-    train_bytes = cfg.get("train_max_bytes")
-    key = hashlib.sha256(
-        f"{source.fingerprint}|{vocab_size}|{min_frequency}|{train_bytes}|{BPE_VERSION}".encode()
-    ).hexdigest()[:12]
+    train_bytes, split_digits = cfg.get("train_max_bytes"), bool(cfg.get("split_digits", False))
+    # split_digits joins the key only when on, so the BPEs cached before it existed keep their keys
+    settings = f"{source.fingerprint}|{vocab_size}|{min_frequency}|{train_bytes}|{BPE_VERSION}"
+    key = hashlib.sha256((settings + ("|digits" if split_digits else "")).encode()).hexdigest()[:12]
     path = Path(cache_dir).expanduser() / "tokenizers" / f"bpe{vocab_size}-{source.name}-{key}" / "tokenizer.json"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +179,7 @@ def _cached_bpe(cfg, source, cache_dir: Path, progress: bool) -> JsonTokenizer:
             log.info("training a %d-token byte-level BPE on %s -> %s", vocab_size, source.fingerprint, path)
         # tokenizers' own bars print blank lines when not on a terminal: only draw them on one
         train_bpe(_capped_texts(source, train_bytes), vocab_size, min_frequency, path,
-                  progress and sys.stdout.isatty() and sys.stderr.isatty())
+                  progress and sys.stdout.isatty() and sys.stderr.isatty(), split_digits)
     return JsonTokenizer(path, "bpe")
 
 

@@ -24,8 +24,8 @@ def source(tmp_path):
     return FilesSource(OmegaConf.create({"paths": [str(folder)]}), tmp_path / "cache")
 
 
-def bpe(source, tmp_path, vocab_size=320):
-    cfg = OmegaConf.create({"name": "bpe", "vocab_size": vocab_size, "min_frequency": 2, "train_max_bytes": None})
+def bpe(source, tmp_path, vocab_size=320, **more):
+    cfg = OmegaConf.create({"name": "bpe", "vocab_size": vocab_size, "min_frequency": 2, "train_max_bytes": None, **more})
     return build_tokenizer(cfg, source, tmp_path / "cache", progress=False)
 
 
@@ -50,6 +50,24 @@ def test_bpe_trains_once_per_corpus_and_round_trips(source, tmp_path):
     assert bpe(source, tmp_path, vocab_size=300).path != tok.path
     with pytest.raises(ValueError, match="vocab_size=100 must exceed"):
         bpe(source, tmp_path, vocab_size=100)
+
+
+def test_split_digits_makes_each_digit_a_token_and_is_its_own_cached_bpe(tmp_path):
+    """With tokenizer.split_digits a number is one token a digit, however often the corpus repeats
+    it; without, the BPE merges the numbers it sees often. Either way any text round-trips."""
+    folder = tmp_path / "numbers"
+    folder.mkdir()
+    (folder / "keys.txt").write_text("The secret is 86556. Remember 86556, then 1024 and 2048.\n" * 200)
+    source = FilesSource(OmegaConf.create({"paths": [str(folder)]}), tmp_path / "cache")
+    merged, split = bpe(source, tmp_path), bpe(source, tmp_path, split_digits=True)
+    assert split.path != merged.path and split.fingerprint != merged.fingerprint
+    assert bpe(source, tmp_path, split_digits=False).path == merged.path   # the key as before the option
+    for number in (" 86556", " 1024", " 20260"):
+        digits = [split.decode([t]) for t in split.encode(number)]
+        assert digits == [" ", *number.strip()], digits
+        assert merged.decode(merged.encode(number)) == number == split.decode(split.encode(number))
+    assert len(merged.encode(" 86556")) < 5                                   # seen 400 times: merged
+    assert split.decode(split.encode(TEXT + " 123abc4")) == TEXT + " 123abc4"
 
 
 def test_pretrained_loads_any_tokenizer_json(source, tmp_path):

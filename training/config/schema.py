@@ -137,6 +137,7 @@ class BpeTokenizer(TokenizerConfig):
     vocab_size: int = ranged(8192, ge=258)             # the 256 bytes + <|endoftext|> + at least one merge
     min_frequency: int = ranged(2, ge=1)
     train_max_bytes: Optional[int] = ranged(10_000_000, ge=1)
+    split_digits: bool = False                           # every digit its own token (data/tokenizer.py)
 
 
 @dataclass
