@@ -44,7 +44,10 @@
 # three other second stages, each branched from mixed-base's stage 1 and drawn beside mixed-base's grid:
 # stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval), stage 2 with several keys in
 # each long document (mixed-far ~5 min, mixed-far-eval), and stage 2 with more whole 32K documents
-# (mixed-whole ~5 min, mixed-whole-eval); `mixed-base` first, on the same machine.
+# (mixed-whole ~5 min, mixed-whole-eval); `mixed-base` first, on the same machine. And mixed-base
+# with a BPE that keeps every digit its own token (mixed-digits ~6 min, mixed-digits-long ~4.5 min,
+# mixed-digits-eval ~1.3 min, its grid drawn beside mixed-base's; its loss curve alone, its BPE being
+# another).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -86,15 +89,15 @@ train() {
   tail -n 2 "$dir/metrics.jsonl" >>"$LOG" 2>&1
 }
 
-# evaluate NAME ATTENTION BATCHES [BESIDE]: the passkey grid and loss by position of NAME's newest
-# checkpoint, with attention ATTENTION; BESIDE: the committed results of the other run to draw beside.
+# evaluate NAME ATTENTION BATCHES [BESIDE [LOSS_BESIDE]]: the passkey grid and loss by position of
+# NAME's newest checkpoint, with attention ATTENTION; BESIDE: the committed results of the other run
+# to draw beside; LOSS_BESIDE (BESIDE unless given, `-` for none): the run whose loss curve goes
+# beside, which must share NAME's tokenizer (losses per token of two BPEs do not compare).
 evaluate() {
   local name=$1 attention=$2 batches=$3 beside=${4:-} stem=long_context_passkey_$1
-  local passkey_beside=() loss_beside=()
-  if [[ -n $beside ]]; then
-    passkey_beside=(--beside "$EVALS/passkey_long_context_passkey_$beside.json")
-    loss_beside=(--beside "$EVALS/loss_by_position_long_context_passkey_$beside.json")
-  fi
+  local loss_run=${5:-${4:-}} passkey_beside=() loss_beside=()
+  [[ -n $beside ]] && passkey_beside=(--beside "$EVALS/passkey_long_context_passkey_$beside.json")
+  [[ -n $loss_run && $loss_run != - ]] && loss_beside=(--beside "$EVALS/loss_by_position_long_context_passkey_$loss_run.json")
   # naive's 32K forwards take ~1 s each (~310 GB of N x N traffic a layer), 220 of them: ~5 min in
   # all; the JSON is rewritten after each length, so a grid cut short keeps what it measured
   step "$name: passkey grid, $attention attention"
@@ -200,7 +203,7 @@ mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 # mixed-base's two stages with each digit its own token, beside it: are its garbled copies the BPE's?
 mixed-digits) shift; train mixed-digits long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_DIGITS[@]}" "$@" ;;
 mixed-digits-long) train mixed-digits long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_DIGITS[@]}" "${MIXED_LONG[@]}" ;;
-mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base ;;
+mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base - ;;   # its own BPE: no loss curve to put beside
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document

@@ -191,6 +191,12 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     dim = based.model.d_model // based.model.n_head
     slow = [i for i in range(dim // 2) if 2 * math.pi * based.model.rope_theta ** (2 * i / dim) > 4 * based.trainer.seq_len]
     assert len(slow) >= 4 and second.model.rope_theta ** ((dim - 2) / dim) * 2 * math.pi < 4 * second.trainer.seq_len
+    # the digits variant: the base one with a BPE that keeps every digit its own token, nothing else
+    digits = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE")
+                           + script_overrides("MIXED_DIGITS") + script_overrides("MIXED_LONG"))
+    assert digits.tokenizer.name == "bpe" and digits.tokenizer.split_digits and not based.tokenizer.split_digits
+    digits.tokenizer.split_digits = False
+    assert digits == based
     based.model.rope_theta, based.model.attention_length_scale = second.model.rope_theta, None
     assert based == second
     # the longer second stage: MIXED_LONG's overrides with more steps, nothing else changed
@@ -267,6 +273,27 @@ def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path):
         subprocess.run(["bash", str(script), "mixed-naive", "continue"], cwd=tmp_path, env=env, check=True,
                        capture_output=True)
         assert re.findall(r"trainer\.max_steps=(\d+)", calls.read_text())[1:] == ([] if steps is None else ["300"])
+
+
+def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_path):
+    """mixed-digits-eval: mixed-base's grid beside its own, but no loss curve beside it (per-token
+    losses of two BPEs do not compare, and eval_loss_by_position.py refuses them); mixed-base-eval
+    keeps both. Read off what the script would run."""
+    import subprocess
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
+    (fake / "python3").chmod(0o755)
+    script = REPO / "benchmarks" / "long_context_runs.sh"
+    for case, loss_beside in (("mixed-digits-eval", []), ("mixed-base-eval", ["mixed-scaled"])):
+        calls = tmp_path / f"calls-{case}"
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out")}
+        subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
+        grid, loss = calls.read_text().splitlines()
+        assert "eval_passkey.py" in grid and "--beside" in grid
+        assert "eval_loss_by_position.py" in loss
+        assert re.findall(r"--beside \S+loss_by_position_long_context_passkey_([\w-]+)\.json", loss) == loss_beside
 
 
 @pytest.mark.slow
