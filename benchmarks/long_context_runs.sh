@@ -51,8 +51,8 @@
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
-# its BPE is the committed mixed-base run's), `mixed-naive continue` ..., `mixed-naive-long`,
-# `mixed-naive-eval`, drawn beside mixed-base's. Its ~80 min of steps do not fit a machine's 30-minute
+# its BPE is the committed mixed-digits run's), `mixed-naive continue` ..., `mixed-naive-long`,
+# `mixed-naive-eval`, drawn beside mixed-digits'. Its ~80 min of steps do not fit a machine's 30-minute
 # hold; NAIVE_STEPS=N,M trains stage 1 to N steps and stage 2 to M as a whole run (docs/long-context.md).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
@@ -97,7 +97,11 @@ evaluate() {
   local name=$1 attention=$2 batches=$3 beside=${4:-} stem=long_context_passkey_$1
   local loss_run=${5:-${4:-}} passkey_beside=() loss_beside=()
   [[ -n $beside ]] && passkey_beside=(--beside "$EVALS/passkey_long_context_passkey_$beside.json")
-  [[ -n $loss_run && $loss_run != - ]] && loss_beside=(--beside "$EVALS/loss_by_position_long_context_passkey_$loss_run.json")
+  if [[ -n $loss_run && $loss_run != - ]]; then
+    loss_beside=(--beside "$EVALS/loss_by_position_long_context_passkey_$loss_run.json")
+    [[ -f ${loss_beside[1]} ]] || { step "note: ${loss_beside[1]} is not committed: $name's loss curve is drawn alone"
+                                     loss_beside=(); }
+  fi
   # naive's 32K forwards take ~1 s each (~310 GB of N x N traffic a layer), 220 of them: ~5 min in
   # all; the JSON is rewritten after each length, so a grid cut short keeps what it measured
   step "$name: passkey grid, $attention attention"
@@ -221,14 +225,14 @@ dense-eval) evaluate dense flash 12 ;;
 # a share of it as a whole run, NAIVE_STEPS=N,M (stage 1 to N steps, stage 2 to M; docs/long-context.md)
 mixed-naive)
   shift
-  [[ "${1:-}" == continue ]] || same_tokenizer_as mixed-base long-context-mixed-naive
+  [[ "${1:-}" == continue ]] || same_tokenizer_as mixed-digits long-context-mixed-naive
   train mixed-naive long-context-mixed-naive "$@" ${NAIVE_STEPS:+trainer.max_steps=${NAIVE_STEPS%,*}} ;;
 mixed-naive-long)
   long_steps=2812
   [[ -n ${NAIVE_STEPS:-} ]] && long_steps=${NAIVE_STEPS#*,}
   train mixed-naive long-context-mixed-naive continue "${MIXED_NAIVE_LONG[@]/trainer.max_steps=2812/trainer.max_steps=$long_steps}" ;;
 # 35 windows of 11,264: the ~393K held-out tokens of mixed-base's 12 of 32,768
-mixed-naive-eval) evaluate mixed-naive naive 35 mixed-base ;;
+mixed-naive-eval) evaluate mixed-naive naive 35 mixed-digits ;;
 naive)
   shift
   [[ "${1:-}" == continue ]] || same_tokenizer_as flash long-context-passkey-naive

@@ -223,10 +223,10 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
 
 def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_longest_context():
     """experiment=long-context-mixed-naive and its second stage (the script's `mixed-naive-long`) are
-    mixed-base's two stages (the README's recipe) with naive attention, in windows of naive's longest
+    mixed-digits' two stages (the README's recipe) with naive attention, in windows of naive's longest
     trainable length on an H200: the same model, optimizer and vocabulary, units cut as flash's are
     into documents of one key (down to 64 tokens), as many passkey tokens and as many tokens in all."""
-    flash_overrides = script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE")
+    flash_overrides = script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE") + script_overrides("MIXED_DIGITS")
     flash = [composed_with("long-context-mixed", flash_overrides),
              composed_with("long-context-mixed", flash_overrides + script_overrides("MIXED_LONG"))]
     naive = [composed("long-context-mixed-naive"),
@@ -278,7 +278,8 @@ def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path):
 def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_path):
     """mixed-digits-eval: mixed-base's grid beside its own, but no loss curve beside it (per-token
     losses of two BPEs do not compare, and eval_loss_by_position.py refuses them); mixed-base-eval
-    keeps both. Read off what the script would run."""
+    keeps both; a loss curve not committed (mixed-naive-eval's, while mixed-digits has none) is
+    left out with a note. Read off what the script would run."""
     import subprocess
 
     fake = tmp_path / "bin"
@@ -288,12 +289,18 @@ def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_pa
     script = REPO / "benchmarks" / "long_context_runs.sh"
     for case, loss_beside in (("mixed-digits-eval", []), ("mixed-base-eval", ["mixed-scaled"])):
         calls = tmp_path / f"calls-{case}"
-        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out")}
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"),
+               "EVALS": str(REPO / "benchmarks" / "evals")}
         subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
         grid, loss = calls.read_text().splitlines()
         assert "eval_passkey.py" in grid and "--beside" in grid
         assert "eval_loss_by_position.py" in loss
         assert re.findall(r"--beside \S+loss_by_position_long_context_passkey_([\w-]+)\.json", loss) == loss_beside
+    env["EVALS"] = str(tmp_path / "evals")
+    shown = subprocess.run(["bash", str(script), "mixed-base-eval"], cwd=tmp_path, env=env, check=True,
+                           capture_output=True, text=True).stdout
+    assert "loss_by_position_long_context_passkey_mixed-scaled.json is not committed" in shown
+    assert "--beside" not in calls.read_text().splitlines()[-1]
 
 
 @pytest.mark.slow
