@@ -47,7 +47,8 @@
 # (mixed-whole ~5 min, mixed-whole-eval); `mixed-base` first, on the same machine. And mixed-base
 # with a BPE that keeps every digit its own token (mixed-digits ~6 min, mixed-digits-long ~4.5 min,
 # mixed-digits-eval ~1.3 min, its grid drawn beside mixed-base's; its loss curve alone, its BPE being
-# another).
+# another), with two second stages branched from its first (mixed-digits-whole ~5 min and
+# mixed-digits-longer ~7.5 min, each with its -eval, drawn beside mixed-digits').
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -175,13 +176,14 @@ dense() {
   done
 }
 
-# branch_of_base NAME OVERRIDES...: a second stage for mixed-base's first, in runs/long-context/NAME:
-# its first call branches from mixed-base's step-1,700 checkpoint, a later one continues it
-branch_of_base() {
-  local name=$1 RESUME=""; shift
+# branch_of FIRST NAME OVERRIDES...: a second stage for FIRST's first stage (mixed-base or
+# mixed-digits, whose own settings OVERRIDES repeat), in runs/long-context/NAME: its first call
+# branches from FIRST's step-1,700 checkpoint, a later one continues it
+branch_of() {
+  local first=$1 name=$2 RESUME=""; shift 2
   if [[ ! -f $RUNS/$name/config.yaml ]]; then
-    RESUME=$RUNS/mixed-base/checkpoints/step_00001700.pt
-    [[ -f $RESUME ]] || { step "error: no $RESUME: run 'mixed-base' first on this machine"; exit 2; }
+    RESUME=$RUNS/$first/checkpoints/step_00001700.pt
+    [[ -f $RESUME ]] || { step "error: no $RESUME: run '$first' first on this machine"; exit 2; }
   fi
   train "$name" long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@"
 }
@@ -208,15 +210,22 @@ mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 mixed-digits) shift; train mixed-digits long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_DIGITS[@]}" "$@" ;;
 mixed-digits-long) train mixed-digits long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_DIGITS[@]}" "${MIXED_LONG[@]}" ;;
 mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base - ;;   # its own BPE: no loss curve to put beside
+# two second stages for mixed-digits' first, branched from its step 1,700 (run `mixed-digits` first, on
+# the same machine), drawn beside mixed-digits: with its garbled copies gone, what fails is 16-32K
+# back, so more whole 32K documents (MIXED_WHOLE) and a longer stage 2 (MIXED_LONGER) again
+mixed-digits-whole) branch_of mixed-digits mixed-digits-whole "${MIXED_DIGITS[@]}" "${MIXED_WHOLE[@]}" ;;
+mixed-digits-whole-eval) evaluate mixed-digits-whole flash 12 mixed-digits ;;
+mixed-digits-longer) branch_of mixed-digits mixed-digits-longer "${MIXED_DIGITS[@]}" "${MIXED_LONGER[@]}" ;;
+mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits ;;
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document
 # (MIXED_FAR), and with more of its units one 32K document (MIXED_WHOLE)
-mixed-longer) branch_of_base mixed-longer "${MIXED_LONGER[@]}" ;;
+mixed-longer) branch_of mixed-base mixed-longer "${MIXED_LONGER[@]}" ;;
 mixed-longer-eval) evaluate mixed-longer flash 12 mixed-base ;;
-mixed-far) branch_of_base mixed-far "${MIXED_FAR[@]}" ;;
+mixed-far) branch_of mixed-base mixed-far "${MIXED_FAR[@]}" ;;
 mixed-far-eval) evaluate mixed-far flash 12 mixed-base ;;
-mixed-whole) branch_of_base mixed-whole "${MIXED_WHOLE[@]}" ;;
+mixed-whole) branch_of mixed-base mixed-whole "${MIXED_WHOLE[@]}" ;;
 mixed-whole-eval) evaluate mixed-whole flash 12 mixed-base ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
@@ -245,6 +254,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | compare" >&2; exit 2 ;;
 esac
 step done

@@ -303,6 +303,31 @@ def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_pa
     assert "--beside" not in calls.read_text().splitlines()[-1]
 
 
+def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
+    """mixed-digits-whole branches from mixed-digits' step 1,700 with its BPE setting and MIXED_WHOLE's
+    units; mixed-whole from mixed-base's, without it; on a machine without that first stage, the
+    script names the run to make first. Read off what the script would run."""
+    import subprocess
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
+    (fake / "python3").chmod(0o755)
+    script = REPO / "benchmarks" / "long_context_runs.sh"
+    whole = " ".join(script_overrides("MIXED_WHOLE"))
+    for case, first, digits in (("mixed-digits-whole", "mixed-digits", True), ("mixed-whole", "mixed-base", False)):
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(tmp_path / f"calls-{case}"), "OUT": str(tmp_path / "out")}
+        missing = subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert missing.returncode == 2 and f"run '{first}' first on this machine" in missing.stdout
+        checkpoint = tmp_path / "runs" / "long-context" / first / "checkpoints" / "step_00001700.pt"
+        checkpoint.parent.mkdir(parents=True)
+        checkpoint.write_bytes(b"")
+        subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
+        call = (tmp_path / f"calls-{case}").read_text()
+        assert f"run.dir=runs/long-context/{case} resume={checkpoint.relative_to(tmp_path)}" in call
+        assert call.rstrip().endswith(whole) and ("tokenizer.split_digits=true" in call) == digits
+
+
 @pytest.mark.slow
 def test_the_mixed_cpu_variant_trains_and_writes_the_grid(tmp_path, cache_dir):  # noqa: F811
     """experiment=long-context-mixed-cpu: the mixed recipe's data (units cut into documents of one
