@@ -162,9 +162,6 @@ MIXED_NAIVE_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'd
                   data.passkey.num_docs=524 trainer.max_steps=2812 trainer.eval_every=1164 trainer.ckpt_every=1164)
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
-# a BPE that never merges digits: a 5-digit key is 5 tokens of ten well-trained ones, not 2-3 chunk
-# tokens of a thousand rare ones (mixed-base's wrong answers are mostly garbled copies of the key)
-MIXED_DIGITS=(tokenizer.split_digits=true)
 dense() {
   local stage=0 more=()
   for overrides in "${DENSE_STAGES[@]}"; do
@@ -176,16 +173,16 @@ dense() {
   done
 }
 
-# branch_of FIRST NAME OVERRIDES...: a second stage for FIRST's first stage (mixed-base or
-# mixed-digits, whose own settings OVERRIDES repeat), in runs/long-context/NAME: its first call
-# branches from FIRST's step-1,700 checkpoint, a later one continues it
+# branch_of FIRST NAME EXPERIMENT OVERRIDES...: a second stage for FIRST's first stage (mixed-base or
+# mixed-digits, whose settings EXPERIMENT and OVERRIDES repeat), in runs/long-context/NAME: its first
+# call branches from FIRST's step-1,700 checkpoint, a later one continues it
 branch_of() {
   local first=$1 name=$2 RESUME=""; shift 2
   if [[ ! -f $RUNS/$name/config.yaml ]]; then
     RESUME=$RUNS/$first/checkpoints/step_00001700.pt
     [[ -f $RESUME ]] || { step "error: no $RESUME: run '$first' first on this machine"; exit 2; }
   fi
-  train "$name" long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@"
+  train "$name" "$@"
 }
 
 case "${1:-}" in
@@ -206,26 +203,28 @@ mixed-scaled-eval) evaluate mixed-scaled flash 12 mixed ;;
 mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@" ;;
 mixed-base-long) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
-# mixed-base's two stages with each digit its own token, beside it: are its garbled copies the BPE's?
-mixed-digits) shift; train mixed-digits long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_DIGITS[@]}" "$@" ;;
-mixed-digits-long) train mixed-digits long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_DIGITS[@]}" "${MIXED_LONG[@]}" ;;
+# mixed-base's two stages with each digit its own token (tokenizer.split_digits), beside it: are its
+# garbled copies the BPE's? Its settings are experiment=long-context-retrieval, the README's recipe,
+# and its stage 2 long-context-retrieval-long (mixed-base's with the digits split; a test checks it)
+mixed-digits) shift; train mixed-digits long-context-retrieval "$@" ;;
+mixed-digits-long) train mixed-digits long-context-retrieval-long continue ;;
 mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base - ;;   # its own BPE: no loss curve to put beside
 # two second stages for mixed-digits' first, branched from its step 1,700 (run `mixed-digits` first, on
 # the same machine), drawn beside mixed-digits: with its garbled copies gone, what fails is 16-32K
 # back, so more whole 32K documents (MIXED_WHOLE) and a longer stage 2 (MIXED_LONGER) again
-mixed-digits-whole) branch_of mixed-digits mixed-digits-whole "${MIXED_DIGITS[@]}" "${MIXED_WHOLE[@]}" ;;
+mixed-digits-whole) branch_of mixed-digits mixed-digits-whole long-context-retrieval-long "${MIXED_WHOLE[@]}" ;;
 mixed-digits-whole-eval) evaluate mixed-digits-whole flash 12 mixed-digits ;;
-mixed-digits-longer) branch_of mixed-digits mixed-digits-longer "${MIXED_DIGITS[@]}" "${MIXED_LONGER[@]}" ;;
+mixed-digits-longer) branch_of mixed-digits mixed-digits-longer long-context-retrieval-long "${MIXED_LONGER[@]}" ;;
 mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits ;;
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document
 # (MIXED_FAR), and with more of its units one 32K document (MIXED_WHOLE)
-mixed-longer) branch_of mixed-base mixed-longer "${MIXED_LONGER[@]}" ;;
+mixed-longer) branch_of mixed-base mixed-longer long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONGER[@]}" ;;
 mixed-longer-eval) evaluate mixed-longer flash 12 mixed-base ;;
-mixed-far) branch_of mixed-base mixed-far "${MIXED_FAR[@]}" ;;
+mixed-far) branch_of mixed-base mixed-far long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_FAR[@]}" ;;
 mixed-far-eval) evaluate mixed-far flash 12 mixed-base ;;
-mixed-whole) branch_of mixed-base mixed-whole "${MIXED_WHOLE[@]}" ;;
+mixed-whole) branch_of mixed-base mixed-whole long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_WHOLE[@]}" ;;
 mixed-whole-eval) evaluate mixed-whole flash 12 mixed-base ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;

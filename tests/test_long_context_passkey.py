@@ -191,12 +191,13 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     dim = based.model.d_model // based.model.n_head
     slow = [i for i in range(dim // 2) if 2 * math.pi * based.model.rope_theta ** (2 * i / dim) > 4 * based.trainer.seq_len]
     assert len(slow) >= 4 and second.model.rope_theta ** ((dim - 2) / dim) * 2 * math.pi < 4 * second.trainer.seq_len
-    # the digits variant: the base one with a BPE that keeps every digit its own token, nothing else
-    digits = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE")
-                           + script_overrides("MIXED_DIGITS") + script_overrides("MIXED_LONG"))
-    assert digits.tokenizer.name == "bpe" and digits.tokenizer.split_digits and not based.tokenizer.split_digits
-    digits.tokenizer.split_digits = False
-    assert digits == based
+    # the README's recipe (experiment=long-context-retrieval and -long, the script's mixed-digits): the
+    # base one with a BPE that keeps every digit its own token, nothing else but the runs' names
+    base_first = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE"))
+    for recipe, base in ((composed("long-context-retrieval"), base_first), (composed("long-context-retrieval-long"), based)):
+        assert recipe.tokenizer.name == "bpe" and recipe.tokenizer.split_digits and not base.tokenizer.split_digits
+        recipe.tokenizer.split_digits, recipe.run.name = False, base.run.name
+        assert recipe == base
     based.model.rope_theta, based.model.attention_length_scale = second.model.rope_theta, None
     assert based == second
     # the longer second stage: MIXED_LONG's overrides with more steps, nothing else changed
@@ -226,9 +227,7 @@ def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_long
     mixed-digits' two stages (the README's recipe) with naive attention, in windows of naive's longest
     trainable length on an H200: the same model, optimizer and vocabulary, units cut as flash's are
     into documents of one key (down to 64 tokens), as many passkey tokens and as many tokens in all."""
-    flash_overrides = script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE") + script_overrides("MIXED_DIGITS")
-    flash = [composed_with("long-context-mixed", flash_overrides),
-             composed_with("long-context-mixed", flash_overrides + script_overrides("MIXED_LONG"))]
+    flash = [composed("long-context-retrieval"), composed("long-context-retrieval-long")]
     naive = [composed("long-context-mixed-naive"),
              composed_with("long-context-mixed-naive", script_overrides("MIXED_NAIVE_LONG"))]
     committed = json.loads((REPO / "benchmarks" / "max_context" / "max_context_h200.json").read_text())
@@ -304,9 +303,9 @@ def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_pa
 
 
 def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
-    """mixed-digits-whole branches from mixed-digits' step 1,700 with its BPE setting and MIXED_WHOLE's
-    units; mixed-whole from mixed-base's, without it; on a machine without that first stage, the
-    script names the run to make first. Read off what the script would run."""
+    """mixed-digits-whole branches from mixed-digits' step 1,700 with its preset (the README's recipe)
+    and MIXED_WHOLE's units; mixed-whole from mixed-base's, with mixed-base's settings; on a machine
+    without that first stage, the script names the run to make first. Read off what the script would run."""
     import subprocess
 
     fake = tmp_path / "bin"
@@ -315,7 +314,8 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
     (fake / "python3").chmod(0o755)
     script = REPO / "benchmarks" / "long_context_runs.sh"
     whole = " ".join(script_overrides("MIXED_WHOLE"))
-    for case, first, digits in (("mixed-digits-whole", "mixed-digits", True), ("mixed-whole", "mixed-base", False)):
+    for case, first, settings in (("mixed-digits-whole", "mixed-digits", "experiment=long-context-retrieval-long "),
+                                  ("mixed-whole", "mixed-base", "experiment=long-context-mixed ")):
         env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(tmp_path / f"calls-{case}"), "OUT": str(tmp_path / "out")}
         missing = subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, capture_output=True, text=True)
         assert missing.returncode == 2 and f"run '{first}' first on this machine" in missing.stdout
@@ -325,7 +325,8 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
         subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
         call = (tmp_path / f"calls-{case}").read_text()
         assert f"run.dir=runs/long-context/{case} resume={checkpoint.relative_to(tmp_path)}" in call
-        assert call.rstrip().endswith(whole) and ("tokenizer.split_digits=true" in call) == digits
+        assert call.rstrip().endswith(whole) and settings in call
+        assert ("model.rope_theta=500000" in call) == (first == "mixed-base")   # the preset has it
 
 
 @pytest.mark.slow
