@@ -76,12 +76,16 @@ def test_exported_tokenizers_encode_like_ours(tmp_path):
     bpe_path = tmp_path / "bpe" / "tokenizer.json"
     bpe_path.parent.mkdir()
     train_bpe(iter([TEXT * 20, "the quick brown fox " * 50]), 300, 2, bpe_path, show_progress=False)
-    for tokenizer in (ByteTokenizer(), JsonTokenizer(bpe_path, "bpe")):
-        folder = tmp_path / f"hf-{tokenizer.name}"   # not the BPE's own folder: an export replaces nothing
+    digits_path = tmp_path / "bpe-digits" / "tokenizer.json"   # tokenizer.split_digits: a pre-tokenizer sequence
+    digits_path.parent.mkdir()
+    train_bpe(iter([TEXT * 20, "the key is 86556 " * 50]), 300, 2, digits_path, show_progress=False, split_digits=True)
+    text = TEXT + " the key is 86556, then 2048."
+    for i, tokenizer in enumerate((ByteTokenizer(), JsonTokenizer(bpe_path, "bpe"), JsonTokenizer(digits_path, "bpe"))):
+        folder = tmp_path / f"hf-{i}"   # not the BPE's own folder: an export replaces nothing
         export_hf(ours(**LLAMA_OPTIONS), tokenizer, folder)
         theirs = transformers.AutoTokenizer.from_pretrained(folder)
-        ids = tokenizer.encode(TEXT)
-        assert theirs.encode(TEXT, add_special_tokens=False) == ids
+        ids = tokenizer.encode(text)
+        assert theirs.encode(text, add_special_tokens=False) == ids
         assert theirs.decode(ids + [tokenizer.eot_id]) == tokenizer.decode(ids + [tokenizer.eot_id])
         assert theirs.eos_token_id == tokenizer.eot_id
 
