@@ -8,6 +8,7 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -248,15 +249,22 @@ def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_long
     assert naive[1].trainer.max_steps > naive[0].trainer.max_steps and naive[1].data.allow_changed
 
 
+def python_that_logs(tmp_path) -> Path:
+    """A folder whose `python3` only appends its command line to the file $CALLS: put first on PATH,
+    the GPU script runs without a GPU and the test reads what it would have run."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
+    (fake / "python3").chmod(0o755)
+    return fake
+
+
 def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path):
     """NAIVE_STEPS=N,M (one machine's share of the ~80-minute naive run): stage 1 to N steps, stage
     2 to M; without it, the preset's and MIXED_NAIVE_LONG's. Read off what the script would run."""
     import subprocess
 
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
-    (fake / "python3").chmod(0o755)
+    fake = python_that_logs(tmp_path)
     runs = tmp_path / "runs" / "long-context" / "mixed-naive"
     runs.mkdir(parents=True)
     (runs / "config.yaml").write_text("{}")
@@ -281,10 +289,7 @@ def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_pa
     left out with a note. Read off what the script would run."""
     import subprocess
 
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
-    (fake / "python3").chmod(0o755)
+    fake = python_that_logs(tmp_path)
     script = REPO / "benchmarks" / "long_context_runs.sh"
     for case, loss_beside in (("mixed-digits-eval", []), ("mixed-base-eval", ["mixed-scaled"])):
         calls = tmp_path / f"calls-{case}"
@@ -308,10 +313,7 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
     without that first stage, the script names the run to make first. Read off what the script would run."""
     import subprocess
 
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
-    (fake / "python3").chmod(0o755)
+    fake = python_that_logs(tmp_path)
     script = REPO / "benchmarks" / "long_context_runs.sh"
     whole = " ".join(script_overrides("MIXED_WHOLE"))
     for case, first, settings in (("mixed-digits-whole", "mixed-digits", "experiment=long-context-retrieval-long "),
