@@ -98,7 +98,7 @@ RANGE_ERRORS = [  # checked by training.config.checks.validate_config once the c
     ("attention.window", 0, "attention.window=0: must be null or a positive integer"),
     ("data.val_fraction", 1.0, "data.val_fraction=1.0: must be a number in [0, 1)"),
     ("data.max_bytes", 0, "data.max_bytes=0: must be null or a positive integer"),
-    ("resume", "", "resume='': expected null, auto or a checkpoint path"),
+    ("resume", "", "resume='': expected null, auto, continue or a checkpoint path"),
     ("seed", "x", "seed='x': must be an integer"),
 ]
 

@@ -193,11 +193,14 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     slow = [i for i in range(dim // 2) if 2 * math.pi * based.model.rope_theta ** (2 * i / dim) > 4 * based.trainer.seq_len]
     assert len(slow) >= 4 and second.model.rope_theta ** ((dim - 2) / dim) * 2 * math.pi < 4 * second.trainer.seq_len
     # the README's recipe (experiment=long-context-retrieval and -long, the script's mixed-digits): the
-    # base one with a BPE that keeps every digit its own token, nothing else but the runs' names
+    # base one with a BPE that keeps every digit its own token, nothing else but the runs' names (and
+    # stage 2's resume=continue: it never trains without stage 1's checkpoint)
     base_first = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE"))
-    for recipe, base in ((composed("long-context-retrieval"), base_first), (composed("long-context-retrieval-long"), based)):
+    for recipe, base, resume in ((composed("long-context-retrieval"), base_first, None),
+                                 (composed("long-context-retrieval-long"), based, "continue")):
         assert recipe.tokenizer.name == "bpe" and recipe.tokenizer.split_digits and not base.tokenizer.split_digits
-        recipe.tokenizer.split_digits, recipe.run.name = False, base.run.name
+        assert recipe.resume == resume
+        recipe.tokenizer.split_digits, recipe.run.name, recipe.resume = False, base.run.name, base.resume
         assert recipe == base
     based.model.rope_theta, based.model.attention_length_scale = second.model.rope_theta, None
     assert based == second

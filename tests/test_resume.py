@@ -206,6 +206,24 @@ def test_a_run_stopped_before_its_first_checkpoint_restarts_with_the_same_comman
     assert [json.loads(line)["step"] for line in kept] == [1, 2, 3, 4]
 
 
+def test_resume_continue_refuses_a_folder_with_no_checkpoint_and_continues_like_auto(tmp_path, cache_dir, capsys):
+    """resume=continue (a second stage's preset sets it): a run.dir with nothing to continue is refused
+    in one line before any step, leaving nothing behind; with a checkpoint it continues the run from
+    it, as auto does (here a first stage of 4 steps taken on to 8)."""
+    run = tmp_path / "run"
+    assert run_in_process(tiny_overrides(run, cache_dir, steps=8, resume="continue")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: resume=continue: run.dir={run} holds no checkpoint to continue"), err
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+    assert run_in_process(tiny_overrides(run, cache_dir, steps=4, **{"trainer.ckpt_every": 4})) == 0
+    first = losses(run)
+    assert run_in_process(tiny_overrides(run, cache_dir, steps=8, resume="continue",
+                                         allow_changes="[trainer.max_steps]")) == 0
+    assert losses(run)[:4] == first and [r[0] for r in losses(run)] == list(range(1, 9))
+    rows = [json.loads(line) for line in (run / "lineage.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in rows] == [("start", 0), ("resume", 4)]
+
+
 KILL_IN_THE_FINAL_EXPORT = """
 import safetensors.torch
 def half_written_then_die(tensors, filename, *args, **kwargs):

@@ -58,9 +58,9 @@ def resolve_config(cfg: DictConfig) -> torch.device:
     """Validate every group and record in `cfg` what `auto` became (device, attention, precision)."""
     from model.attention import check_score_options, resolve_attention
 
-    if cfg.get("resume") == "auto" and OmegaConf.is_interpolation(cfg.run, "dir"):
-        raise ValueError("resume=auto needs run.dir=<the folder of the run to continue>: without it every run "
-                         "gets a new folder, so there would be nothing to resume")
+    if cfg.get("resume") in ("auto", "continue") and OmegaConf.is_interpolation(cfg.run, "dir"):
+        raise ValueError(f"resume={cfg.resume} needs run.dir=<the folder of the run to continue>: without it every "
+                         f"run gets a new folder, so there would be nothing to resume")
     OmegaConf.resolve(cfg)
     if cfg.model.get("init_from"):
         apply_init_from(cfg)  # the Hugging Face folder's architecture and tokenizer replace the configured ones

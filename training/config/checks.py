@@ -221,7 +221,7 @@ def validate_config(cfg: DictConfig, root: str = "train") -> None:
     top = {k: cfg[k] for k in cfg if k not in schema.GROUPS and not OmegaConf.is_missing(cfg, k)
            and not OmegaConf.is_interpolation(cfg, k)}  # an interpolated key is checked at its source
     check_fields(cls, top)
-    _require(cfg.resume is None or cfg.resume != "", "resume", cfg.resume, "expected null, auto or a checkpoint path")
+    _require(cfg.resume is None or cfg.resume != "", "resume", cfg.resume, "expected null, auto, continue or a checkpoint path")
     seq_len, model = cfg.trainer.seq_len, cfg.model
     max_len = model.get("max_seq_len")
     _require(seq_len <= max_len, "trainer.seq_len", seq_len,

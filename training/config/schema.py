@@ -229,7 +229,7 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
     seed: int = ranged(1337, ge=0, le=SEED_MAX)
     device: Device = Device.auto
-    resume: Optional[str] = None       # null | auto | path/to/checkpoint
+    resume: Optional[str] = None       # null | auto | continue | path/to/checkpoint
     allow_changes: List[str] = _list()  # training keys a resume may change (training.run.resume)
     run: RunConfig = MISSING
 

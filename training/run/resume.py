@@ -15,6 +15,10 @@ resumed from.
   before its first save): start over from step 0, its `metrics.jsonl` rows moved to
   `superseded/<time>/`. Unusable ones only, or final weights without checkpoints: refuse
   (starting over would replace what they are evidence of).
+- `resume=continue`: as `auto`, but a folder without a checkpoint of its run is refused rather than
+  started from step 0: for a command that only makes sense as a continuation (a second stage's
+  preset, `experiment=long-context-retrieval-long`), whose settings alone would train a run nobody
+  designed.
 - `resume=<file>`: a checkpoint of the folder's own run rewinds it: its checkpoints past that
   step, their metrics rows and the final `model.safetensors` are moved to `superseded/<time>/`
   (nothing is deleted). A checkpoint of another run starts a branch: allowed only into a folder
@@ -138,13 +142,13 @@ def plan_start(cfg: DictConfig, store: CheckpointStore) -> Start:
             raise ValueError(f"run.dir={run_dir} already holds a run ({evidence}): pass resume=auto to continue it, "
                              f"or choose another run.dir")
         return Start(new_run_id(), "start")
-    if resume != "auto" and Path(resume).is_dir() and not is_checkpoint_folder(resume):
+    if resume not in ("auto", "continue") and Path(resume).is_dir() and not is_checkpoint_folder(resume):
         raise CheckpointError(f"resume={resume} is a folder: pass a checkpoint (<run.dir>/checkpoints/"
                               f"step_XXXXXXXX.pt or .dcp), or run.dir={resume} resume=auto to continue that run")
     usable, unusable = store.lineages()
     own = _folder_run(run_dir, usable)
-    if resume == "auto":
-        start = _plan_auto(store, usable, unusable, own)
+    if resume in ("auto", "continue"):
+        start = _plan_auto(store, usable, unusable, own, resume)
     else:
         start = _plan_path(store, Path(resume), usable, own)
     if start.state is not None and start.event != "branch":
@@ -157,7 +161,9 @@ def plan_start(cfg: DictConfig, store: CheckpointStore) -> Start:
     return start
 
 
-def _plan_auto(store: CheckpointStore, usable: dict, unusable: list, own: str | None) -> Start:
+def _plan_auto(store: CheckpointStore, usable: dict, unusable: list, own: str | None, mode: str) -> Start:
+    """resume=auto or resume=continue (`mode`): the newest usable checkpoint of the folder's run; with
+    none, auto starts over from step 0 where that loses nothing, continue never does."""
     run_dir, ckpt_dir = store.run_dir, store.folder
     mine = [p for p, r in usable.items() if r == own]
     for path in reversed(mine):  # newest first; one that fails its checksum is skipped
@@ -170,16 +176,20 @@ def _plan_auto(store: CheckpointStore, usable: dict, unusable: list, own: str | 
         # own is None for a run from before lineages were recorded: it goes on as that unrecorded run.
         return Start(own, "resume", path, state, (state.get("lineage") or {}).get("parent"))
     if unusable:
-        raise CheckpointError(f"resume=auto: none of the {len(unusable)} checkpoint(s) in {ckpt_dir} is "
+        raise CheckpointError(f"resume={mode}: none of the {len(unusable)} checkpoint(s) in {ckpt_dir} is "
                               f"usable (see the warnings above); move them aside to start over from step 0")
     if usable:
-        raise CheckpointError(f"resume=auto: every checkpoint in {ckpt_dir} belongs to another run than "
+        raise CheckpointError(f"resume={mode}: every checkpoint in {ckpt_dir} belongs to another run than "
                               f"run.dir={run_dir}'s own ({own or 'unrecorded'}): move them out, or branch from one "
                               f"with resume=<its path> into an empty run.dir")
     if (run_dir / WEIGHTS).exists():   # a finished run whose checkpoints were removed
-        raise CheckpointError(f"resume=auto: run.dir={run_dir} holds {run_evidence(store)} but no checkpoint: "
+        raise CheckpointError(f"resume={mode}: run.dir={run_dir} holds {run_evidence(store)} but no checkpoint: "
                               f"starting over would replace them; move them aside (or choose another run.dir) to "
                               f"start from step 0")
+    if mode == "continue":
+        raise CheckpointError(f"resume=continue: run.dir={run_dir} holds no checkpoint to continue: run the stage "
+                              f"this one continues into that run.dir first (or pass resume=auto to start from "
+                              f"step 0 with these settings)")
     steps = metric_steps(run_dir)
     if steps:   # stopped before its first checkpoint: nothing to continue from, nothing lost by starting over
         log.warning("resume=auto: no checkpoint in %s (the run stopped before its first was saved): starting over "
