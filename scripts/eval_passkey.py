@@ -9,7 +9,8 @@ the model's most likely next token is right at every position of the key, which 
 when greedy decoding would write the key. Writes <out>/passkey_<name>.{json,md,png}. The JSON also
 keeps each cell's share of answer tokens ranked first and every wrong answer beside its key, and the
 Markdown counts the wrong answers by kind: a copy of the key garbled in one digit or in more, or no
-number of the key's length at all (a near miss and a failed retrieval fail a cell alike).
+number of the key's length at all (a near miss and a failed retrieval fail a cell alike), and pools the
+cells by the key's distance from the question ((1 - depth) x length) in bands that double.
 
 A length the model cannot take is a "does not fit" cell, never a zero: one whose sequence is
 longer than the model's model.max_seq_len, or one whose forward pass runs out of memory (on a GPU,
@@ -129,6 +130,42 @@ def misses_markdown(result: dict) -> str:
             "decoded):\n\n" + markdown_table(["length", "wrong", *MISS_KINDS, "e.g. key -> said"], rows))
 
 
+def by_distance(result: dict) -> list[dict]:
+    """The measured cells pooled by how far back the key is, (1 - depth) x length tokens, in bands
+    that double from half the shortest length ([0, n/2), [n/2, n), ... up to the longest length,
+    the last band closed): a grid read by distance rather than by cell, where reaching back is what
+    fails. Each band: its bounds, its cells and their mean accuracy (None where no cell fell in it)."""
+    cells = [((1 - d) * n, a) for d, row in zip(result["depths"], result["accuracy"])
+             for n, a in zip(result["lengths"], row) if a is not None]
+    if not cells:
+        return []
+    edges = [0, 1 << max(0, (min(result["lengths"]) // 2).bit_length() - 1)]
+    while edges[-1] < max(result["lengths"]):
+        edges.append(2 * edges[-1])
+    bands = []
+    for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        last = k == len(edges) - 2
+        here = [a for distance, a in cells if lo <= distance and (distance < hi or last)]
+        bands.append({"from": lo, "to": hi, "cells": len(here), "accuracy": float(np.mean(here)) if here else None})
+    return bands
+
+
+def tokens_word(n: int) -> str:
+    """1024 -> '1K', 1536 -> '1536': band bounds as the tables write them."""
+    return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
+
+
+def distance_markdown(result: dict) -> str:
+    bands = by_distance(result)
+    if not bands:
+        return ""
+    headers = ["key to question (tokens)", *(f"{tokens_word(b['from'])}-{tokens_word(b['to'])}" for b in bands)]
+    rows = [("accuracy", *("-" if b["accuracy"] is None else f"{b['accuracy']:.2f}" for b in bands)),
+            ("cells", *(str(b["cells"]) for b in bands))]
+    return ("\n\nBy distance from the key to the question ((1 - depth) x length, the measured cells pooled):\n\n"
+            + markdown_table(headers, rows))
+
+
 def grid_table(result: dict) -> tuple[list[str], list[tuple]]:
     """(headers, rows) of a result's grid: depths down, lengths across; 'does not fit' columns
     stay in the table, and lengths past the run's training length are marked with '*'."""
@@ -233,12 +270,13 @@ def main(argv: list[str]) -> None:
         if predictions is not None:
             record_length(result, j, keys, trials, predictions, tokenizer)
         result["measured"] = j + 1
+        result["by_distance"] = by_distance(result)
         write_json(stem.with_suffix(".json"), result)   # after each length: a stopped run keeps what it measured
     headers, rows = grid_table(result)
     print_table(f"passkey accuracy: {name}", headers, rows)
-    text = f"# Passkey retrieval: {name}\n\n" + grid_markdown(result) + misses_markdown(result)
+    text = f"# Passkey retrieval: {name}\n\n" + grid_markdown(result) + distance_markdown(result) + misses_markdown(result)
     if beside is not None:
-        text += f"\n## Beside it: {beside['name']}\n\n" + grid_markdown(beside)
+        text += f"\n## Beside it: {beside['name']}\n\n" + grid_markdown(beside) + distance_markdown(beside)
     write_text(stem.with_suffix(".md"), text)
     panels = ([beside] if beside is not None else []) + [result]   # the earlier result on the left
     width = sum(1.2 * len(r["lengths"]) + 2.5 for r in panels)

@@ -74,6 +74,27 @@ def test_passkey_grid_and_heatmap(trained, tmp_path):
     assert len(result["misses"]) == wrong and all(m["kind"] in eval_passkey.MISS_KINDS for m in result["misses"])
     assert all(t >= a for ts, accs in zip(result["answer_tokens_right"], result["accuracy"]) for t, a in zip(ts, accs))
     assert "The wrong answers" in (tmp_path / "passkey_t.md").read_text()
+    # the four cells by distance: 128 and 256 tokens back (depth 0) and 0 (depth 1), bands from 64 on
+    bands = [(b["from"], b["to"], b["cells"]) for b in result["by_distance"]]
+    assert bands == [(0, 64, 2), (64, 128, 0), (128, 256, 2)], bands
+    (near, far), by_band = result["accuracy"][::-1], [b["accuracy"] for b in result["by_distance"]]
+    assert by_band == [pytest.approx(sum(near) / 2), None, pytest.approx(sum(far) / 2)]
+    assert "| cells | 2 | 0 | 2 |" in (tmp_path / "passkey_t.md").read_text()
+
+
+def test_passkey_cells_pooled_by_distance():
+    """Cells pool by (1 - depth) x length into bands that double from half the shortest length up to
+    the longest, the last band closed; cells that did not fit count in none; an empty band says so."""
+    result = {"lengths": [2048, 8192, 32768], "depths": [0.0, 0.5, 0.9, 1.0],
+              "accuracy": [[1.0, 0.5, None], [0.8, 0.6, None], [1.0, 1.0, None], [0.9, 0.7, None]]}
+    bands = eval_passkey.by_distance(result)
+    assert [(b["from"], b["to"]) for b in bands] == [(0, 1024), (1024, 2048), (2048, 4096), (4096, 8192),
+                                                     (8192, 16384), (16384, 32768)]
+    # distances: 2048, 1024, ~205, 0 for 2K; 8192, 4096, ~819, 0 for 8K
+    assert [b["cells"] for b in bands] == [4, 1, 1, 1, 1, 0]
+    assert bands[0]["accuracy"] == pytest.approx((1.0 + 0.9 + 1.0 + 0.7) / 4) and bands[-1]["accuracy"] is None
+    assert bands[4]["accuracy"] == 0.5 and "| accuracy | 0.90 | 0.80 | 1.00 | 0.60 | 0.50 | - |" in \
+        eval_passkey.distance_markdown(result)
 
 
 def test_wrong_answers_are_told_apart():
