@@ -103,15 +103,17 @@ evaluate() {
     [[ -f ${loss_beside[1]} ]] || { step "note: ${loss_beside[1]} is not committed: $name's loss curve is drawn alone"
                                      loss_beside=(); }
   fi
-  # naive's 32K forwards take ~1 s each (~310 GB of N x N traffic a layer), 220 of them: ~5 min in
-  # all; the JSON is rewritten after each length, so a grid cut short keeps what it measured
+  # the loss curve first: it takes seconds to ~1.5 min, and a call whose time runs out in the grid
+  # still has it (naive's 32K forwards take ~1 s each, ~310 GB of N x N traffic a layer, 220 of
+  # them: ~5 min in all; the grid's JSON is rewritten after each length, so a grid cut short keeps
+  # what it measured)
+  step "$name: loss by position on the held-out corpus documents"
+  run 90 python3 scripts/eval_loss_by_position.py "$RUNS/$name" --attention "$attention" --bucket-tokens 1024 \
+    --batches "$batches" --name "$stem" --out "$OUT" "${loss_beside[@]}"
   step "$name: passkey grid, $attention attention"
   # shellcheck disable=SC2086 (the lengths and depths are words)
   run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
     --depths $DEPTHS --trials 20 --name "$stem" --out "$OUT" "${passkey_beside[@]}"
-  step "$name: loss by position on the held-out corpus documents"
-  run 90 python3 scripts/eval_loss_by_position.py "$RUNS/$name" --attention "$attention" --bucket-tokens 1024 \
-    --batches "$batches" --name "$stem" --out "$OUT" "${loss_beside[@]}"
 }
 
 # same_tokenizer_as FLASH_RUN EXPERIMENT: before a naive run's first call, its BPE must be that of the
