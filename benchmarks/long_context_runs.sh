@@ -90,6 +90,20 @@ train() {
   tail -n 2 "$dir/metrics.jsonl" >>"$LOG" 2>&1
 }
 
+# after_stage_1 NAME STEPS: before a second stage (to STEPS steps) continues runs/long-context/NAME,
+# its first stage must have finished; else stage 2's data would take over part-way through stage 1
+# (a call cut short by its deadline saves a checkpoint before stage 1's max_steps). A run already
+# in stage 2 (its config's max_steps is STEPS) goes on.
+after_stage_1() {
+  local dir=$RUNS/$1 planned last
+  [[ -f $dir/config.yaml ]] || return 0   # train's `continue` says the run is not on this machine
+  planned=$(awk '/^trainer:/ {t = 1; next} /^[^ ]/ {t = 0} t && /^  max_steps:/ {print $2; exit}' "$dir/config.yaml")
+  last=$(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null | grep -o '"step": [0-9]*' | grep -o '[0-9]*$')
+  [[ $planned == "$2" || $last == "$planned" ]] && return 0
+  step "error: $1's first stage stopped at step ${last:-0} of $planned: run '$1 continue' until it is done, then this"
+  exit 2
+}
+
 # evaluate NAME ATTENTION BATCHES [BESIDE [LOSS_BESIDE]]: the passkey grid and loss by position of
 # NAME's newest checkpoint, with attention ATTENTION; BESIDE: the committed results of the other run
 # to draw beside; LOSS_BESIDE (BESIDE unless given, `-` for none): the run whose loss curve goes
@@ -193,23 +207,23 @@ dense) dense ;;
 # one stage: documents of 64 to 32,768 tokens, one key each, document-masked (the preset's comments)
 mixed) shift; train mixed long-context-mixed "$@" ;;
 # its second stage, from the first's checkpoint: units weighted to long documents, 1,200 steps more
-mixed-long) train mixed long-context-mixed continue "${MIXED_LONG[@]}" ;;
+mixed-long) after_stage_1 mixed 2900; train mixed long-context-mixed continue "${MIXED_LONG[@]}" ;;
 mixed-eval) evaluate mixed flash 12 ;;
 # the same two stages with the queries scaled by s_h log(n) (model.attention_length_scale), drawn
 # beside the committed mixed run: does a softmax that scales with the context retrieve further?
 mixed-scaled) shift; train mixed-scaled long-context-mixed "${MIXED_SCALED[@]}" "$@" ;;
-mixed-scaled-long) train mixed-scaled long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_LONG[@]}" ;;
+mixed-scaled-long) after_stage_1 mixed-scaled 2900; train mixed-scaled long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_LONG[@]}" ;;
 mixed-scaled-eval) evaluate mixed-scaled flash 12 mixed ;;
 # mixed-scaled with RoPE base 500,000, beside it: does a match that no rotation undoes over the window
 # carry retrieval past the 4-8K tokens where mixed-scaled's falls off?
 mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "$@" ;;
-mixed-base-long) train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
+mixed-base-long) after_stage_1 mixed-base 2900; train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 # mixed-base's two stages with each digit its own token (tokenizer.split_digits), beside it: are its
 # garbled copies the BPE's? Its settings are experiment=long-context-retrieval, the README's recipe,
 # and its stage 2 long-context-retrieval-long (mixed-base's with the digits split; a test checks it)
 mixed-digits) shift; train mixed-digits long-context-retrieval "$@" ;;
-mixed-digits-long) train mixed-digits long-context-retrieval-long continue ;;
+mixed-digits-long) after_stage_1 mixed-digits 2900; train mixed-digits long-context-retrieval-long continue ;;
 mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base - ;;   # its own BPE: no loss curve to put beside
 # two second stages for mixed-digits' first, branched from its step 1,700 (run `mixed-digits` first, on
 # the same machine), drawn beside mixed-digits: with its garbled copies gone, what fails is 16-32K
@@ -240,6 +254,7 @@ mixed-naive)
 mixed-naive-long)
   long_steps=2812
   [[ -n ${NAIVE_STEPS:-} ]] && long_steps=${NAIVE_STEPS#*,}
+  after_stage_1 mixed-naive "$long_steps"
   train mixed-naive long-context-mixed-naive continue "${MIXED_NAIVE_LONG[@]/trainer.max_steps=2812/trainer.max_steps=$long_steps}" ;;
 # 35 windows of 11,264: the ~393K held-out tokens of mixed-base's 12 of 32,768
 mixed-naive-eval) evaluate mixed-naive naive 35 mixed-digits ;;

@@ -285,6 +285,29 @@ def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path):
         assert re.findall(r"trainer\.max_steps=(\d+)", calls.read_text())[1:] == ([] if steps is None else ["300"])
 
 
+def test_a_second_stage_waits_for_the_first_to_finish(tmp_path):
+    """mixed-naive-long, whose first stage spans calls: refused while stage 1 stopped short of its
+    max_steps (a call's deadline), run once stage 1 is done, and run again to go on with stage 2
+    once stage 2 has started. Read off what the script would run."""
+    import subprocess
+
+    run = tmp_path / "runs" / "long-context" / "mixed-naive"
+    run.mkdir(parents=True)
+    env = {"PATH": f"{python_that_logs(tmp_path)}:/usr/bin:/bin", "CALLS": str(tmp_path / "calls"),
+           "OUT": str(tmp_path / "out"), "NAIVE_STEPS": "330,562"}
+    script = REPO / "benchmarks" / "long_context_runs.sh"
+    for planned, last, runs in ((330, 300, False), (330, 330, True), (562, 400, True)):
+        (run / "config.yaml").write_text(f"model:\n  max_steps: 1\ntrainer:\n  seq_len: 11264\n  max_steps: {planned}\n"
+                                         f"run:\n  name: x\n")
+        (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in (last - 20, last)))
+        (tmp_path / "calls").unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(script), "mixed-naive-long"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True)
+        assert (done.returncode == 0) == runs and (tmp_path / "calls").exists() == runs, (planned, last, done.stdout)
+        if not runs:
+            assert "first stage stopped at step 300 of 330: run 'mixed-naive continue'" in done.stdout
+
+
 def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_path):
     """mixed-digits-eval: mixed-base's grid beside its own, but no loss curve beside it (per-token
     losses of two BPEs do not compare, and eval_loss_by_position.py refuses them); mixed-base-eval
