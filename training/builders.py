@@ -24,6 +24,7 @@ from training.interop.huggingface import apply_init_from
 from training.parallel.context import context_parallel_size
 from training.process.device import resolve_device, resolve_precision, set_deterministic
 from training.run.lock import ensure_writable
+from training.run.resume import CONTINUING
 from training.run.store import load_checkpoint, read_tensors, restore_model
 
 log = logging.getLogger("train")
@@ -58,7 +59,7 @@ def resolve_config(cfg: DictConfig) -> torch.device:
     """Validate every group and record in `cfg` what `auto` became (device, attention, precision)."""
     from model.attention import check_score_options, resolve_attention
 
-    if cfg.get("resume") in ("auto", "continue") and OmegaConf.is_interpolation(cfg.run, "dir"):
+    if cfg.get("resume") in CONTINUING and OmegaConf.is_interpolation(cfg.run, "dir"):
         raise ValueError(f"resume={cfg.resume} needs run.dir=<the folder of the run to continue>: without it every "
                          f"run gets a new folder, so there would be nothing to resume")
     OmegaConf.resolve(cfg)

@@ -51,6 +51,7 @@ from training.run.store import (ANY_RUN, CheckpointError, CheckpointStore, Resto
                                 is_checkpoint_folder, lineage_id, load_checkpoint, step_of)
 
 log = logging.getLogger(__name__)
+CONTINUING = ("auto", "continue")   # the resume= words that continue the run folder's own run
 
 TRAINING_GROUPS = ("trainer", "optim", "data")
 # Keys outside the `model` group that change what the model computes: a resume must keep them.
@@ -142,12 +143,12 @@ def plan_start(cfg: DictConfig, store: CheckpointStore) -> Start:
             raise ValueError(f"run.dir={run_dir} already holds a run ({evidence}): pass resume=auto to continue it, "
                              f"or choose another run.dir")
         return Start(new_run_id(), "start")
-    if resume not in ("auto", "continue") and Path(resume).is_dir() and not is_checkpoint_folder(resume):
+    if resume not in CONTINUING and Path(resume).is_dir() and not is_checkpoint_folder(resume):
         raise CheckpointError(f"resume={resume} is a folder: pass a checkpoint (<run.dir>/checkpoints/"
                               f"step_XXXXXXXX.pt or .dcp), or run.dir={resume} resume=auto to continue that run")
     usable, unusable = store.lineages()
     own = _folder_run(run_dir, usable)
-    if resume in ("auto", "continue"):
+    if resume in CONTINUING:
         start = _plan_auto(store, usable, unusable, own, resume)
     else:
         start = _plan_path(store, Path(resume), usable, own)
