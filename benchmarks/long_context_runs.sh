@@ -45,16 +45,19 @@
 # stage 2 to 4,100 steps (mixed-longer ~7.5 min, mixed-longer-eval), stage 2 with several keys in
 # each long document (mixed-far ~5 min, mixed-far-eval), and stage 2 with more whole 32K documents
 # (mixed-whole ~5 min, mixed-whole-eval); `mixed-base` first, on the same machine. And mixed-base
-# with a BPE that keeps every digit its own token (mixed-digits ~6 min, mixed-digits-long ~4.5 min,
+# with a BPE that keeps every digit its own token (mixed-digits ~5 min, mixed-digits-long ~4.5 min,
 # mixed-digits-eval ~1.3 min, its grid drawn beside mixed-base's; its loss curve alone, its BPE being
-# another), with two second stages branched from its first (mixed-digits-whole ~5 min and
-# mixed-digits-longer ~7.5 min, each with its -eval, drawn beside mixed-digits').
+# another), with two second stages branched from its first: mixed-digits-whole (~5 min, the README's
+# recipe; its -eval drawn beside mixed-digits') and mixed-digits-longer (the same to 4,100 steps, ~9
+# min; its -eval beside mixed-digits-whole's). Run a branch before mixed-digits-long: stage 2 keeps
+# two checkpoints, so step 1,700 is gone once mixed-digits' own stage 2 has saved twice.
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
-# its BPE is the committed mixed-digits run's), `mixed-naive continue` ..., `mixed-naive-long`,
-# `mixed-naive-eval`, drawn beside mixed-digits'. Its ~80 min of steps do not fit a machine's 30-minute
-# hold; NAIVE_STEPS=N,M trains stage 1 to N steps and stage 2 to M as a whole run (docs/long-context.md).
+# its BPE is the committed mixed-digits-whole run's), `mixed-naive continue` ..., `mixed-naive-long`,
+# `mixed-naive-eval`, drawn beside mixed-digits-whole's. Its ~80 min of steps do not fit a machine's
+# 30-minute hold; NAIVE_STEPS=N,M trains stage 1 to N steps and stage 2 to M as a whole run
+# (docs/long-context.md).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
 OUT=${OUT:-outputs/long_context_runs}
@@ -171,10 +174,11 @@ MIXED_FAR=("${MIXED_LONG[@]}" 'data.passkey.piece_pairs=[8,8,4,4,2,2,1,1,1]')
 # stage 2 with more answers far back, one key a document: 4 of each 10 units one 32K document (2 of 9
 # before; one 8K unit fewer, every length kept), the same steps and number of units
 MIXED_WHOLE=("${MIXED_LONG[@]/data.passkey.pieces=*/data.passkey.pieces=[1,1,1,1,2,2,4,8,16,512]}")
-# the recipe's second stage for experiment=long-context-mixed-naive: MIXED_LONG's units in 11,264-token
-# windows (the shortest documents 64 tokens, 11,264 / 176), as many passkey tokens (524 x 11,264 against
-# 180 x 32,768) and steps of 3 windows to as many tokens in all (2,812 x 33,792 against 2,900 x 32,768)
-MIXED_NAIVE_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,2,2,4,4,8,16,176]'
+# the recipe's second stage for experiment=long-context-mixed-naive: long-context-retrieval-long's units
+# (MIXED_WHOLE's) in 11,264-token windows (the shortest documents 64 tokens, 11,264 / 176), as many
+# passkey tokens (524 x 11,264 against 180 x 32,768) and steps of 3 windows to as many tokens in all
+# (2,812 x 33,792 against 2,900 x 32,768)
+MIXED_NAIVE_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,1,1,2,2,4,8,16,176]'
                   data.passkey.num_docs=524 trainer.max_steps=2812 trainer.eval_every=1164 trainer.ckpt_every=1164)
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
@@ -220,18 +224,19 @@ mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${M
 mixed-base-long) after_stage_1 mixed-base 2900; train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 # mixed-base's two stages with each digit its own token (tokenizer.split_digits), beside it: are its
-# garbled copies the BPE's? Its settings are experiment=long-context-retrieval, the README's recipe,
-# and its stage 2 long-context-retrieval-long (mixed-base's with the digits split; a test checks it)
+# garbled copies the BPE's? Its first stage is experiment=long-context-retrieval, the README's recipe;
+# its second mixed-base's (MIXED_LONG's units) with the digits split
 mixed-digits) shift; train mixed-digits long-context-retrieval "$@" ;;
-mixed-digits-long) after_stage_1 mixed-digits 2900; train mixed-digits long-context-retrieval-long continue ;;
+mixed-digits-long) after_stage_1 mixed-digits 2900; train mixed-digits long-context-retrieval-long continue "${MIXED_LONG[@]}" ;;
 mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base - ;;   # its own BPE: no loss curve to put beside
 # two second stages for mixed-digits' first, branched from its step 1,700 (run `mixed-digits` first, on
-# the same machine), drawn beside mixed-digits: with its garbled copies gone, what fails is 16-32K
-# back, so more whole 32K documents (MIXED_WHOLE) and a longer stage 2 (MIXED_LONGER) again
-mixed-digits-whole) branch_of mixed-digits mixed-digits-whole long-context-retrieval-long "${MIXED_WHOLE[@]}" ;;
+# the same machine), drawn beside mixed-digits: with its garbled copies gone, what failed was 16-32K
+# back, so more whole 32K documents (MIXED_WHOLE's units: long-context-retrieval-long, the README's
+# stage 2 since it lifted that band from 0.85 to 0.96), and that stage 2 to 4,100 steps
+mixed-digits-whole) branch_of mixed-digits mixed-digits-whole long-context-retrieval-long ;;
 mixed-digits-whole-eval) evaluate mixed-digits-whole flash 12 mixed-digits ;;
-mixed-digits-longer) branch_of mixed-digits mixed-digits-longer long-context-retrieval-long "${MIXED_LONGER[@]}" ;;
-mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits ;;
+mixed-digits-longer) branch_of mixed-digits mixed-digits-longer long-context-retrieval-long trainer.max_steps=4100 ;;
+mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits-whole ;;
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document
@@ -249,7 +254,7 @@ dense-eval) evaluate dense flash 12 ;;
 # a share of it as a whole run, NAIVE_STEPS=N,M (stage 1 to N steps, stage 2 to M; docs/long-context.md)
 mixed-naive)
   shift
-  [[ "${1:-}" == continue ]] || same_tokenizer_as mixed-digits long-context-mixed-naive
+  [[ "${1:-}" == continue ]] || same_tokenizer_as mixed-digits-whole long-context-mixed-naive
   train mixed-naive long-context-mixed-naive "$@" ${NAIVE_STEPS:+trainer.max_steps=${NAIVE_STEPS%,*}} ;;
 mixed-naive-long)
   long_steps=2812
@@ -257,7 +262,7 @@ mixed-naive-long)
   after_stage_1 mixed-naive "$long_steps"
   train mixed-naive long-context-mixed-naive continue "${MIXED_NAIVE_LONG[@]/trainer.max_steps=2812/trainer.max_steps=$long_steps}" ;;
 # 35 windows of 11,264: the ~393K held-out tokens of mixed-base's 12 of 32,768
-mixed-naive-eval) evaluate mixed-naive naive 35 mixed-digits ;;
+mixed-naive-eval) evaluate mixed-naive naive 35 mixed-digits-whole ;;
 naive)
   shift
   [[ "${1:-}" == continue ]] || same_tokenizer_as flash long-context-passkey-naive

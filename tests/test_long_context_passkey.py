@@ -192,12 +192,15 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     dim = based.model.d_model // based.model.n_head
     slow = [i for i in range(dim // 2) if 2 * math.pi * based.model.rope_theta ** (2 * i / dim) > 4 * based.trainer.seq_len]
     assert len(slow) >= 4 and second.model.rope_theta ** ((dim - 2) / dim) * 2 * math.pi < 4 * second.trainer.seq_len
-    # the README's recipe (experiment=long-context-retrieval and -long, the script's mixed-digits): the
-    # base one with a BPE that keeps every digit its own token, nothing else but the runs' names (and
-    # stage 2's resume=continue: it never trains without stage 1's checkpoint)
+    # the README's recipe (experiment=long-context-retrieval and -long, the script's mixed-digits and
+    # mixed-digits-whole): the base one with a BPE that keeps every digit its own token and MIXED_WHOLE's
+    # second stage, nothing else but the runs' names (and stage 2's resume=continue: it never trains
+    # without stage 1's checkpoint)
     base_first = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE"))
+    base_whole = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE")
+                               + script_overrides("MIXED_WHOLE"))
     for recipe, base, resume in ((composed("long-context-retrieval"), base_first, None),
-                                 (composed("long-context-retrieval-long"), based, "continue")):
+                                 (composed("long-context-retrieval-long"), base_whole, "continue")):
         assert recipe.tokenizer.name == "bpe" and recipe.tokenizer.split_digits and not base.tokenizer.split_digits
         assert recipe.resume == resume
         recipe.tokenizer.split_digits, recipe.run.name, recipe.resume = False, base.run.name, base.resume
@@ -224,6 +227,34 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     assert set(more.pieces) == set(before) and more.piece_pairs is None
     assert more.num_docs == second.data.passkey.num_docs
     assert more.pieces.count(1) / len(more.pieces) > 1.5 * before.count(1) / len(before)
+
+
+def test_the_readme_recipe_is_the_run_it_cites():
+    """experiment=long-context-retrieval-long (the README's stage 2) composes to the committed config of
+    the run its numbers come from (mixed-digits-whole), and with MIXED_LONG's units (the script's
+    mixed-digits-long) to mixed-digits': every setting but those a run fills in or a call sets."""
+    def differences(cfg, committed: str) -> dict:
+        cfg.run.dir = "x"
+        ours = OmegaConf.to_container(cfg, resolve=True)
+        theirs = OmegaConf.load(REPO / "benchmarks" / "evals" / committed / "config.yaml")
+        theirs = OmegaConf.to_container(theirs)
+        filled = {"device", "resume", "attention.plan", "trainer.progress", "trainer.precision", "run.dir",
+                  "run.name", "run.world_size", "run.data_fingerprint", "run.num_params"}
+
+        def walk(a, b, path=""):
+            if isinstance(a, dict) and isinstance(b, dict):
+                for key in a.keys() | b.keys():
+                    yield from walk(a.get(key), b.get(key), f"{path}.{key}".lstrip("."))
+            elif a != b and path not in filled:
+                yield path, (a, b)
+        return dict(walk(ours, theirs))
+
+    assert differences(composed("long-context-retrieval-long"), "long_context_passkey_mixed-digits-whole") == {}
+    assert differences(composed_with("long-context-retrieval-long", script_overrides("MIXED_LONG")),
+                       "long_context_passkey_mixed-digits") == {}
+    # and the differences would show: the older units are not the recipe's
+    assert "data.passkey.pieces" in differences(composed("long-context-retrieval-long"),
+                                                "long_context_passkey_mixed-digits")
 
 
 def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_longest_context():
@@ -311,7 +342,7 @@ def test_a_second_stage_waits_for_the_first_to_finish(tmp_path):
 def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_path):
     """mixed-digits-eval: mixed-base's grid beside its own, but no loss curve beside it (per-token
     losses of two BPEs do not compare, and eval_loss_by_position.py refuses them); mixed-base-eval
-    keeps both; a loss curve not committed (mixed-naive-eval's, while mixed-digits has none) is
+    keeps both; a loss curve that is not committed (mixed-scaled's, from an empty EVALS folder) is
     left out with a note. Read off what the script would run."""
     import subprocess
 
@@ -334,9 +365,10 @@ def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_pa
 
 
 def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
-    """mixed-digits-whole branches from mixed-digits' step 1,700 with its preset (the README's recipe)
-    and MIXED_WHOLE's units; mixed-whole from mixed-base's, with mixed-base's settings; on a machine
-    without that first stage, the script names the run to make first. Read off what the script would run."""
+    """mixed-digits-whole branches from mixed-digits' step 1,700 with the README's stage-2 preset alone
+    (MIXED_WHOLE's units); mixed-whole from mixed-base's, with mixed-base's settings and MIXED_WHOLE; on
+    a machine without that first stage, the script names the run to make first. Read off what the
+    script would run."""
     import subprocess
 
     fake = python_that_logs(tmp_path)
@@ -353,7 +385,7 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
         subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
         call = (tmp_path / f"calls-{case}").read_text()
         assert f"run.dir=runs/long-context/{case} resume={checkpoint.relative_to(tmp_path)}" in call
-        assert call.rstrip().endswith(whole) and settings in call
+        assert call.rstrip().endswith(whole if first == "mixed-base" else "trainer.progress=false") and settings in call
         assert ("model.rope_theta=500000" in call) == (first == "mixed-base")   # the preset has it
 
 
