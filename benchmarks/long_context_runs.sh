@@ -57,7 +57,9 @@
 # its BPE is the committed mixed-digits-whole run's), `mixed-naive continue` ..., `mixed-naive-long`,
 # `mixed-naive-eval`, drawn beside mixed-digits-whole's. Its ~80 min of steps do not fit a machine's
 # 30-minute hold; NAIVE_STEPS=N,M trains stage 1 to N steps and stage 2 to M as a whole run
-# (docs/long-context.md).
+# (docs/long-context.md). With NAIVE_ON=h100 the same cases run it on an H100 at its longest, 8,192
+# tokens (experiment=long-context-mixed-naive-h100, then MIXED_NAIVE_H100_LONG), in
+# runs/long-context/mixed-naive-h100.
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
 OUT=${OUT:-outputs/long_context_runs}
@@ -180,8 +182,21 @@ MIXED_WHOLE=("${MIXED_LONG[@]/data.passkey.pieces=*/data.passkey.pieces=[1,1,1,1
 # (2,812 x 33,792 against 2,900 x 32,768)
 MIXED_NAIVE_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,1,1,2,2,4,8,16,176]'
                   data.passkey.num_docs=524 trainer.max_steps=2812 trainer.eval_every=1164 trainer.ckpt_every=1164)
+# the same for experiment=long-context-mixed-naive-h100, in 8,192-token windows (8,192 / 128 = 64): 720
+# units (180 x 32,768 tokens) and flash's 2,900 steps, each of 4 windows, 32,768 tokens as flash's
+MIXED_NAIVE_H100_LONG=(data.allow_changed=true 'allow_changes=[trainer.max_steps]' 'data.passkey.pieces=[1,1,1,1,2,2,4,8,16,128]'
+                       data.passkey.num_docs=720 trainer.max_steps=2900 trainer.eval_every=1200 trainer.ckpt_every=1200)
 MIXED_SCALED=(model.attention_length_scale=1024)   # s_h from 1 / log(1024): 0.6 at 64 keys, 1.5 at 32K
 MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a quarter over 32K (none at 10,000)
+# the naive run of the recipe on an H200, at 11,264 tokens (an H100 does not hold that step), or with
+# NAIVE_ON=h100 on an H100, at 8,192 (the GPU the flash runs trained on): its run, preset, second
+# stage, and held-out windows for the loss curve (~393K tokens, as flash's 12 of 32,768)
+case ${NAIVE_ON:-h200} in
+h200) NAIVE_RUN=mixed-naive NAIVE_PRESET=long-context-mixed-naive NAIVE_WINDOWS=35 NAIVE_LONG=("${MIXED_NAIVE_LONG[@]}") ;;
+h100) NAIVE_RUN=mixed-naive-h100 NAIVE_PRESET=long-context-mixed-naive-h100 NAIVE_WINDOWS=48
+      NAIVE_LONG=("${MIXED_NAIVE_H100_LONG[@]}") ;;
+*) echo "NAIVE_ON=$NAIVE_ON: expected h200 or h100" >&2; exit 2 ;;
+esac
 dense() {
   local stage=0 more=()
   for overrides in "${DENSE_STAGES[@]}"; do
@@ -249,20 +264,19 @@ mixed-whole) branch_of mixed-base mixed-whole long-context-mixed "${MIXED_SCALED
 mixed-whole-eval) evaluate mixed-whole flash 12 mixed-base ;;
 # 12 held-out windows of 32,768, as for flash
 dense-eval) evaluate dense flash 12 ;;
-# the recipe with naive attention at 11,264 tokens on an H200 (an H100 does not hold its step):
-# ~80 min of steps for as many tokens as mixed-base, more than one machine is held, so a session runs
-# a share of it as a whole run, NAIVE_STEPS=N,M (stage 1 to N steps, stage 2 to M; docs/long-context.md)
+# the recipe with naive attention at its longest context: ~80 min of steps for as many tokens as
+# mixed-digits-whole, more than one machine is held, so a session runs a share of it as a whole run,
+# NAIVE_STEPS=N,M (stage 1 to N steps, stage 2 to M; docs/long-context.md)
 mixed-naive)
   shift
-  [[ "${1:-}" == continue ]] || same_tokenizer_as mixed-digits-whole long-context-mixed-naive
-  train mixed-naive long-context-mixed-naive "$@" ${NAIVE_STEPS:+trainer.max_steps=${NAIVE_STEPS%,*}} ;;
+  [[ "${1:-}" == continue ]] || same_tokenizer_as mixed-digits-whole "$NAIVE_PRESET"
+  train "$NAIVE_RUN" "$NAIVE_PRESET" "$@" ${NAIVE_STEPS:+trainer.max_steps=${NAIVE_STEPS%,*}} ;;
 mixed-naive-long)
-  long_steps=2812
+  long_steps=$(printf '%s\n' "${NAIVE_LONG[@]}" | sed -n 's/^trainer\.max_steps=//p')
   [[ -n ${NAIVE_STEPS:-} ]] && long_steps=${NAIVE_STEPS#*,}
-  after_stage_1 mixed-naive "$long_steps"
-  train mixed-naive long-context-mixed-naive continue "${MIXED_NAIVE_LONG[@]/trainer.max_steps=2812/trainer.max_steps=$long_steps}" ;;
-# 35 windows of 11,264: the ~393K held-out tokens of mixed-base's 12 of 32,768
-mixed-naive-eval) evaluate mixed-naive naive 35 mixed-digits-whole ;;
+  after_stage_1 "$NAIVE_RUN" "$long_steps"
+  train "$NAIVE_RUN" "$NAIVE_PRESET" continue "${NAIVE_LONG[@]/trainer.max_steps=*/trainer.max_steps=$long_steps}" ;;
+mixed-naive-eval) evaluate "$NAIVE_RUN" naive "$NAIVE_WINDOWS" mixed-digits-whole ;;
 naive)
   shift
   [[ "${1:-}" == continue ]] || same_tokenizer_as flash long-context-passkey-naive

@@ -257,15 +257,20 @@ def test_the_readme_recipe_is_the_run_it_cites():
                                                 "long_context_passkey_mixed-digits")
 
 
-def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_longest_context():
-    """experiment=long-context-mixed-naive and its second stage (the script's `mixed-naive-long`) are
-    mixed-digits' two stages (the README's recipe) with naive attention, in windows of naive's longest
-    trainable length on an H200: the same model, optimizer and vocabulary, units cut as flash's are
-    into documents of one key (down to 64 tokens), as many passkey tokens and as many tokens in all."""
+@pytest.mark.parametrize("preset, second, measured, fewer", [
+    ("long-context-mixed-naive", "MIXED_NAIVE_LONG", "max_context_h200.json", 1),
+    ("long-context-mixed-naive-h100", "MIXED_NAIVE_H100_LONG", "max_context_h100_naive.json", 2),
+])
+def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_longest_context(preset, second, measured,
+                                                                                           fewer):
+    """experiment=long-context-mixed-naive (H200) and -naive-h100, each with its second stage (the
+    script's `mixed-naive-long`, NAIVE_ON=h200 or h100), are the README's recipe's two stages with
+    naive attention, in windows of naive's longest trainable length on that GPU: the same model,
+    optimizer and vocabulary, units cut as flash's are into documents of one key (down to 64 tokens,
+    `fewer` lengths fewer to halve through in stage 1), as many passkey tokens and as many tokens in all."""
     flash = [composed("long-context-retrieval"), composed("long-context-retrieval-long")]
-    naive = [composed("long-context-mixed-naive"),
-             composed_with("long-context-mixed-naive", script_overrides("MIXED_NAIVE_LONG"))]
-    committed = json.loads((REPO / "benchmarks" / "max_context" / "max_context_h200.json").read_text())
+    naive = [composed(preset), composed_with(preset, script_overrides(second))]
+    committed = json.loads((REPO / "benchmarks" / "max_context" / measured).read_text())
     longest = {(r["impl"], r["features"]): r["max_length"] for r in committed["results"]}
     for f, n in zip(flash, naive):
         p, q = f.data.passkey, n.data.passkey
@@ -274,7 +279,7 @@ def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_long
         assert abs(tokens(n) / tokens(f) - 1) < 0.001
         assert abs(q.num_docs * q.length / (p.num_docs * p.length) - 1) < 0.005
         assert all(q.length % k == 0 for k in q.pieces) and q.length // max(q.pieces) == p.length // max(p.pieces)
-        assert len(q.pieces) == len(p.pieces) - (f is flash[0])   # one length fewer to halve through in stage 1
+        assert len(q.pieces) == len(p.pieces) - fewer * (f is flash[0])
         assert q.pieces.count(max(q.pieces)) == p.pieces.count(max(p.pieces)) and q.pieces.count(1) == p.pieces.count(1)
         assert (n.data.windows, n.data.document_mask, q.kind, q.pairs) == (f.data.windows, f.data.document_mask,
                                                                             p.kind, p.pairs)
@@ -293,20 +298,25 @@ def python_that_logs(tmp_path) -> Path:
     return fake
 
 
-def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path):
+@pytest.mark.parametrize("gpu, run, preset, second_steps", [
+    ("h200", "mixed-naive", "long-context-mixed-naive", "2812"),
+    ("h100", "mixed-naive-h100", "long-context-mixed-naive-h100", "2900"),
+])
+def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path, gpu, run, preset, second_steps):
     """NAIVE_STEPS=N,M (one machine's share of the ~80-minute naive run): stage 1 to N steps, stage
-    2 to M; without it, the preset's and MIXED_NAIVE_LONG's. Read off what the script would run."""
+    2 to M; without it, the preset's and its second stage's (MIXED_NAIVE_LONG, or with NAIVE_ON=h100
+    MIXED_NAIVE_H100_LONG), in that GPU's run. Read off what the script would run."""
     import subprocess
 
     fake = python_that_logs(tmp_path)
-    runs = tmp_path / "runs" / "long-context" / "mixed-naive"
+    runs = tmp_path / "runs" / "long-context" / run
     runs.mkdir(parents=True)
     (runs / "config.yaml").write_text("{}")
     (runs / "metrics.jsonl").write_text("")
     script = REPO / "benchmarks" / "long_context_runs.sh"
-    for steps, want in ((None, ["2812"]), ("300,500", ["500"])):
+    for steps, want in ((None, [second_steps]), ("300,500", ["500"])):
         calls = tmp_path / f"calls-{steps}"
-        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"),
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"), "NAIVE_ON": gpu,
                **({"NAIVE_STEPS": steps} if steps else {})}
         subprocess.run(["bash", str(script), "mixed-naive-long"], cwd=tmp_path, env=env, check=True,
                        capture_output=True)
@@ -314,6 +324,12 @@ def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path):
         subprocess.run(["bash", str(script), "mixed-naive", "continue"], cwd=tmp_path, env=env, check=True,
                        capture_output=True)
         assert re.findall(r"trainer\.max_steps=(\d+)", calls.read_text())[1:] == ([] if steps is None else ["300"])
+        assert all(f"experiment={preset} run.dir=runs/long-context/{run} " in call
+                   for call in calls.read_text().splitlines())
+    env["NAIVE_ON"] = "a100"
+    refused = subprocess.run(["bash", str(script), "mixed-naive-long"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and "NAIVE_ON=a100: expected h200 or h100" in refused.stderr
 
 
 def test_a_second_stage_waits_for_the_first_to_finish(tmp_path):
