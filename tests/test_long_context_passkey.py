@@ -233,22 +233,18 @@ def test_the_readme_recipe_is_the_run_it_cites():
     """experiment=long-context-retrieval-long (the README's stage 2) composes to the committed config of
     the run its numbers come from (mixed-digits-whole), and with MIXED_LONG's units (the script's
     mixed-digits-long) to mixed-digits': every setting but those a run fills in or a call sets."""
+    from training.run.records import flatten
+
     def differences(cfg, committed: str) -> dict:
         cfg.run.dir = "x"
-        ours = OmegaConf.to_container(cfg, resolve=True)
-        theirs = OmegaConf.load(REPO / "benchmarks" / "evals" / committed / "config.yaml")
-        theirs = OmegaConf.to_container(theirs)
+        ours = flatten(OmegaConf.to_container(cfg, resolve=True))
+        measured = OmegaConf.load(REPO / "benchmarks" / "evals" / committed / "config.yaml")
+        theirs = flatten(OmegaConf.to_container(measured))
         filled = {"device", "resume", "attention.plan", "trainer.progress", "trainer.precision", "run.dir",
                   "run.name", "run.world_size", "run.data_fingerprint", "run.num_params",
                   "data.cache_dir"}   # the machine's (FLASHTRAIN_CACHE)
-
-        def walk(a, b, path=""):
-            if isinstance(a, dict) and isinstance(b, dict):
-                for key in a.keys() | b.keys():
-                    yield from walk(a.get(key), b.get(key), f"{path}.{key}".lstrip("."))
-            elif a != b and path not in filled:
-                yield path, (a, b)
-        return dict(walk(ours, theirs))
+        return {key: (ours.get(key), theirs.get(key)) for key in ours.keys() | theirs.keys()
+                if key not in filled and ours.get(key) != theirs.get(key)}
 
     assert differences(composed("long-context-retrieval-long"), "long_context_passkey_mixed-digits-whole") == {}
     assert differences(composed_with("long-context-retrieval-long", script_overrides("MIXED_LONG")),
