@@ -59,7 +59,9 @@
 # 30-minute hold; NAIVE_STEPS=N,M trains stage 1 to N steps and stage 2 to M as a whole run
 # (docs/long-context.md). With NAIVE_ON=h100 the same cases run it on an H100 at its longest, 8,192
 # tokens (experiment=long-context-mixed-naive-h100, then MIXED_NAIVE_H100_LONG), in
-# runs/long-context/mixed-naive-h100.
+# runs/long-context/mixed-naive-h100. What a session can train of naive is a share of its tokens; the
+# flash recipe cut to the same share (`recipe-share`, `recipe-share-long`, `recipe-share-eval` with
+# SHARE_STEPS=N,M) is the run of as many tokens to draw it beside (NAIVE_BESIDE=recipe-share).
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
 OUT=${OUT:-outputs/long_context_runs}
@@ -276,7 +278,20 @@ mixed-naive-long)
   [[ -n ${NAIVE_STEPS:-} ]] && long_steps=${NAIVE_STEPS#*,}
   after_stage_1 "$NAIVE_RUN" "$long_steps"
   train "$NAIVE_RUN" "$NAIVE_PRESET" continue "${NAIVE_LONG[@]/trainer.max_steps=*/trainer.max_steps=$long_steps}" ;;
-mixed-naive-eval) evaluate "$NAIVE_RUN" naive "$NAIVE_WINDOWS" mixed-digits-whole ;;
+mixed-naive-eval) evaluate "$NAIVE_RUN" naive "$NAIVE_WINDOWS" "${NAIVE_BESIDE:-mixed-digits-whole}" ;;
+# the flash recipe (the README's two presets) cut to a share of its steps as a whole run, beside which
+# a naive share of as many tokens is drawn (NAIVE_BESIDE=recipe-share): SHARE_STEPS=N,M, stage 1 to N
+# steps and stage 2 to M, as NAIVE_STEPS does for naive (on an H100 the same N,M: 32,768 tokens a step
+# both; on an H200 naive's steps hold 33,792, so flash's are 3% more)
+recipe-share)
+  shift
+  [[ -n ${SHARE_STEPS:-} ]] || { step "error: recipe-share needs SHARE_STEPS=N,M (stage 1 to N steps, stage 2 to M)"; exit 2; }
+  train recipe-share long-context-retrieval "$@" trainer.max_steps=${SHARE_STEPS%,*} ;;
+recipe-share-long)
+  [[ -n ${SHARE_STEPS:-} ]] || { step "error: recipe-share-long needs SHARE_STEPS=N,M (stage 1 to N steps, stage 2 to M)"; exit 2; }
+  after_stage_1 recipe-share "${SHARE_STEPS#*,}"
+  train recipe-share long-context-retrieval-long continue trainer.max_steps=${SHARE_STEPS#*,} ;;
+recipe-share-eval) evaluate recipe-share flash 12 mixed-digits-whole ;;
 naive)
   shift
   [[ "${1:-}" == continue ]] || same_tokenizer_as flash long-context-passkey-naive
@@ -289,6 +304,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
 esac
 step done

@@ -329,6 +329,42 @@ def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path, gp
     assert refused.returncode == 2 and "NAIVE_ON=a100: expected h200 or h100" in refused.stderr
 
 
+def test_the_flash_share_runs_the_readme_recipe_to_its_steps_and_naive_is_drawn_beside_it(tmp_path):
+    """recipe-share: the README's two presets as one run cut to SHARE_STEPS=N,M (refused without
+    it), and NAIVE_BESIDE=recipe-share draws the naive share's grid and loss curve beside that run
+    instead of the whole recipe's. Read off what the script would run."""
+    import subprocess
+
+    run = tmp_path / "runs" / "long-context" / "recipe-share"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    calls = tmp_path / "calls"
+    env = {"PATH": f"{python_that_logs(tmp_path)}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out")}
+    script = REPO / "benchmarks" / "long_context_runs.sh"
+    for case in ("recipe-share", "recipe-share-long"):
+        refused = subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert refused.returncode == 2 and f"{case} needs SHARE_STEPS=N,M" in refused.stdout
+    assert not calls.exists()
+    env["SHARE_STEPS"] = "300,500"
+    for case in ("recipe-share", "recipe-share-long"):
+        subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
+    first, second = calls.read_text().splitlines()
+    assert "experiment=long-context-retrieval run.dir=runs/long-context/recipe-share " in first
+    assert re.findall(r"trainer\.max_steps=(\d+)", first) == ["300"]
+    assert "experiment=long-context-retrieval-long run.dir=runs/long-context/recipe-share " in second
+    assert re.findall(r"trainer\.max_steps=(\d+)", second) == ["500"]
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "loss_by_position_long_context_passkey_recipe-share.json").write_text("{}")
+    for beside in ("recipe-share", None):
+        calls.unlink()
+        subprocess.run(["bash", str(script), "mixed-naive-eval"], cwd=tmp_path, check=True, capture_output=True,
+                       env={**env, "EVALS": str(evals), **({"NAIVE_BESIDE": beside} if beside else {})})
+        drawn = re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", calls.read_text())
+        assert drawn == (["recipe-share", "recipe-share"] if beside else ["mixed-digits-whole"])
+
+
 def test_a_second_stage_waits_for_the_first_to_finish(tmp_path):
     """mixed-naive-long, whose first stage spans calls: refused while stage 1 stopped short of its
     max_steps (a call's deadline), run once stage 1 is done, and run again to go on with stage 2
