@@ -199,6 +199,10 @@ h100) NAIVE_RUN=mixed-naive-h100 NAIVE_PRESET=long-context-mixed-naive-h100 NAIV
       NAIVE_LONG=("${MIXED_NAIVE_H100_LONG[@]}") ;;
 *) echo "NAIVE_ON=$NAIVE_ON: expected h200 or h100" >&2; exit 2 ;;
 esac
+# needs_share_steps CASE: recipe-share's cases are a share of the recipe's steps, which SHARE_STEPS=N,M names
+needs_share_steps() {
+  [[ -n ${SHARE_STEPS:-} ]] || { step "error: $1 needs SHARE_STEPS=N,M (stage 1 to N steps, stage 2 to M)"; exit 2; }
+}
 dense() {
   local stage=0 more=()
   for overrides in "${DENSE_STAGES[@]}"; do
@@ -284,11 +288,11 @@ mixed-naive-eval) evaluate "$NAIVE_RUN" naive "$NAIVE_WINDOWS" "${NAIVE_BESIDE:-
 # steps and stage 2 to M, as NAIVE_STEPS does for naive (on an H100 the same N,M: 32,768 tokens a step
 # both; on an H200 naive's steps hold 33,792, so flash's are 3% more)
 recipe-share)
+  needs_share_steps recipe-share
   shift
-  [[ -n ${SHARE_STEPS:-} ]] || { step "error: recipe-share needs SHARE_STEPS=N,M (stage 1 to N steps, stage 2 to M)"; exit 2; }
   train recipe-share long-context-retrieval "$@" trainer.max_steps=${SHARE_STEPS%,*} ;;
 recipe-share-long)
-  [[ -n ${SHARE_STEPS:-} ]] || { step "error: recipe-share-long needs SHARE_STEPS=N,M (stage 1 to N steps, stage 2 to M)"; exit 2; }
+  needs_share_steps recipe-share-long
   after_stage_1 recipe-share "${SHARE_STEPS#*,}"
   train recipe-share long-context-retrieval-long continue trainer.max_steps=${SHARE_STEPS#*,} ;;
 recipe-share-eval) evaluate recipe-share flash 12 mixed-digits-whole ;;
