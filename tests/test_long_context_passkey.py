@@ -438,46 +438,49 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
         assert ("model.rope_theta=500000" in call) == (first == "mixed-base")   # the preset has it
 
 
-def test_the_rope_base_run_is_the_readme_recipe_with_one_override(tmp_path):
-    """mixed-digits-5m: both of the README's presets, each with model.rope_theta=5000000 and nothing
-    else, in a run of its own (stage 2 only once stage 1 is done), evaluated beside mixed-digits-whole
-    (its grid and, the BPE being the same, its loss curve). Read off what the script would run."""
+@pytest.mark.parametrize("name, array, override", [("mixed-digits-5m", "MIXED_BASE_5M", "model.rope_theta=5000000"),
+                                                   ("mixed-digits-seed2026", "MIXED_SEED_2026", "seed=2026")])
+def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name, array, override):
+    """mixed-digits-5m and mixed-digits-seed2026: both of the README's presets, each with one override
+    (RoPE base 5,000,000; seed 2,026) and nothing else, in a run of its own (stage 2 only once stage 1
+    is done), evaluated beside mixed-digits-whole (its grid and, the BPE being the same, its loss
+    curve). Read off what the script would run."""
     import subprocess
 
     from training.config import compose
     from training.config.checks import validate_config
 
-    assert script_overrides("MIXED_BASE_5M") == ["model.rope_theta=5000000"]
+    assert script_overrides(array) == [override]
+    key, value = override.split("=")
     for preset in ("long-context-retrieval", "long-context-retrieval-long"):
-        readme = OmegaConf.to_container(compose([f"experiment={preset}"]))
-        cfg = compose([f"experiment={preset}", "model.rope_theta=5000000"])
+        readme = compose([f"experiment={preset}"])
+        cfg = compose([f"experiment={preset}", override])
         validate_config(cfg)
-        changed = OmegaConf.to_container(cfg)
-        assert changed["model"].pop("rope_theta") == 5e6 and readme["model"].pop("rope_theta") == 5e5
-        assert changed == readme
+        assert OmegaConf.select(cfg, key) == int(value) != OmegaConf.select(readme, key)
+        OmegaConf.update(cfg, key, OmegaConf.select(readme, key))
+        assert OmegaConf.to_container(cfg) == OmegaConf.to_container(readme)
 
     fake = python_that_logs(tmp_path)
     script = REPO / "benchmarks" / "long_context_runs.sh"
     calls = tmp_path / "calls"
     env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"),
            "EVALS": str(REPO / "benchmarks" / "evals")}
-    subprocess.run(["bash", str(script), "mixed-digits-5m"], cwd=tmp_path, env=env, check=True, capture_output=True)
-    run = tmp_path / "runs" / "long-context" / "mixed-digits-5m"
+    subprocess.run(["bash", str(script), name], cwd=tmp_path, env=env, check=True, capture_output=True)
+    run = tmp_path / "runs" / "long-context" / name
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("trainer:\n  max_steps: 1700\n")
     for last, runs in ((1500, False), (1700, True)):
         (run / "metrics.jsonl").write_text(f'{{"step": {last}, "loss": 1.0}}\n')
-        done = subprocess.run(["bash", str(script), "mixed-digits-5m-long"], cwd=tmp_path, env=env,
+        done = subprocess.run(["bash", str(script), f"{name}-long"], cwd=tmp_path, env=env,
                               capture_output=True, text=True)
         assert (done.returncode == 0) == runs, done.stdout
     first, second = calls.read_text().splitlines()
-    assert "experiment=long-context-retrieval run.dir=runs/long-context/mixed-digits-5m resume=auto" in first
-    assert "experiment=long-context-retrieval-long run.dir=runs/long-context/mixed-digits-5m resume=auto" in second
+    assert f"experiment=long-context-retrieval run.dir=runs/long-context/{name} resume=auto" in first
+    assert f"experiment=long-context-retrieval-long run.dir=runs/long-context/{name} resume=auto" in second
     for call in (first, second):
-        assert call.split("trainer.progress=false ")[1].split() == ["model.rope_theta=5000000"]
+        assert call.split("trainer.progress=false ")[1].split() == [override]
     calls.unlink()
-    subprocess.run(["bash", str(script), "mixed-digits-5m-eval"], cwd=tmp_path, env=env, check=True,
-                   capture_output=True)
+    subprocess.run(["bash", str(script), f"{name}-eval"], cwd=tmp_path, env=env, check=True, capture_output=True)
     loss, grid = calls.read_text().splitlines()
     for call in (loss, grid):
         assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", call) == ["mixed-digits-whole"]
