@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from tests.trainrun import REPO, cache_dir, run_in_process  # noqa: F401 (cache_dir is a fixture)
 
 sys.path.insert(0, str(REPO / "scripts"))
+RUNS_SCRIPT = REPO / "benchmarks" / "long_context_runs.sh"   # the GPU runs, which the script tests read off
 
 import eval_loss_by_position  # noqa: E402
 import eval_passkey  # noqa: E402
@@ -90,7 +91,7 @@ def test_the_gpu_script_refuses_to_continue_a_run_its_machine_does_not_hold(tmp_
     import os
     import subprocess
 
-    script = REPO / "benchmarks" / "long_context_runs.sh"
+    script = RUNS_SCRIPT
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     env = dict(os.environ, OUT=str(tmp_path))
     if (REPO / "runs" / "long-context" / "naive").exists():
@@ -108,7 +109,7 @@ def test_the_gpu_script_refuses_to_continue_a_run_its_machine_does_not_hold(tmp_
 
 def dense_stages() -> list[list[str]]:
     """The overrides of each stage of benchmarks/long_context_runs.sh's `dense`, as the script has them."""
-    text = (REPO / "benchmarks" / "long_context_runs.sh").read_text()
+    text = RUNS_SCRIPT.read_text()
     block = re.search(r"DENSE_STAGES=\((.*?)\n\)", text, re.S).group(1)
     return [stage.split() for stage in re.findall(r'"([^"]*)"', block)]
 
@@ -158,7 +159,7 @@ def script_overrides(array: str) -> list[str]:
     bash expands them (an array may be built from another): its MIXED_* definitions, run by bash."""
     import subprocess
 
-    text = (REPO / "benchmarks" / "long_context_runs.sh").read_text()
+    text = RUNS_SCRIPT.read_text()
     definitions = "\n".join(re.findall(r"^MIXED_\w+=\(.*?\)(?=\s*(?:#[^\n]*)?\n)", text, re.S | re.M))
     shown = subprocess.run(["bash", "-c", f'{definitions}\nprintf "%s\\n" "${{{array}[@]}}"'],
                            capture_output=True, text=True, check=True).stdout
@@ -285,14 +286,24 @@ def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_long
     assert naive[1].trainer.max_steps > naive[0].trainer.max_steps and naive[1].data.allow_changed
 
 
-def python_that_logs(tmp_path) -> Path:
-    """A folder whose `python3` only appends its command line to the file $CALLS: put first on PATH,
-    the GPU script runs without a GPU and the test reads what it would have run."""
+def script_env(tmp_path, calls: Path, **extra: str) -> dict[str, str]:
+    """The environment to run the GPU script in without a GPU: first on PATH a `python3` that only
+    appends its command line to `calls` ($CALLS), so the test reads what the script would have run;
+    $OUT under tmp_path; `extra` on top."""
     fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
-    (fake / "python3").chmod(0o755)
-    return fake
+    if not fake.exists():
+        fake.mkdir()
+        (fake / "python3").write_text("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n")
+        (fake / "python3").chmod(0o755)
+    return {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"), **extra}
+
+
+def run_script(tmp_path, env: dict[str, str], *args: str, check: bool = True):
+    """benchmarks/long_context_runs.sh ARGS from tmp_path under `env` (script_env's), output captured."""
+    import subprocess
+
+    return subprocess.run(["bash", str(RUNS_SCRIPT), *args], cwd=tmp_path, env=env, check=check,
+                          capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("gpu, run, preset, second_steps", [
@@ -303,29 +314,21 @@ def test_the_naive_share_of_the_mixed_recipe_sets_both_stages_steps(tmp_path, gp
     """NAIVE_STEPS=N,M (one machine's share of the ~80-minute naive run): stage 1 to N steps, stage
     2 to M; without it, the preset's and its second stage's (MIXED_NAIVE_LONG, or with NAIVE_ON=h100
     MIXED_NAIVE_H100_LONG), in that GPU's run. Read off what the script would run."""
-    import subprocess
-
-    fake = python_that_logs(tmp_path)
     runs = tmp_path / "runs" / "long-context" / run
     runs.mkdir(parents=True)
     (runs / "config.yaml").write_text("{}")
     (runs / "metrics.jsonl").write_text("")
-    script = REPO / "benchmarks" / "long_context_runs.sh"
     for steps, want in ((None, [second_steps]), ("300,500", ["500"])):
         calls = tmp_path / f"calls-{steps}"
-        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"), "NAIVE_ON": gpu,
-               **({"NAIVE_STEPS": steps} if steps else {})}
-        subprocess.run(["bash", str(script), "mixed-naive-long"], cwd=tmp_path, env=env, check=True,
-                       capture_output=True)
+        env = script_env(tmp_path, calls, NAIVE_ON=gpu, **({"NAIVE_STEPS": steps} if steps else {}))
+        run_script(tmp_path, env, "mixed-naive-long")
         assert re.findall(r"trainer\.max_steps=(\d+)", calls.read_text()) == want
-        subprocess.run(["bash", str(script), "mixed-naive", "continue"], cwd=tmp_path, env=env, check=True,
-                       capture_output=True)
+        run_script(tmp_path, env, "mixed-naive", "continue")
         assert re.findall(r"trainer\.max_steps=(\d+)", calls.read_text())[1:] == ([] if steps is None else ["300"])
         assert all(f"experiment={preset} run.dir=runs/long-context/{run} " in call
                    for call in calls.read_text().splitlines())
     env["NAIVE_ON"] = "a100"
-    refused = subprocess.run(["bash", str(script), "mixed-naive-long"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True)
+    refused = run_script(tmp_path, env, "mixed-naive-long", check=False)
     assert refused.returncode == 2 and "NAIVE_ON=a100: expected h200 or h100" in refused.stderr
 
 
@@ -333,22 +336,19 @@ def test_the_flash_share_runs_the_readme_recipe_to_its_steps_and_naive_is_drawn_
     """recipe-share: the README's two presets as one run cut to SHARE_STEPS=N,M (refused without
     it), and NAIVE_BESIDE=recipe-share draws the naive share's grid and loss curve beside that run
     instead of the whole recipe's. Read off what the script would run."""
-    import subprocess
-
     run = tmp_path / "runs" / "long-context" / "recipe-share"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("{}")
     (run / "metrics.jsonl").write_text("")
     calls = tmp_path / "calls"
-    env = {"PATH": f"{python_that_logs(tmp_path)}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out")}
-    script = REPO / "benchmarks" / "long_context_runs.sh"
+    env = script_env(tmp_path, calls)
     for case in ("recipe-share", "recipe-share-long"):
-        refused = subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, capture_output=True, text=True)
+        refused = run_script(tmp_path, env, case, check=False)
         assert refused.returncode == 2 and f"{case} needs SHARE_STEPS=N,M" in refused.stdout
     assert not calls.exists()
     env["SHARE_STEPS"] = "300,500"
     for case in ("recipe-share", "recipe-share-long"):
-        subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
+        run_script(tmp_path, env, case)
     first, second = calls.read_text().splitlines()
     assert "experiment=long-context-retrieval run.dir=runs/long-context/recipe-share " in first
     assert re.findall(r"trainer\.max_steps=(\d+)", first) == ["300"]
@@ -359,8 +359,8 @@ def test_the_flash_share_runs_the_readme_recipe_to_its_steps_and_naive_is_drawn_
     (evals / "loss_by_position_long_context_passkey_recipe-share.json").write_text("{}")
     for beside in ("recipe-share", None):
         calls.unlink()
-        subprocess.run(["bash", str(script), "mixed-naive-eval"], cwd=tmp_path, check=True, capture_output=True,
-                       env={**env, "EVALS": str(evals), **({"NAIVE_BESIDE": beside} if beside else {})})
+        run_script(tmp_path, {**env, "EVALS": str(evals), **({"NAIVE_BESIDE": beside} if beside else {})},
+                   "mixed-naive-eval")
         drawn = re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", calls.read_text())
         assert drawn == (["recipe-share", "recipe-share"] if beside else ["mixed-digits-whole"])
 
@@ -369,20 +369,15 @@ def test_a_second_stage_waits_for_the_first_to_finish(tmp_path):
     """mixed-naive-long, whose first stage spans calls: refused while stage 1 stopped short of its
     max_steps (a call's deadline), run once stage 1 is done, and run again to go on with stage 2
     once stage 2 has started. Read off what the script would run."""
-    import subprocess
-
     run = tmp_path / "runs" / "long-context" / "mixed-naive"
     run.mkdir(parents=True)
-    env = {"PATH": f"{python_that_logs(tmp_path)}:/usr/bin:/bin", "CALLS": str(tmp_path / "calls"),
-           "OUT": str(tmp_path / "out"), "NAIVE_STEPS": "330,562"}
-    script = REPO / "benchmarks" / "long_context_runs.sh"
+    env = script_env(tmp_path, tmp_path / "calls", NAIVE_STEPS="330,562")
     for planned, last, runs in ((330, 300, False), (330, 330, True), (562, 400, True)):
         (run / "config.yaml").write_text(f"model:\n  max_steps: 1\ntrainer:\n  seq_len: 11264\n  max_steps: {planned}\n"
                                          f"run:\n  name: x\n")
         (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in (last - 20, last)))
         (tmp_path / "calls").unlink(missing_ok=True)
-        done = subprocess.run(["bash", str(script), "mixed-naive-long"], cwd=tmp_path, env=env, capture_output=True,
-                              text=True)
+        done = run_script(tmp_path, env, "mixed-naive-long", check=False)
         assert (done.returncode == 0) == runs and (tmp_path / "calls").exists() == runs, (planned, last, done.stdout)
         if not runs:
             assert "first stage stopped at step 300 of 330: run 'mixed-naive continue'" in done.stdout
@@ -393,22 +388,16 @@ def test_a_run_on_another_bpe_puts_its_grid_beside_but_not_its_loss_curve(tmp_pa
     losses of two BPEs do not compare, and eval_loss_by_position.py refuses them); mixed-base-eval
     keeps both; a loss curve that is not committed (mixed-scaled's, from an empty EVALS folder) is
     left out with a note. Read off what the script would run."""
-    import subprocess
-
-    fake = python_that_logs(tmp_path)
-    script = REPO / "benchmarks" / "long_context_runs.sh"
     for case, loss_beside in (("mixed-digits-eval", []), ("mixed-base-eval", ["mixed-scaled"])):
         calls = tmp_path / f"calls-{case}"
-        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"),
-               "EVALS": str(REPO / "benchmarks" / "evals")}
-        subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
+        env = script_env(tmp_path, calls, EVALS=str(REPO / "benchmarks" / "evals"))
+        run_script(tmp_path, env, case)
         loss, grid = calls.read_text().splitlines()   # the curve first: a call cut short in the grid keeps it
         assert "eval_passkey.py" in grid and "--beside" in grid
         assert "eval_loss_by_position.py" in loss
         assert re.findall(r"--beside \S+loss_by_position_long_context_passkey_([\w-]+)\.json", loss) == loss_beside
     env["EVALS"] = str(tmp_path / "evals")
-    shown = subprocess.run(["bash", str(script), "mixed-base-eval"], cwd=tmp_path, env=env, check=True,
-                           capture_output=True, text=True).stdout
+    shown = run_script(tmp_path, env, "mixed-base-eval").stdout
     assert "loss_by_position_long_context_passkey_mixed-scaled.json is not committed" in shown
     assert "--beside" not in calls.read_text().splitlines()[-2]
 
@@ -418,20 +407,16 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
     (MIXED_WHOLE's units); mixed-whole from mixed-base's, with mixed-base's settings and MIXED_WHOLE; on
     a machine without that first stage, the script names the run to make first. Read off what the
     script would run."""
-    import subprocess
-
-    fake = python_that_logs(tmp_path)
-    script = REPO / "benchmarks" / "long_context_runs.sh"
     whole = " ".join(script_overrides("MIXED_WHOLE"))
     for case, first, settings in (("mixed-digits-whole", "mixed-digits", "experiment=long-context-retrieval-long "),
                                   ("mixed-whole", "mixed-base", "experiment=long-context-mixed ")):
-        env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(tmp_path / f"calls-{case}"), "OUT": str(tmp_path / "out")}
-        missing = subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, capture_output=True, text=True)
+        env = script_env(tmp_path, tmp_path / f"calls-{case}")
+        missing = run_script(tmp_path, env, case, check=False)
         assert missing.returncode == 2 and f"run '{first}' first on this machine" in missing.stdout
         checkpoint = tmp_path / "runs" / "long-context" / first / "checkpoints" / "step_00001700.pt"
         checkpoint.parent.mkdir(parents=True)
         checkpoint.write_bytes(b"")
-        subprocess.run(["bash", str(script), case], cwd=tmp_path, env=env, check=True, capture_output=True)
+        run_script(tmp_path, env, case)
         call = (tmp_path / f"calls-{case}").read_text()
         assert f"run.dir=runs/long-context/{case} resume={checkpoint.relative_to(tmp_path)}" in call
         assert call.rstrip().endswith(whole if first == "mixed-base" else "trainer.progress=false") and settings in call
@@ -445,8 +430,6 @@ def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name,
     (RoPE base 5,000,000; seed 2,026) and nothing else, in a run of its own (stage 2 only once stage 1
     is done), evaluated beside mixed-digits-whole (its grid and, the BPE being the same, its loss
     curve). Read off what the script would run."""
-    import subprocess
-
     from training.config import compose
     from training.config.checks import validate_config
 
@@ -460,19 +443,15 @@ def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name,
         OmegaConf.update(cfg, key, OmegaConf.select(readme, key))
         assert OmegaConf.to_container(cfg) == OmegaConf.to_container(readme)
 
-    fake = python_that_logs(tmp_path)
-    script = REPO / "benchmarks" / "long_context_runs.sh"
     calls = tmp_path / "calls"
-    env = {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"),
-           "EVALS": str(REPO / "benchmarks" / "evals")}
-    subprocess.run(["bash", str(script), name], cwd=tmp_path, env=env, check=True, capture_output=True)
+    env = script_env(tmp_path, calls, EVALS=str(REPO / "benchmarks" / "evals"))
+    run_script(tmp_path, env, name)
     run = tmp_path / "runs" / "long-context" / name
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("trainer:\n  max_steps: 1700\n")
     for last, runs in ((1500, False), (1700, True)):
         (run / "metrics.jsonl").write_text(f'{{"step": {last}, "loss": 1.0}}\n')
-        done = subprocess.run(["bash", str(script), f"{name}-long"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True)
+        done = run_script(tmp_path, env, f"{name}-long", check=False)
         assert (done.returncode == 0) == runs, done.stdout
     first, second = calls.read_text().splitlines()
     assert f"experiment=long-context-retrieval run.dir=runs/long-context/{name} resume=auto" in first
@@ -480,7 +459,7 @@ def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name,
     for call in (first, second):
         assert call.split("trainer.progress=false ")[1].split() == [override]
     calls.unlink()
-    subprocess.run(["bash", str(script), f"{name}-eval"], cwd=tmp_path, env=env, check=True, capture_output=True)
+    run_script(tmp_path, env, f"{name}-eval")
     loss, grid = calls.read_text().splitlines()
     for call in (loss, grid):
         assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", call) == ["mixed-digits-whole"]
