@@ -53,7 +53,7 @@
 # two checkpoints, so step 1,700 is gone once mixed-digits' own stage 2 has saved twice. The README's
 # recipe with RoPE base 5,000,000, a run of its own beside mixed-digits-whole: mixed-digits-5m (~5 min),
 # mixed-digits-5m-long (~5 min), mixed-digits-5m-eval (~1.3 min); and from seed 2,026, the same three
-# cases of mixed-digits-seed2026.
+# cases of mixed-digits-seed2026; and with every question at its document's end, mixed-digits-last.
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -197,7 +197,11 @@ MIXED_BASE=(model.rope_theta=500000)   # 7 of 32 rotation pairs turn less than a
 # 0.96 at 16K and 0.84 at 32K, where the copy's one-token slips are): docs/long-context.md
 MIXED_BASE_5M=(model.rope_theta=5000000)
 MIXED_SEED_2026=(seed=2026)   # the recipe again from another seed (1,337 its own): how far two runs of it differ
-declare -A RECIPE_WITH=([mixed-digits-5m]=MIXED_BASE_5M [mixed-digits-seed2026]=MIXED_SEED_2026)
+# every question at its document's end, as the eval asks (data/retrieval.py): near keys at the end of 32K
+# documents, where the key right before the question was missed in every run (docs/long-context.md)
+MIXED_ASK_LAST=(data.passkey.ask_last=true)
+declare -A RECIPE_WITH=([mixed-digits-5m]=MIXED_BASE_5M [mixed-digits-seed2026]=MIXED_SEED_2026
+                        [mixed-digits-last]=MIXED_ASK_LAST)
 # the naive run of the recipe on an H200, at 11,264 tokens (an H100 does not hold that step), or with
 # NAIVE_ON=h100 on an H100, at 8,192 (the GPU the flash runs trained on): its run, preset, second
 # stage, and held-out windows for the loss curve (~393K tokens, as flash's 12 of 32,768)
@@ -268,13 +272,14 @@ mixed-digits-longer) branch_of mixed-digits mixed-digits-longer long-context-ret
 mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits-whole ;;
 # the README's recipe, both stages, with one change in a run of its own (RECIPE_WITH: the run -> the array
 # of its overrides), drawn beside mixed-digits-whole (its BPE, so its loss curve too): RoPE base 5,000,000
-# (is the fading of the slow pairs' match over 16-32K what the far slips are?) and another seed
-mixed-digits-5m|mixed-digits-seed2026)
+# (is the fading of the slow pairs' match over 16-32K what the far slips are?), another seed, and
+# every question at its document's end
+mixed-digits-5m|mixed-digits-seed2026|mixed-digits-last)
   with="${RECIPE_WITH[$1]}[@]"; name=$1; shift; train "$name" long-context-retrieval "$@" "${!with}" ;;
-mixed-digits-5m-long|mixed-digits-seed2026-long)
+mixed-digits-5m-long|mixed-digits-seed2026-long|mixed-digits-last-long)
   name=${1%-long}; with="${RECIPE_WITH[$name]}[@]"
   after_stage_1 "$name" 2900; train "$name" long-context-retrieval-long continue "${!with}" ;;
-mixed-digits-5m-eval|mixed-digits-seed2026-eval) evaluate "${1%-eval}" flash 12 mixed-digits-whole ;;
+mixed-digits-5m-eval|mixed-digits-seed2026-eval|mixed-digits-last-eval) evaluate "${1%-eval}" flash 12 mixed-digits-whole ;;
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document
@@ -325,6 +330,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-digits-{5m,seed2026} [continue] | mixed-digits-{5m,seed2026}-long | mixed-digits-{5m,seed2026}-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-digits-{5m,seed2026,last} [continue] | mixed-digits-{5m,seed2026,last}-long | mixed-digits-{5m,seed2026,last}-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
 esac
 step done

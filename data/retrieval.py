@@ -14,6 +14,12 @@ longest distances (a key at the very start, asked for at the very end: the eval'
 common as any other. Events are laid out in the order of their drawn places; where they crowd, the
 later one moves up. Between events runs background text: FILLER's words, cycled.
 
+`ask_last` (one key a document): the question ends the document, as it ends the eval's prompt, and
+its statement comes a distance before it drawn uniformly over what fits. A question at the end of
+a long document is then as often near its key as far from it. In 32K documents, a question in the
+last 1K with its key within 3K comes once in ~10 documents instead of once in ~300 without it:
+the eval's depths 0.9 and 1 at 32K, the cells every recipe here missed most (docs/long-context.md).
+
 Names: a key's name is free again once its question is asked; while open it names no other key,
 so every question's answer is the latest key stated under that name.
 
@@ -57,9 +63,11 @@ def question_text(name: str, key: str) -> str:
 
 
 def dense_document(length: int, pairs: int, key_digits: int, rng: np.random.Generator,
-                   count_tokens: Callable[[str], int]) -> tuple[str, list[Pair]]:
+                   count_tokens: Callable[[str], int], ask_last: bool = False) -> tuple[str, list[Pair]]:
     """(text of exactly `length` - 1 tokens, its pairs in order of statement). Raises ValueError
-    when not even one pair fits."""
+    when not even one pair fits, or `ask_last` is asked of several."""
+    if ask_last and pairs != 1:
+        raise ValueError(f"data.passkey.ask_last: the question ends a document of one key, not of {pairs}")
     budget = length - 1
     spare = 2    # the first piece loses its space, which can cost a token or two: laid out in budget - spare
     sizes: dict[str, int] = {}
@@ -77,10 +85,6 @@ def dense_document(length: int, pairs: int, key_digits: int, rng: np.random.Gene
     if pairs * sum(typical) > budget - spare:
         raise ValueError(f"data.passkey.pairs={pairs}: at most {(budget - spare) // sum(typical)} keys and their "
                          f"questions fit in a document of data.passkey.length={length} tokens of this tokenizer")
-    distance = rng.uniform(typical[0], typical[0] + room, pairs)
-    start = rng.uniform(0, 1, pairs) * (room + typical[0] - distance)
-    events = sorted([(s, 0, j) for j, s in enumerate(start)] + [(s + d, 1, j) for j, (s, d) in
-                                                                 enumerate(zip(start, distance))])
     words = [" " + w for w in FILLER.split()]
     pieces, cursor, cycle = [], 0, itertools.count()
     names, keys, stated, asked, pending = {}, {}, {}, {}, 0
@@ -95,6 +99,25 @@ def dense_document(length: int, pairs: int, key_digits: int, rng: np.random.Gene
             pieces.append(word)
             cursor += size(word)
 
+    if ask_last:   # its question (this key's own size) ends the document, the statement d before it
+        name, key = free[int(rng.integers(len(free)))], random_key(rng, key_digits)
+        statement, question = statement_text(name, key), question_text(name, key)
+        asked_at = budget - spare - size(question)
+        if asked_at < size(statement):
+            raise ValueError(f"data.passkey.length={length}: too short for key {key!r} and its question")
+        stated_at = asked_at - rng.uniform(size(statement), asked_at)   # d uniform over what fits
+        for placed, at, piece in ((stated, stated_at, statement), (asked, asked_at, question)):
+            background(at)
+            placed[0] = cursor
+            pieces.append(piece)
+            cursor += size(piece)
+        names[0], keys[0] = name, key
+        events = []
+    else:
+        distance = rng.uniform(typical[0], typical[0] + room, pairs)
+        start = rng.uniform(0, 1, pairs) * (room + typical[0] - distance)
+        events = sorted([(s, 0, j) for j, s in enumerate(start)] + [(s + d, 1, j) for j, (s, d) in
+                                                                     enumerate(zip(start, distance))])
     for at, is_question, j in events:
         if is_question and j not in stated:
             continue

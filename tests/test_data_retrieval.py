@@ -86,6 +86,43 @@ def test_distances_spread_over_the_whole_document(bpe):
     assert (counts > 0.12).all(), counts              # every quarter of the window, not just short distances
 
 
+@pytest.mark.parametrize("name", ["bytes", "bpe"])
+def test_ask_last_ends_each_document_with_its_question(bpe, name):
+    """data.passkey.ask_last: the one question ends its document (a few background words at most
+    after its answer, as the eval's prompt ends with its question), its key at distances spread over
+    the whole document; without it most questions sit far from the end."""
+    tok = tokenizers(bpe)[name]
+    count = lambda s: len(tok.encode(s))  # noqa: E731
+    length = 1024
+    for ask_last in (True, False):
+        rng, tails, distances = np.random.default_rng(3), [], []
+        for _ in range(40):
+            text, (pair,) = dense_document(length, 1, 5, rng, count, ask_last=ask_last)
+            asked = list(ASKED.finditer(text))
+            assert len(asked) == 1 and asked[0].group(2) == pair.key and pair.question is not None
+            tail = text[asked[0].end():]
+            assert not STATEMENT.search(tail)
+            tails.append(count(tail))
+            distances.append((pair.question - pair.statement) / length)
+        if ask_last:
+            assert max(tails) <= 16, tails
+            assert min(distances) < 0.25 and max(distances) > 0.75
+        else:
+            assert np.median(tails) > 100, tails
+
+
+def test_ask_last_is_refused_where_a_document_has_several_keys():
+    with pytest.raises(ValueError, match=r"data.passkey.ask_last: the question ends a document of one key, not of 2"):
+        dense_document(1024, 2, 5, np.random.default_rng(0), len, ask_last=True)
+    settings = {"num_docs": 4, "length": 512, "depths": None, "key_digits": 5, "seed": 0, "kind": "dense", "pairs": 1}
+    for bad in ({"pairs": 2}, {"pieces": [1, 2], "piece_pairs": [1, 2]}, {"kind": "single", "pairs": None}):
+        with pytest.raises(ValueError, match=r"data.passkey.ask_last: needs kind=dense with one key a document"):
+            PasskeySource.from_config(OmegaConf.create(settings | bad | {"ask_last": True}))
+    last = PasskeySource.from_config(OmegaConf.create(settings | {"ask_last": True}))
+    assert last.fingerprint != PasskeySource.from_config(OmegaConf.create(settings)).fingerprint
+    assert last.for_tokenizer(ByteTokenizer()).ask_last
+
+
 def test_the_eval_asks_in_the_trained_sentences(bpe):
     """A key named "secret" in a training document is exactly the eval's key sentence and question."""
     prompt, answer = passkey_prompt(200, 0.0, "12345", len)

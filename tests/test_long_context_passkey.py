@@ -424,12 +424,17 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
 
 
 @pytest.mark.parametrize("name, array, override", [("mixed-digits-5m", "MIXED_BASE_5M", "model.rope_theta=5000000"),
-                                                   ("mixed-digits-seed2026", "MIXED_SEED_2026", "seed=2026")])
+                                                   ("mixed-digits-seed2026", "MIXED_SEED_2026", "seed=2026"),
+                                                   ("mixed-digits-last", "MIXED_ASK_LAST", "data.passkey.ask_last=true")])
 def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name, array, override):
-    """mixed-digits-5m and mixed-digits-seed2026: both of the README's presets, each with one override
-    (RoPE base 5,000,000; seed 2,026) and nothing else, in a run of its own (stage 2 only once stage 1
-    is done), evaluated beside mixed-digits-whole (its grid and, the BPE being the same, its loss
-    curve). Read off what the script would run."""
+    """mixed-digits-5m, mixed-digits-seed2026 and mixed-digits-last: both of the README's presets, each
+    with one override (RoPE base 5,000,000; seed 2,026; every question at its document's end) and
+    nothing else, in a run of its own (stage 2 only once stage 1 is done), evaluated beside
+    mixed-digits-whole (its grid and, the BPE being the same, its loss curve). Read off what the
+    script would run."""
+    import yaml
+
+    from data.sources.passkey import PasskeySource
     from training.config import compose
     from training.config.checks import validate_config
 
@@ -439,7 +444,8 @@ def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name,
         readme = compose([f"experiment={preset}"])
         cfg = compose([f"experiment={preset}", override])
         validate_config(cfg)
-        assert OmegaConf.select(cfg, key) == int(value) != OmegaConf.select(readme, key)
+        PasskeySource.from_config(cfg.data.passkey)   # its documents' settings hold together
+        assert OmegaConf.select(cfg, key) == yaml.safe_load(value) != OmegaConf.select(readme, key)
         OmegaConf.update(cfg, key, OmegaConf.select(readme, key))
         assert OmegaConf.to_container(cfg) == OmegaConf.to_container(readme)
 

@@ -9,7 +9,8 @@ forms) beside long ones (few answers, at distances up to the window) in one run,
 data.document_mask=true each document is read on its own, as the eval's prompt is. `piece_pairs`
 (a list beside `pieces`) gives each unit's documents their own number of keys in place of `pairs`:
 several in the long ones multiplies the answers at long distances (one 32K document with one key
-has one answer, at a distance spread over the document), while the short ones keep one each."""
+has one answer, at a distance spread over the document), while the short ones keep one each.
+`ask_last` (dense, one key a document) puts each question at its document's end, as the eval asks."""
 from __future__ import annotations
 
 import hashlib
@@ -32,7 +33,7 @@ class PasskeySource:
 
     def __init__(self, num_docs: int, length: int, depths: list[float] | None, key_digits: int, seed: int,
                  count_tokens: Callable[[str], int] = utf8_length, kind: str = "single", pairs: int | None = None,
-                 pieces: list[int] | None = None, piece_pairs: list[int] | None = None):
+                 pieces: list[int] | None = None, piece_pairs: list[int] | None = None, ask_last: bool = False):
         if num_docs < 2 or length < 1 or key_digits < 1:
             raise ValueError(f"data=passkey needs num_docs >= 2, length >= 1, key_digits >= 1 (got {num_docs}, {length}, {key_digits})")
         if kind not in KINDS:
@@ -52,11 +53,15 @@ class PasskeySource:
                                         or any(int(n) < 1 for n in piece_pairs)):
             raise ValueError(f"data.passkey.piece_pairs={list(piece_pairs)}: needs data.passkey.pieces, one count "
                              f"(>= 1) for each of its {len(pieces or [])} entries")
+        if ask_last and (kind != "dense" or max(piece_pairs or [pairs or 0]) != 1):
+            raise ValueError("data.passkey.ask_last: needs kind=dense with one key a document (pairs=1, and "
+                             "piece_pairs all 1 if set)")
         self.num_docs, self.length, self.key_digits, self.seed = int(num_docs), int(length), int(key_digits), int(seed)
         self.pieces = None if pieces is None else [int(n) for n in pieces]
         self.piece_pairs = None if piece_pairs is None else [int(n) for n in piece_pairs]
         self.depths = None if depths is None else [float(d) for d in depths]
         self.kind, self.pairs = kind, None if pairs is None else int(pairs)
+        self.ask_last = bool(ask_last)
         self.count_tokens = count_tokens
         self.num_documents = len(self.names())
         settings = f"{self.num_docs}|{self.length}|{self.depths}|{self.key_digits}|{self.seed}"
@@ -66,6 +71,8 @@ class PasskeySource:
             settings += f"|pieces|{self.pieces}"
         if self.piece_pairs is not None:
             settings += f"|piece_pairs|{self.piece_pairs}"
+        if self.ask_last:
+            settings += "|ask_last"
         self.fingerprint = f"passkey-L{self.length}-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
 
     @classmethod
@@ -74,7 +81,8 @@ class PasskeySource:
         return cls(int(cfg.num_docs), int(cfg.length), None if depths is None else list(depths),
                    int(cfg.get("key_digits", 5)), int(cfg.get("seed", 0)), kind=str(cfg.get("kind", "single")),
                    pairs=None if pairs is None else int(pairs), pieces=None if pieces is None else list(pieces),
-                   piece_pairs=None if piece_pairs is None else list(piece_pairs))
+                   piece_pairs=None if piece_pairs is None else list(piece_pairs),
+                   ask_last=bool(cfg.get("ask_last", False)))
 
     def for_tokenizer(self, tokenizer) -> "PasskeySource":
         """Same documents, sized in the run's tokens instead of bytes (the cache key has the tokenizer).
@@ -83,7 +91,8 @@ class PasskeySource:
         so that no token cache of the old texts is taken for the new."""
         count = lambda text: len(tokenizer.encode(text))  # noqa: E731
         source = PasskeySource(self.num_docs, self.length, self.depths, self.key_digits, self.seed, count_tokens=count,
-                               kind=self.kind, pairs=self.pairs, pieces=self.pieces, piece_pairs=self.piece_pairs)
+                               kind=self.kind, pairs=self.pairs, pieces=self.pieces, piece_pairs=self.piece_pairs,
+                               ask_last=self.ask_last)
         if self.kind == "single" and filler_tokens(count) != count(FILLER):
             source.fingerprint += "-runs"
         return source
@@ -106,7 +115,7 @@ class PasskeySource:
         rng = np.random.default_rng(self.seed)
         if self.kind == "dense":
             for name, length, keys in self._layout():
-                yield name, dense_document(length, keys, self.key_digits, rng, self.count_tokens)[0]
+                yield name, dense_document(length, keys, self.key_digits, rng, self.count_tokens, self.ask_last)[0]
             return
         for i, name in enumerate(self.names()):
             depth = self.depths[i % len(self.depths)] if self.depths else float(rng.uniform())

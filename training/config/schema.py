@@ -110,6 +110,7 @@ class PasskeyDocs:
     pairs: Optional[int] = ranged(None, ge=1)     # kind=dense: keys (each asked for later) per document
     pieces: Optional[List[int]] = None            # kind=dense: documents each `length`-token unit is cut into, cycling
     piece_pairs: Optional[List[int]] = None       # with pieces: keys per document for each entry of pieces (else pairs)
+    ask_last: bool = False                        # kind=dense, one key a document: the question ends it, as in the eval
 
 
 @dataclass
