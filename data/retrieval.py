@@ -104,7 +104,8 @@ def dense_document(length: int, pairs: int, key_digits: int, rng: np.random.Gene
         statement, question = statement_text(name, key), question_text(name, key)
         asked_at = budget - spare - size(question)
         if asked_at < size(statement):
-            raise ValueError(f"data.passkey.length={length}: too short for key {key!r} and its question")
+            raise ValueError(f"data.passkey.length={length}: too short for the statement and question of key "
+                             f"{key!r} named {name!r} with data.passkey.ask_last")
         stated_at = asked_at - rng.uniform(size(statement), asked_at)   # d uniform over what fits
         for placed, at, piece in ((stated, stated_at, statement), (asked, asked_at, question)):
             background(at)

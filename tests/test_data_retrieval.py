@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from data.passkey import KEY_SENTENCE, QUESTION, passkey_prompt
-from data.retrieval import dense_document
+from data.retrieval import dense_document, question_text, statement_text
 from data.sampler import windows_to_batch
 from data.sources.files import FilesSource
 from data.sources.passkey import PasskeySource
@@ -118,6 +118,15 @@ def test_ask_last_is_refused_where_a_document_has_several_keys():
     for bad in ({"pairs": 2}, {"pieces": [1, 2], "piece_pairs": [1, 2]}, {"kind": "single", "pairs": None}):
         with pytest.raises(ValueError, match=r"data.passkey.ask_last: needs kind=dense with one key a document"):
             PasskeySource.from_config(OmegaConf.create(settings | bad | {"ask_last": True}))
+    typical = len(statement_text("bako", "99999")) + len(question_text("bako", "99999"))
+    refused = []   # "secret" is longer than "bako" in bytes: a document just long enough for the latter
+    for seed in range(20):
+        try:
+            dense_document(typical + 4, 1, 5, np.random.default_rng(seed), len, ask_last=True)
+        except ValueError as e:
+            refused.append(str(e))
+    assert refused and all(re.match(r"data.passkey.length=\d+: too short for the statement and question of key "
+                                    r"'\d{5}' named 'secret' with data.passkey.ask_last", e) for e in refused)
     last = PasskeySource.from_config(OmegaConf.create(settings | {"ask_last": True}))
     assert last.fingerprint != PasskeySource.from_config(OmegaConf.create(settings)).fingerprint
     assert last.for_tokenizer(ByteTokenizer()).ask_last
