@@ -91,19 +91,16 @@ def test_the_gpu_script_refuses_to_continue_a_run_its_machine_does_not_hold(tmp_
     import os
     import subprocess
 
-    script = RUNS_SCRIPT
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(RUNS_SCRIPT)]).returncode == 0
     env = dict(os.environ, OUT=str(tmp_path))
     if (REPO / "runs" / "long-context" / "naive").exists():
         pytest.skip("a naive run of the GPU script is in this checkout")
-    done = subprocess.run(["bash", str(script), "naive", "continue"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = run_script(REPO, env, "naive", "continue", check=False, timeout=60)
     assert done.returncode == 2 and "error: no run in runs/long-context/naive" in done.stdout
     env["EVALS"] = str(tmp_path / "evals")   # session 1's results not committed: naive does not start
-    first = subprocess.run(["bash", str(script), "naive"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=60)
+    first = run_script(REPO, env, "naive", check=False, timeout=60)
     assert first.returncode == 2 and "long_context_passkey_flash/config.yaml is not committed" in first.stdout
-    bad = subprocess.run(["bash", str(script), "nope"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    bad = run_script(REPO, env, "nope", check=False, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("usage: ")
 
 
@@ -300,12 +297,13 @@ def script_env(tmp_path, calls: Path, **extra: str) -> dict[str, str]:
     return {"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "OUT": str(tmp_path / "out"), **extra}
 
 
-def run_script(tmp_path, env: dict[str, str], *args: str, check: bool = True):
-    """benchmarks/long_context_runs.sh ARGS from tmp_path under `env` (script_env's), output captured."""
+def run_script(cwd: Path, env: dict[str, str], *args: str, check: bool = True, timeout: float | None = None):
+    """benchmarks/long_context_runs.sh ARGS from `cwd` under `env` (script_env's, or the real one),
+    output captured."""
     import subprocess
 
-    return subprocess.run(["bash", str(RUNS_SCRIPT), *args], cwd=tmp_path, env=env, check=check,
-                          capture_output=True, text=True)
+    return subprocess.run(["bash", str(RUNS_SCRIPT), *args], cwd=cwd, env=env, check=check,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("gpu, run, preset, second_steps", [
