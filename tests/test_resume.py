@@ -4,6 +4,7 @@ must step over a checkpoint that was cut short."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -86,6 +87,56 @@ def test_graceful_stop_saves_then_resume_is_bit_identical(tmp_path, cache_dir, r
     result = run_subprocess(overrides)
     assert result.returncode == 0, result.stderr
     assert losses(tmp_path) == reference
+
+
+# What LLVM does the first time Triton compiles a kernel in a process: its own handler on SIGTERM,
+# at the C level, where Python's record of the handler does not see it. Here the signal's default
+# action (the process ends) stands in for LLVM's, which on an H100 ended train.py without its
+# checkpoint. It is put in place during step 3, and SIGTERM sent during step 5.
+NATIVE_HANDLER_THEN_SIGTERM = """
+import ctypes
+from training.loop.trainer import Trainer
+libc = ctypes.CDLL(None)
+libc.signal.restype = ctypes.c_void_p
+next_batch, calls = Trainer.next_batch, [0]
+def patched(self):
+    calls[0] += 1
+    if calls[0] == 3:
+        libc.signal(signal.SIGTERM, ctypes.c_void_p(0))   # SIG_DFL, behind Python's back
+    if calls[0] == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return next_batch(self)
+Trainer.next_batch = patched
+"""
+
+
+def test_sigterm_saves_after_native_code_replaced_the_handler(tmp_path, cache_dir):
+    overrides = tiny_overrides(tmp_path, cache_dir, steps=20, **{"trainer.ckpt_every": 0})
+    result = run_killed_at(overrides, NATIVE_HANDLER_THEN_SIGTERM)
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert [p.name for p in CheckpointStore(tmp_path).list()] == ["step_00000005.pt"]
+    assert "SIGTERM received: checkpoint saved at step 5" in result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Triton compiles through LLVM there")
+def test_sigterm_saves_in_a_process_that_compiled_its_triton_kernels(tmp_path, cache_dir):
+    """The case itself: our kernel in an empty Triton cache, so the run's first step compiles it, and
+    SIGTERM sent as `timeout` sends it, to the process and then to its process group."""
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, cache_dir, steps=10_000, attention="flash", **{"trainer.ckpt_every": 0})
+    env = {**subprocess_env(), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(train_command(overrides), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.monotonic() + 300
+        while logged_steps(run) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, (tmp_path / "log").read_text()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    assert proc.returncode == 143, (tmp_path / "log").read_text()[-2000:]
+    assert len(CheckpointStore(run).list()) == 1
 
 
 # Attention dropout in our kernel (Triton's interpreter on the CPU, so a smaller model): its masks

@@ -65,6 +65,16 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def reclaim(self) -> None:
+        """Install the handlers again, at each step boundary. Native code may have replaced them:
+        LLVM puts its own on SIGINT and SIGTERM the first time Triton compiles a kernel in the
+        process, and Python's record of the handler does not see it. On an H100 a SIGTERM after
+        that ended the process without its checkpoint (benchmarks/resume/sigterm_h100/). LLVM
+        installs them once a process, so from the boundary after the first compile on the signal
+        is ours again; a signal during that first step is still LLVM's. Two system calls a step."""
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
