@@ -84,16 +84,18 @@ run() { local want=$1 have; have=$(left); shift
 
 # train NAME EXPERIMENT [continue] [OVERRIDES...]: start or continue runs/long-context/NAME until it
 # is done or the call's time is nearly up (SIGTERM: train.py saves a checkpoint and exits 143);
-# its config.yaml and metrics.jsonl go back under $OUT either way. RESUME=<checkpoint of another
-# run> branches a new run from it instead (into an empty runs/long-context/NAME).
+# its config.yaml and metrics.jsonl go back under $OUT either way. `continue` is resume=continue,
+# which refuses a run with no checkpoint rather than start it over (a call's work lost is said, not
+# silently redone). RESUME=<checkpoint of another run> branches a new run from it instead (into an
+# empty runs/long-context/NAME).
 train() {
-  local name=$1 experiment=$2 dir=$RUNS/$1; shift 2
+  local name=$1 experiment=$2 dir=$RUNS/$1 resume=${RESUME:-auto}; shift 2
   if [[ "${1:-}" == continue ]]; then
-    shift
+    shift; resume=${RESUME:-continue}
     [[ -f $dir/config.yaml ]] || { step "error: no run in $dir: this machine is not the one that trained it (it went back after 30 s idle); start over with '$name'"; exit 2; }
   fi
-  step "$name: train.py experiment=$experiment run.dir=$dir resume=${RESUME:-auto} $*"
-  run $(( $(left) - 20 )) python3 train.py "experiment=$experiment" "run.dir=$dir" "resume=${RESUME:-auto}" logger=none \
+  step "$name: train.py experiment=$experiment run.dir=$dir resume=$resume $*"
+  run $(( $(left) - 20 )) python3 train.py "experiment=$experiment" "run.dir=$dir" "resume=$resume" logger=none \
     trainer.progress=false "$@"
   mkdir -p "$OUT/long_context_passkey_$name"
   cp "$dir/config.yaml" "$dir/metrics.jsonl" "$OUT/long_context_passkey_$name/" 2>>"$LOG"

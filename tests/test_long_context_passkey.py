@@ -461,7 +461,7 @@ def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name,
         assert (done.returncode == 0) == runs, done.stdout
     first, second = calls.read_text().splitlines()
     assert f"experiment=long-context-retrieval run.dir=runs/long-context/{name} resume=auto" in first
-    assert f"experiment=long-context-retrieval-long run.dir=runs/long-context/{name} resume=auto" in second
+    assert f"experiment=long-context-retrieval-long run.dir=runs/long-context/{name} resume=continue" in second
     for call in (first, second):
         assert call.split("trainer.progress=false ")[1].split() == [override]
     calls.unlink()
