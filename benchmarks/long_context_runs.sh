@@ -140,6 +140,14 @@ evaluate() {
   # shellcheck disable=SC2086 (the lengths and depths are words)
   run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
     --depths $DEPTHS --trials 20 --name "$stem" --out "$OUT" "${passkey_beside[@]}"
+  # EVAL_PRECISION=fp32: the same grid again with the forwards in float32 (flash's products in IEEE
+  # fp32, ~3-4 min on an H100), beside the bf16 one: does bf16's rounding decide the wrong answers?
+  [[ -n ${EVAL_PRECISION:-} ]] || return 0
+  step "$name: passkey grid, $attention attention in $EVAL_PRECISION"
+  # shellcheck disable=SC2086
+  run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
+    --depths $DEPTHS --trials 20 --precision "$EVAL_PRECISION" --name "$stem-$EVAL_PRECISION" --out "$OUT" \
+    --beside "$OUT/passkey_$stem.json"
 }
 
 # same_tokenizer_as FLASH_RUN EXPERIMENT: before a naive run's first call, its BPE must be that of the

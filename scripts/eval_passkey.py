@@ -20,6 +20,8 @@ accuracy and the reason; for each length that fitted, the forward's peak memory 
 under a CPU budget). Lengths past the run's trainer.seq_len are marked in the table and the plot.
 The JSON is rewritten after each length: a run stopped part-way keeps what it measured (the
 lengths it did not reach are "not run").
+--precision fp32 runs the forwards in float32 instead of the run's trainer.precision (bf16 on a GPU):
+a wrong answer that fp32 gets right was decided by a margin smaller than bf16's rounding.
 --beside RESULT.json puts an earlier result of this tool (another run's grid: flash's beside
 naive's) in the heatmap as a panel to the left of this run's and in the Markdown as a second table.
 """
@@ -184,7 +186,8 @@ def cell_word(result: dict, j: int) -> str:
 
 def grid_markdown(result: dict) -> str:
     headers, rows = grid_table(result)
-    notes = [f"{result['name']}: {result['attention']} attention, {result['model']}, trained at "
+    precision = f" in {result['precision']}" if "precision" in result else ""   # older results: the run's
+    notes = [f"{result['name']}: {result['attention']} attention{precision}, {result['model']}, trained at "
              f"{result['trained_seq_len']:,} tokens, {result['trials']} trials per cell"]
     if any(n > result["trained_seq_len"] for n in result["lengths"]):
         notes.append("* longer than the run's training length")
@@ -231,6 +234,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--key-digits", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default=None,
+                        help="the forwards' precision (default: the run's trainer.precision); fp32 says whether "
+                             "bf16's rounding decides the answers a model gets wrong")
     parser.add_argument("--memory-budget-mb", type=float, default=None,
                         help="CPU only: MiB in all (the weights included) a forward's live tensors may take")
     add_beside_argument(parser, "passkey grid")
@@ -250,13 +256,15 @@ def main(argv: list[str]) -> None:
     meter = memory_meter(args, model, device)
     lengths = prompt_lengths(args.lengths, tokenizer, args.key_digits, cfg)
     name = run_name(args, path)
+    precision = args.precision or cfg.trainer.precision
     result = {
         "name": name, "checkpoint": str(path), "lengths": lengths, "depths": args.depths, "trials": args.trials,
         "key_digits": args.key_digits, "seed": args.seed, "accuracy": [[None] * len(lengths) for _ in args.depths],
         "answer_tokens_right": [[None] * len(lengths) for _ in args.depths], "misses": [],
         "why_not": [None] * len(lengths), "peak_memory_bytes": [None] * len(lengths), "measured": 0,
         "trained_seq_len": int(cfg.trainer.seq_len), "tokenizer": tokenizer.fingerprint,
-        "attention": cfg.attention.name, "model": cfg.model.name, "environment": environment(device),
+        "attention": cfg.attention.name, "precision": precision, "model": cfg.model.name,
+        "environment": environment(device),
     }
     if beside is not None:
         result["beside"] = beside
@@ -266,7 +274,7 @@ def main(argv: list[str]) -> None:
         keys = [(i, random_key(rng, args.key_digits)) for i in range(len(args.depths)) for _ in range(args.trials)]
         trials = [passkey_ids(tokenizer, length, args.depths[i], key) for i, key in keys]
         predictions, result["why_not"][j], result["peak_memory_bytes"][j] = length_column(
-            model, trials, meter, device, cfg.trainer.precision, int(cfg.model.max_seq_len))
+            model, trials, meter, device, precision, int(cfg.model.max_seq_len))
         if predictions is not None:
             record_length(result, j, keys, trials, predictions, tokenizer)
         result["measured"] = j + 1

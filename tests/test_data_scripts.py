@@ -82,6 +82,22 @@ def test_passkey_grid_and_heatmap(trained, tmp_path):
     assert "| cells | 2 | 0 | 2 |" in (tmp_path / "passkey_t.md").read_text()
 
 
+def test_passkey_precision_is_the_runs_unless_asked(trained, tmp_path, monkeypatch):
+    """--precision runs the forwards in it (fp32: is bf16's rounding what decides a wrong answer?);
+    without it, in the run's trainer.precision (fp32 for this CPU run). The JSON and the Markdown say which."""
+    run_dir, _ = trained
+    used, predict = [], eval_passkey.answer_predictions
+    monkeypatch.setattr(eval_passkey, "answer_predictions",
+                        lambda model, ids, device, precision: (used.append(precision), predict(model, ids, device, precision))[1])
+    common = [str(run_dir), "--device", "cpu", "--lengths", "128", "--depths", "0", "--trials", "1", "--out", str(tmp_path)]
+    for asked, want in ((None, "fp32"), ("bf16", "bf16")):
+        used.clear()
+        eval_passkey.main(common + (["--precision", asked] if asked else []) + ["--name", want])
+        result = json.loads((tmp_path / f"passkey_{want}.json").read_text())
+        assert result["precision"] == want and used == [want]
+        assert f" attention in {want}, " in (tmp_path / f"passkey_{want}.md").read_text()
+
+
 def test_passkey_cells_pooled_by_distance():
     """Cells pool by (1 - depth) x length into bands that double from half the shortest length up to
     the longest, the last band closed; cells that did not fit count in none; an empty band says so."""

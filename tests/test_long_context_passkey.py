@@ -470,6 +470,14 @@ def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name,
     for call in (loss, grid):
         assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", call) == ["mixed-digits-whole"]
     assert f"{run.relative_to(tmp_path)} --attention flash" in grid
+    # EVAL_PRECISION=fp32: the same grid once more in float32, beside the bf16 one just written
+    calls.unlink()
+    run_script(tmp_path, {**env, "EVAL_PRECISION": "fp32"}, f"{name}-eval")
+    *_, bf16, fp32 = calls.read_text().splitlines()
+    assert bf16 == grid and "--precision" not in bf16
+    assert fp32.replace(" --precision fp32", "").replace(f"{name}-fp32 ", f"{name} ").split(" --beside")[0] == \
+        grid.split(" --beside")[0]
+    assert fp32.endswith(f"--beside {tmp_path}/out/passkey_long_context_passkey_{name}.json")
 
 
 @pytest.mark.slow
