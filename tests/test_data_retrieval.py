@@ -132,6 +132,24 @@ def test_ask_last_is_refused_where_a_document_has_several_keys():
     assert last.for_tokenizer(ByteTokenizer()).ask_last
 
 
+def test_a_tokenizers_documents_are_those_of_counting_every_piece_afresh(bpe):
+    """for_tokenizer remembers the counts of short pieces (data/sources/passkey.py): the documents are
+    the same texts as with a count that encodes every piece each time, in far fewer encodes."""
+    calls = []
+
+    class Counted:
+        def encode(self, text):
+            calls.append(text)
+            return bpe.encode(text)
+
+    source = PasskeySource(30, 2048, None, 5, 0, kind="dense", pairs=1, pieces=[1, 4, 16])
+    afresh = PasskeySource(30, 2048, None, 5, 0, kind="dense", pairs=1, pieces=[1, 4, 16],
+                           count_tokens=lambda text: len(bpe.encode(text)))
+    documents = list(source.for_tokenizer(Counted()).documents())
+    assert len(documents) == 210 and documents == list(afresh.documents())
+    assert len(calls) < 10 * len(documents)   # counted afresh, every piece: ~60 encodes a document
+
+
 def test_the_eval_asks_in_the_trained_sentences(bpe):
     """A key named "secret" in a training document is exactly the eval's key sentence and question."""
     prompt, answer = passkey_prompt(200, 0.0, "12345", len)
