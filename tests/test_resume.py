@@ -50,15 +50,20 @@ def logged_steps(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def start_and_signal(overrides: list[str], run_dir: Path, sig: int, after_steps: int) -> int:
-    """Start train.py, send `sig` once `after_steps` rows are logged, return its exit status."""
-    proc = subprocess.Popen(train_command(overrides), cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+def start_and_signal(overrides: list[str], run_dir: Path, sig: int, after_steps: int, env: dict | None = None,
+                     as_timeout: bool = False, start_s: float = 120) -> int:
+    """Start train.py, send `sig` once `after_steps` rows are logged (within `start_s`), return its exit
+    status. `env` on top of the tests' environment; `as_timeout`: sent as `timeout` sends it, to the
+    process and then to its process group (of its own)."""
+    proc = subprocess.Popen(train_command(overrides), cwd=REPO, env={**subprocess_env(), **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=as_timeout)
+    deadline = time.monotonic() + start_s
     while logged_steps(run_dir) < after_steps and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)
     assert proc.poll() is None, f"train.py ended before it could be interrupted: {proc.stderr.read()}"
     proc.send_signal(sig)
+    if as_timeout:
+        os.killpg(proc.pid, sig)
     proc.wait(timeout=60)
     return proc.returncode
 
@@ -124,18 +129,8 @@ def test_sigterm_saves_in_a_process_that_compiled_its_triton_kernels(tmp_path, c
     SIGTERM sent as `timeout` sends it, to the process and then to its process group."""
     run = tmp_path / "run"
     overrides = tiny_overrides(run, cache_dir, steps=10_000, attention="flash", **{"trainer.ckpt_every": 0})
-    env = {**subprocess_env(), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen(train_command(overrides), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        deadline = time.monotonic() + 300
-        while logged_steps(run) < 3 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert proc.poll() is None, (tmp_path / "log").read_text()[-2000:]
-        proc.send_signal(signal.SIGTERM)
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-    assert proc.returncode == 143, (tmp_path / "log").read_text()[-2000:]
+    assert start_and_signal(overrides, run, signal.SIGTERM, after_steps=3, env={"TRITON_CACHE_DIR": str(tmp_path / "triton")},
+                            as_timeout=True, start_s=300) == 143   # the first steps compile and tune
     assert len(CheckpointStore(run).list()) == 1
 
 
