@@ -221,6 +221,15 @@ h100) NAIVE_RUN=mixed-naive-h100 NAIVE_PRESET=long-context-mixed-naive-h100 NAIV
       NAIVE_LONG=("${MIXED_NAIVE_H100_LONG[@]}") ;;
 *) echo "NAIVE_ON=$NAIVE_ON: expected h200 or h100" >&2; exit 2 ;;
 esac
+# naive_long RUN [OVERRIDES...]: the naive preset's second stage, continuing RUN to NAIVE_STEPS' M
+# steps where given, else the whole stage's
+naive_long() {
+  local run=$1 long_steps; shift
+  long_steps=$(printf '%s\n' "${NAIVE_LONG[@]}" | sed -n 's/^trainer\.max_steps=//p')
+  [[ -n ${NAIVE_STEPS:-} ]] && long_steps=${NAIVE_STEPS#*,}
+  after_stage_1 "$run" "$long_steps"
+  train "$run" "$NAIVE_PRESET" continue "$@" "${NAIVE_LONG[@]/trainer.max_steps=*/trainer.max_steps=$long_steps}"
+}
 # needs_share_steps CASE: recipe-share's cases are a share of the recipe's steps, which SHARE_STEPS=N,M names
 needs_share_steps() {
   [[ -n ${SHARE_STEPS:-} ]] || { step "error: $1 needs SHARE_STEPS=N,M (stage 1 to N steps, stage 2 to M)"; exit 2; }
@@ -309,12 +318,15 @@ mixed-naive)
   shift
   [[ "${1:-}" == continue ]] || same_tokenizer_as mixed-digits-whole "$NAIVE_PRESET"
   train "$NAIVE_RUN" "$NAIVE_PRESET" "$@" ${NAIVE_STEPS:+trainer.max_steps=${NAIVE_STEPS%,*}} ;;
-mixed-naive-long)
-  long_steps=$(printf '%s\n' "${NAIVE_LONG[@]}" | sed -n 's/^trainer\.max_steps=//p')
-  [[ -n ${NAIVE_STEPS:-} ]] && long_steps=${NAIVE_STEPS#*,}
-  after_stage_1 "$NAIVE_RUN" "$long_steps"
-  train "$NAIVE_RUN" "$NAIVE_PRESET" continue "${NAIVE_LONG[@]/trainer.max_steps=*/trainer.max_steps=$long_steps}" ;;
+mixed-naive-long) naive_long "$NAIVE_RUN" ;;
 mixed-naive-eval) evaluate "$NAIVE_RUN" naive "$NAIVE_WINDOWS" "${NAIVE_BESIDE:-mixed-digits-whole}" ;;
+# naive's share again with our kernel, in naive's windows (run $NAIVE_RUN-flash): where the naive share
+# and recipe-share differ, whether the kernel or the window length makes it
+mixed-naive-flash)
+  shift
+  train "$NAIVE_RUN-flash" "$NAIVE_PRESET" "$@" attention=flash ${NAIVE_STEPS:+trainer.max_steps=${NAIVE_STEPS%,*}} ;;
+mixed-naive-flash-long) naive_long "$NAIVE_RUN-flash" attention=flash ;;
+mixed-naive-flash-eval) evaluate "$NAIVE_RUN-flash" flash "$NAIVE_WINDOWS" "$NAIVE_RUN" ;;
 # the flash recipe (the README's two presets) cut to a share of its steps as a whole run, beside which
 # a naive share of as many tokens is drawn (NAIVE_BESIDE=recipe-share): SHARE_STEPS=N,M, stage 1 to N
 # steps and stage 2 to M, as NAIVE_STEPS does for naive (on an H100 the same N,M: 32,768 tokens a step
@@ -340,6 +352,6 @@ compare)
   python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
     --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-digits-{5m,seed2026,last} [continue] | mixed-digits-{5m,seed2026,last}-long | mixed-digits-{5m,seed2026,last}-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-digits-{5m,seed2026,last} [continue] | mixed-digits-{5m,seed2026,last}-long | mixed-digits-{5m,seed2026,last}-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | mixed-naive-flash [continue] | mixed-naive-flash-long | mixed-naive-flash-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
 esac
 step done
