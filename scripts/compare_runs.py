@@ -58,7 +58,7 @@ def plot(runs, keys: list[str], path: Path, title: str) -> None:
         handles.setdefault(line.get_label(), line)
     if handles:
         fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8,
-                   ncol=min(3, len(handles)), frameon=False)
+                   ncol=min(3 if max(map(len, handles)) <= 60 else 1, len(handles)), frameon=False)
     fig.suptitle(title)
     save_figure(fig, path)
 
@@ -89,7 +89,8 @@ def main(argv: list[str]) -> dict:
     write_text(stem.with_suffix(".md"), f"# {title}\n\nRuns: {', '.join(str(p) for p in args.runs)}. Compared "
                f"{meta['date']} at commit {meta['git_commit']} (`{meta['command']}`).\n\n"
                + markdown_table(headers, rows))
-    plot(runs, keys, stem.with_suffix(".png"), title)
+    plot(runs, keys, stem.with_suffix(".png"), title if len(keys) <= 3 else
+         f"{len(runs)} run(s): {len(keys)} config keys differ ({stem.name}.md lists them)")
     print(f"wrote {stem}.md, .json, .png")
     return {"headers": headers, "rows": rows, "keys": keys}
 

@@ -105,6 +105,26 @@ def test_the_legend_covers_neither_panel(tmp_path, monkeypatch):
     assert not any(box.overlaps(ax.get_window_extent()) for ax in panels)
 
 
+def test_runs_that_differ_in_many_keys_keep_their_legend_inside_the_figure(tmp_path, monkeypatch):
+    """Two recipes differ in a dozen keys: each legend entry names three and counts the rest, so the
+    figure stays its width (it had grown to 5,788 pixels for three runs); the table keeps them all."""
+    from training.run.records import RunRecord, run_label
+
+    keys = [f"data.passkey.key_{k}" for k in range(11)]
+    runs = [RunRecord(tmp_path / f"run{i}", {k: f"value-{i}-of-{k}" for k in keys},
+                      [{"step": s, "tokens": 256 * s, "loss": 5.0 - 0.1 * s} for s in range(1, 5)])
+            for i in range(3)]
+    label = run_label(runs[0], keys)
+    assert label.count("=") == 3 and label.endswith(", +8 more")
+    figures = []
+    monkeypatch.setattr(compare_runs, "save_figure", lambda fig, path: figures.append(fig))
+    compare_runs.plot(runs, keys, tmp_path / "c.png", "3 runs")
+    fig = figures[0]
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    assert legend.get_window_extent().width <= fig.bbox.width
+
+
 def test_a_gpu_run_s_memory_peak_is_a_column(tmp_path):
     """CUDA runs log the allocator's peak in each row: the table shows the largest; CPU runs add no column."""
     from training.run.records import RunRecord, comparison

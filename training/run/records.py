@@ -148,9 +148,13 @@ def key_label(key: str) -> str:
     return group if leaf == "name" and group else leaf
 
 
-def run_label(run: RunRecord, keys: list[str]) -> str:
-    """The run's folder name and its values of the keys that differ: a plot legend entry."""
-    values = ", ".join(f"{key_label(k)}={short(run.config.get(k), 20)}" for k in keys)
+def run_label(run: RunRecord, keys: list[str], most: int = 3) -> str:
+    """The run's folder name and its values of the first `most` keys that differ: a plot legend entry
+    (runs differing in many keys, as two recipes do, would otherwise get a legend wider than the
+    figure; the table lists them all)."""
+    values = ", ".join(f"{key_label(k)}={short(run.config.get(k), 20)}" for k in keys[:most])
+    if len(keys) > most:
+        values += f", +{len(keys) - most} more"
     return f"{run.path.name}: {values}" if values else run.path.name
 
 
