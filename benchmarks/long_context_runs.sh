@@ -349,8 +349,13 @@ flash-eval) evaluate flash flash 12 ;;
 naive-eval) evaluate naive naive 35 flash ;;
 compare)
   step "tokens/s and peak memory of both runs"
-  python3 scripts/compare_runs.py "$EVALS/long_context_passkey_flash" "$EVALS/long_context_passkey_naive" \
-    --out "$EVALS" --name long_context_passkey_h200 2>&1 | tee -a "$LOG"
+  case ${NAIVE_ON:-h200} in
+  # the H200 runs of experiment=long-context-passkey and its naive twin
+  h200) runs=(flash naive) name=long_context_passkey_h200 ;;
+  # the H100 shares of the README's recipe: flash at 32,768, naive at 8,192, and flash in naive's windows
+  h100) runs=(recipe-share mixed-naive-h100 mixed-naive-h100-flash) name=long_context_passkey_h100 ;;
+  esac
+  python3 scripts/compare_runs.py "${runs[@]/#/$EVALS/long_context_passkey_}" --out "$EVALS" --name "$name" 2>&1 | tee -a "$LOG"
   ;;
 *) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-digits-{5m,seed2026,last} [continue] | mixed-digits-{5m,seed2026,last}-long | mixed-digits-{5m,seed2026,last}-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | mixed-naive-flash [continue] | mixed-naive-flash-long | mixed-naive-flash-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
 esac
