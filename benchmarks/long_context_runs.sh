@@ -65,6 +65,11 @@
 # runs/long-context/mixed-naive-h100. What a session can train of naive is a share of its tokens; the
 # flash recipe cut to the same share (`recipe-share`, `recipe-share-long`, `recipe-share-eval` with
 # SHARE_STEPS=N,M) is the run of as many tokens to draw it beside (NAIVE_BESIDE=recipe-share).
+# `mixed-naive-flash [continue]`, `mixed-naive-flash-long` and `mixed-naive-flash-eval` train and
+# evaluate naive's preset (its windows, NAIVE_STEPS) with our kernel, in runs/long-context/<naive's
+# run>-flash: whether what differs between the two shares is the kernel or the window. Last, on any
+# machine: `NAIVE_ON=h100 bash benchmarks/long_context_runs.sh compare`, the three H100 shares'
+# tokens/s and peak memory in benchmarks/evals/long_context_passkey_h100.{md,json,png}.
 set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=disabled
 OUT=${OUT:-outputs/long_context_runs}

@@ -365,6 +365,40 @@ def test_the_flash_share_runs_the_readme_recipe_to_its_steps_and_naive_is_drawn_
         assert drawn == (["recipe-share", "recipe-share"] if beside else ["mixed-digits-whole"])
 
 
+def test_naive_s_share_with_our_kernel_is_naive_s_run_but_for_the_attention(tmp_path):
+    """mixed-naive-flash[-long|-eval]: naive's preset and stages to NAIVE_STEPS with attention=flash,
+    in a run of its own beside naive's, evaluated with flash beside naive's results; `compare` with
+    NAIVE_ON=h100 tabulates the three H100 shares. Read off what the script would run."""
+    for run in ("mixed-naive-h100", "mixed-naive-h100-flash"):
+        (tmp_path / "runs" / "long-context" / run).mkdir(parents=True)
+        (tmp_path / "runs" / "long-context" / run / "config.yaml").write_text("{}")
+        (tmp_path / "runs" / "long-context" / run / "metrics.jsonl").write_text("")
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "loss_by_position_long_context_passkey_mixed-naive-h100.json").write_text("{}")
+    calls = {}
+    for attention, cases in (("naive", ("mixed-naive", "mixed-naive-long", "mixed-naive-eval")),
+                             ("flash", ("mixed-naive-flash", "mixed-naive-flash-long", "mixed-naive-flash-eval"))):
+        calls[attention] = tmp_path / f"calls-{attention}"
+        env = script_env(tmp_path, calls[attention], NAIVE_ON="h100", NAIVE_STEPS="300,500", EVALS=str(evals))
+        run_script(tmp_path, env, cases[0], "continue")   # (naive's first call checks its BPE first)
+        for case in cases[1:]:
+            run_script(tmp_path, env, case)
+    naive, flash = (calls[a].read_text().splitlines() for a in ("naive", "flash"))
+    for a, b in zip(naive[:2], flash[:2]):   # the two stages: the same command but for run and attention
+        assert b.replace("mixed-naive-h100-flash", "mixed-naive-h100").replace(" attention=flash", "") == a
+        assert "experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed-naive-h100-flash " in b
+        assert " attention=flash" in b
+    assert re.findall(r"trainer\.max_steps=(\d+)", "\n".join(flash[:2])) == ["300", "500"]
+    assert "--attention flash" in flash[2] and "runs/long-context/mixed-naive-h100-flash" in flash[2]
+    assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", "\n".join(flash[2:])) == \
+        ["mixed-naive-h100", "mixed-naive-h100"]
+    compare = tmp_path / "calls-compare"
+    run_script(tmp_path, script_env(tmp_path, compare, NAIVE_ON="h100", EVALS=str(evals)), "compare")
+    assert re.findall(r"long_context_passkey_(\S+)", compare.read_text()) == \
+        ["recipe-share", "mixed-naive-h100", "mixed-naive-h100-flash", "h100"]
+
+
 def test_a_second_stage_waits_for_the_first_to_finish(tmp_path):
     """mixed-naive-long, whose first stage spans calls: refused while stage 1 stopped short of its
     max_steps (a call's deadline), run once stage 1 is done, and run again to go on with stage 2
