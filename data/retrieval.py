@@ -147,26 +147,35 @@ def dense_document(length: int, pairs: int, key_digits: int, rng: np.random.Gene
     # the first piece's count, and every position after it moves with it.
     shift = count_tokens(pieces[0][1:]) - size(pieces[0]) if pieces else 0
     moved = lambda at: at if at is None or at == 0 else at + shift  # noqa: E731
-    text = _pad("".join(pieces)[1:], budget, words, count_tokens)
+    text = _pad("".join(pieces)[1:], budget, words, count_tokens, cursor + shift)
     found = [Pair(names[j], keys[j], moved(stated[j]), moved(asked.get(j))) for j in sorted(stated, key=stated.get)]
     return text, found
 
 
-def _pad(text: str, budget: int, words: list[str], count_tokens: Callable[[str], int]) -> str:
+def _pad(text: str, budget: int, words: list[str], count_tokens: Callable[[str], int],
+         have: int | None = None) -> str:
     """`text` with background words (then the shortest pieces that do not merge with what precedes
-    them) after it up to exactly `budget` tokens."""
+    them) after it up to exactly `budget` tokens. `have`: text's count where the caller has it (the
+    sum of its pieces'), which spares encoding the whole text once more (a third of a passkey build);
+    where that sum is not the text's count (a tokenizer merging across pieces) and the padded text
+    misses the budget, the padding is redone from the text's own count."""
+    for start in ([have] if have is not None else []) + [None]:
+        padded = _fill(text, count_tokens(text) if start is None else start, budget, words, count_tokens)
+        if (got := count_tokens(padded)) == budget:
+            return padded
+    raise ValueError(f"a dense-retrieval document came out {got} tokens instead of {budget}: this tokenizer "
+                     f"merges across the pieces' spaces (data/retrieval.py)")
+
+
+def _fill(text: str, have: int, budget: int, words: list[str], count_tokens: Callable[[str], int]) -> str:
+    """`text`, of `have` tokens, with background words and short pieces after it, counted up to `budget`."""
     units = sorted({(count_tokens(u), u) for u in words + [" .", "."]}, reverse=True)
     adds = lambda piece: count_tokens(text[-40:] + piece) - count_tokens(text[-40:]) == count_tokens(piece)  # noqa: E731
     cycle = itertools.cycle(words)
-    have = count_tokens(text)
     while have < budget:
         word, gap = next(cycle), budget - have
         piece = word if count_tokens(word) <= gap else next((u for n, u in units if n <= gap and adds(u)), None)
         if piece is None:
             break
         text, have = text + piece, have + count_tokens(piece)
-    have = count_tokens(text)
-    if have != budget:
-        raise ValueError(f"a dense-retrieval document came out {have} tokens instead of {budget}: this tokenizer "
-                         f"merges across the pieces' spaces (data/retrieval.py)")
     return text

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from data.passkey import KEY_SENTENCE, QUESTION, passkey_prompt
-from data.retrieval import dense_document, question_text, statement_text
+from data.retrieval import _pad, dense_document, question_text, statement_text
 from data.sampler import windows_to_batch
 from data.sources.files import FilesSource
 from data.sources.passkey import PasskeySource
@@ -148,6 +148,27 @@ def test_a_tokenizers_documents_are_those_of_counting_every_piece_afresh(bpe):
     documents = list(source.for_tokenizer(Counted()).documents())
     assert len(documents) == 210 and documents == list(afresh.documents())
     assert len(calls) < 10 * len(documents)   # counted afresh, every piece: ~60 encodes a document
+
+
+def test_padding_from_the_callers_count_is_padding_from_the_texts_own(bpe):
+    """dense_document hands _pad the sum of its pieces' counts: the padded text is the one counting
+    the text would give, with one whole-text encode instead of two; a sum that is not the text's
+    count (a tokenizer that merges across pieces) is caught and the padding redone."""
+    long_texts = []
+
+    def count(text):
+        if len(text) > 200:
+            long_texts.append(text)
+        return len(bpe.encode(text))
+
+    words = [" alpha", " beta", " gamma", " delta", " epsilon"]
+    text = " ".join(f"The key of bako{i} is {i:05d}." for i in range(8))
+    want = _pad(text, 400, words, count)
+    assert count(want) == 400 and want.startswith(text) and len(long_texts) == 3   # text, padded, the check's
+    long_texts.clear()
+    assert _pad(text, 400, words, count, len(bpe.encode(text))) == want and len(long_texts) == 1
+    for off in (-3, 5):
+        assert _pad(text, 400, words, count, len(bpe.encode(text)) + off) == want
 
 
 def test_the_eval_asks_in_the_trained_sentences(bpe):
