@@ -91,6 +91,33 @@ def test_resume_from_another_run_into_an_empty_folder_is_a_branch_recording_its_
     assert load_checkpoint(CheckpointStore(branch).path(12))["lineage"] == lineage
 
 
+def test_a_branch_may_extend_the_context_which_a_continued_run_may_not(tmp_path, cache_dir, capsys, caplog):
+    """Context extension: train in short windows, then go on in longer ones from the checkpoint. A
+    branch may (its lineage records trainer.seq_len's change, and its data position is the same
+    fraction of the epoch); the same run continued in other windows is still refused in one line,
+    since its sampler position would index other tokens."""
+    short = tmp_path / "short"
+    assert run_in_process(tiny_overrides(short, cache_dir, steps=8, **{"trainer.seq_len": 32})) == 0
+    parent = load_checkpoint(CheckpointStore(short).path(8))
+    long = tmp_path / "long"
+    assert run_in_process(tiny_overrides(long, cache_dir, steps=12, resume=str(CheckpointStore(short).path(8)),
+                                         **{"trainer.seq_len": 64, "trainer.batch_size": 2})) == 0
+    (row,) = lineage_rows(long)
+    assert row["event"] == "branch" and row["changes"]["trainer.seq_len"] == [32, 64]
+    assert "in windows of 64 tokens, not the checkpoint's 32" in caplog.text
+    branched = load_checkpoint(CheckpointStore(long).path(12))
+    assert branched["sampler"]["seq_len"] == 64 and branched["step"] == 12
+    assert [r[0] for r in losses(long)] == [9, 10, 11, 12]
+    epoch, cursor = parent["sampler"]["epoch"], parent["sampler"]["cursor"]
+    fraction = cursor / parent["sampler"]["n_windows"]
+    after = branched["sampler"]   # 4 steps of 2 windows on from the carried position
+    assert after["epoch"] > epoch or abs((after["cursor"] - 8) / after["n_windows"] - fraction) < 0.05
+    continued = copy_run(short, tmp_path / "continued")
+    assert run_in_process(tiny_overrides(continued, cache_dir, steps=12, resume="auto", allow_changes="[trainer.max_steps]",
+                                         **{"trainer.seq_len": 64})) == 2
+    assert "seq_len=32 but this run has seq_len=64" in last_error(capsys)
+
+
 def test_a_foreign_checkpoint_in_the_folder_is_never_pruned_counted_or_resumed(two_runs, tmp_path, cache_dir, caplog):
     """The issue: a foreign step_00000099.pt dropped in the folder was kept and the run's own deleted."""
     a, b = two_runs

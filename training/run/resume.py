@@ -34,7 +34,9 @@ line listing the keys unless named in `allow_changes=[key, group, ...]`; accepte
 into lineage.jsonl. A branch may change them (that is what a branch is for): they are recorded
 and logged. Keys that change only how the run is observed or executed (`FREE_ON_RESUME`) may
 always change; those no run can continue under another value of (`CHECKED_ELSEWHERE`: the seed,
-the sequence length, ...) are refused by the check that reads them.
+the sequence length, ...) are refused by the check that reads them. A branch may change the
+sequence length, to extend (or cut) a run's context from its checkpoint: its data position carries
+over as the same fraction of its epoch, as it does onto changed data.
 """
 from __future__ import annotations
 
@@ -253,6 +255,9 @@ def accepted_changes(start: Start, cfg: DictConfig, run_dir: Path) -> dict[str, 
     listing the others. A branch accepts them all (logged)."""
     diffs = training_differences(start.state["config"], cfg)
     if start.event == "branch":
+        saved_len = start.state["config"].get("trainer", {}).get("seq_len")
+        if saved_len is not None and saved_len != cfg.trainer.seq_len:   # context extension: restore() maps the data position
+            diffs["trainer.seq_len"] = [saved_len, cfg.trainer.seq_len]
         if diffs:
             log.warning("branch from %s with other training settings: %s", start.checkpoint, _describe(diffs))
         return diffs
@@ -341,13 +346,15 @@ def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
 
 # ----------------------------------------------------------------------------- putting it back
 
-def _sampler_state_for_new_data(saved: dict, sampler) -> dict:
-    """The saved position carried over to a changed corpus: same epoch, same fraction of it."""
-    if int(saved["n_windows"]) == sampler.n_windows:
+def _sampler_state_carried(saved: dict, sampler) -> dict:
+    """The saved position carried over to a changed corpus or window length: same epoch, same
+    fraction of it."""
+    if int(saved["n_windows"]) == sampler.n_windows and int(saved["seq_len"]) == sampler.seq_len:
         return saved
     in_epoch = len(sampler.order(int(saved["epoch"])))   # this epoch's windows on the new data
     cursor = int(saved["cursor"]) * in_epoch // max(1, int(saved["n_windows"]))
-    return {**saved, "n_windows": sampler.n_windows, "cursor": min(cursor, in_epoch - sampler.world_size)}
+    return {**saved, "n_windows": sampler.n_windows, "seq_len": sampler.seq_len,
+            "cursor": min(cursor, in_epoch - sampler.world_size)}
 
 
 def _tokenizer_of(data_fingerprint: str | None) -> str | None:
@@ -383,7 +390,7 @@ def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictCon
 
     Refuses another model config and a checkpoint of other data (the sampler position would index
     different tokens) unless `data.allow_changed`, which continues at the same point of the epoch on
-    the new data. Another tokenizer was refused as soon as it was built, before the corpus was
+    the new data; a branch in windows of another length continues at that point too. Another tokenizer was refused as soon as it was built, before the corpus was
     tokenized with it (`check_tokenizer`).
     """
     if start.state is None:
@@ -398,9 +405,14 @@ def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictCon
                                   f"{data_fingerprint}: the corpus changed; pass data.allow_changed=true to continue on the new data")
         log.warning("data changed since %s: %s -> %s; continuing (data.allow_changed=true)", path, saved_fp,
                     data_fingerprint)
-        sampler_state = _sampler_state_for_new_data(sampler_state, sampler)
+        sampler_state = _sampler_state_carried(sampler_state, sampler)
         change = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": state["step"],
                   "checkpoint": str(path), "from": saved_fp, "to": data_fingerprint}
+    saved_len = int(sampler_state.get("seq_len", sampler.seq_len))
+    if start.event == "branch" and saved_len != sampler.seq_len:   # a branch that extends (or cuts) the context
+        log.warning("branch from %s in windows of %d tokens, not the checkpoint's %d: the data position carries over "
+                    "as the same fraction of its epoch", path, sampler.seq_len, saved_len)
+        sampler_state = _sampler_state_carried(sampler_state, sampler)
     restored = Restore(path, state)
     restored.into_model(model, model_cfg, sampler, sampler_state)
     start.state = None   # the tensors are in the model now (or held by `restored`); the start's step stays
