@@ -54,6 +54,8 @@
 # recipe with RoPE base 5,000,000, a run of its own beside mixed-digits-whole: mixed-digits-5m (~5 min),
 # mixed-digits-5m-long (~5 min), mixed-digits-5m-eval (~1.3 min); and from seed 2,026, the same three
 # cases of mixed-digits-seed2026; and with every question at its document's end, mixed-digits-last.
+# And the recipe's stage 1 in 8,192-token windows with our kernel (mixed-digits-warm8k ~5 min), its
+# stage 2 branched from it at 32,768 (mixed-digits-warm8k-long ~5 min), mixed-digits-warm8k-eval.
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -304,6 +306,12 @@ mixed-digits-5m-long|mixed-digits-seed2026-long|mixed-digits-last-long)
   name=${1%-long}; with="${RECIPE_WITH[$name]}[@]"
   after_stage_1 "$name" 2900; train "$name" long-context-retrieval-long continue "${!with}" ;;
 mixed-digits-5m-eval|mixed-digits-seed2026-eval|mixed-digits-last-eval) evaluate "${1%-eval}" flash 12 mixed-digits-whole ;;
+# the README's recipe with its stage 1 in 8,192-token windows, 4 a step (naive's H100 preset with our
+# kernel, run mixed-digits-8k), and its stage 2 branched from that at 32,768 tokens (a branch may change
+# trainer.seq_len): at a fifth of the tokens the 8K windows had learned retrieval where 32K had not
+mixed-digits-warm8k) shift; train mixed-digits-8k long-context-mixed-naive-h100 "$@" attention=flash ;;
+mixed-digits-warm8k-long) branch_of mixed-digits-8k mixed-digits-warm8k long-context-retrieval-long ;;
+mixed-digits-warm8k-eval) evaluate mixed-digits-warm8k flash 12 mixed-digits-whole ;;
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document
@@ -362,6 +370,6 @@ compare)
   esac
   python3 scripts/compare_runs.py "${runs[@]/#/$EVALS/long_context_passkey_}" --out "$EVALS" --name "$name" 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-digits-{5m,seed2026,last} [continue] | mixed-digits-{5m,seed2026,last}-long | mixed-digits-{5m,seed2026,last}-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | mixed-naive-flash [continue] | mixed-naive-flash-long | mixed-naive-flash-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-digits-{5m,seed2026,last} [continue] | mixed-digits-{5m,seed2026,last}-long | mixed-digits-{5m,seed2026,last}-eval | mixed-digits-warm8k [continue] | mixed-digits-warm8k-long | mixed-digits-warm8k-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | mixed-naive-flash [continue] | mixed-naive-flash-long | mixed-naive-flash-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
 esac
 step done
