@@ -113,9 +113,11 @@ def test_a_branch_may_extend_the_context_which_a_continued_run_may_not(tmp_path,
     after = branched["sampler"]   # 4 steps of 2 windows on from the carried position
     assert after["epoch"] > epoch or abs((after["cursor"] - 8) / after["n_windows"] - fraction) < 0.05
     continued = copy_run(short, tmp_path / "continued")
-    assert run_in_process(tiny_overrides(continued, cache_dir, steps=12, resume="auto", allow_changes="[trainer.max_steps]",
-                                         **{"trainer.seq_len": 64})) == 2
-    assert "seq_len=32 but this run has seq_len=64" in last_error(capsys)
+    for changed_data in ({}, {"data.max_bytes": 1_500_000, "data.allow_changed": "true"}):   # carried, not re-cut
+        assert run_in_process(tiny_overrides(continued, cache_dir, steps=12, resume="auto",
+                                             allow_changes="[trainer.max_steps]",
+                                             **{"trainer.seq_len": 64, **changed_data})) == 2
+        assert "seq_len=32 but this run has seq_len=64" in last_error(capsys)
 
 
 def test_a_foreign_checkpoint_in_the_folder_is_never_pruned_counted_or_resumed(two_runs, tmp_path, cache_dir, caplog):

@@ -346,14 +346,16 @@ def check_model_config(path: str | Path, saved: dict, current: dict) -> None:
 
 # ----------------------------------------------------------------------------- putting it back
 
-def _sampler_state_carried(saved: dict, sampler) -> dict:
-    """The saved position carried over to a changed corpus or window length: same epoch, same
-    fraction of it."""
-    if int(saved["n_windows"]) == sampler.n_windows and int(saved["seq_len"]) == sampler.seq_len:
+def _sampler_state_carried(saved: dict, sampler, other_length: bool) -> dict:
+    """The saved position carried over to a changed corpus, and with `other_length` (a branch's) to
+    windows of the sampler's length: same epoch, same fraction of it. Without it a saved length other
+    than the sampler's stays, for the sampler to refuse."""
+    length = sampler.seq_len if other_length else int(saved["seq_len"])
+    if int(saved["n_windows"]) == sampler.n_windows and int(saved["seq_len"]) == length:
         return saved
     in_epoch = len(sampler.order(int(saved["epoch"])))   # this epoch's windows on the new data
     cursor = int(saved["cursor"]) * in_epoch // max(1, int(saved["n_windows"]))
-    return {**saved, "n_windows": sampler.n_windows, "seq_len": sampler.seq_len,
+    return {**saved, "n_windows": sampler.n_windows, "seq_len": length,
             "cursor": min(cursor, in_epoch - sampler.world_size)}
 
 
@@ -390,8 +392,9 @@ def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictCon
 
     Refuses another model config and a checkpoint of other data (the sampler position would index
     different tokens) unless `data.allow_changed`, which continues at the same point of the epoch on
-    the new data; a branch in windows of another length continues at that point too. Another tokenizer was refused as soon as it was built, before the corpus was
-    tokenized with it (`check_tokenizer`).
+    the new data; a branch in windows of another length continues at that point too. Another
+    tokenizer was refused as soon as it was built, before the corpus was tokenized with it
+    (`check_tokenizer`).
     """
     if start.state is None:
         return Restore(), None
@@ -399,20 +402,21 @@ def restore(start: Start, *, model, sampler, data_fingerprint: str, cfg: DictCon
     check_model_config(path, state["config"].get("model", {}), model_cfg)
     saved_fp = state["config"].get("run", {}).get("data_fingerprint")
     sampler_state, change = state["sampler"], None
+    # a branch that extends (or cuts) the context: its position carries over; a continuation's is refused
+    other_length = start.event == "branch" and int(sampler_state["seq_len"]) != sampler.seq_len
+    if other_length:
+        log.warning("branch from %s in windows of %d tokens, not the checkpoint's %d: the data position carries over "
+                    "as the same fraction of its epoch", path, sampler.seq_len, int(sampler_state["seq_len"]))
     if saved_fp != data_fingerprint:
         if not cfg.data.get("allow_changed", False):
             raise CheckpointError(f"checkpoint {path} was trained on data {saved_fp}, this run reads "
                                   f"{data_fingerprint}: the corpus changed; pass data.allow_changed=true to continue on the new data")
         log.warning("data changed since %s: %s -> %s; continuing (data.allow_changed=true)", path, saved_fp,
                     data_fingerprint)
-        sampler_state = _sampler_state_carried(sampler_state, sampler)
         change = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "step": state["step"],
                   "checkpoint": str(path), "from": saved_fp, "to": data_fingerprint}
-    saved_len = int(sampler_state.get("seq_len", sampler.seq_len))
-    if start.event == "branch" and saved_len != sampler.seq_len:   # a branch that extends (or cuts) the context
-        log.warning("branch from %s in windows of %d tokens, not the checkpoint's %d: the data position carries over "
-                    "as the same fraction of its epoch", path, sampler.seq_len, saved_len)
-        sampler_state = _sampler_state_carried(sampler_state, sampler)
+    if change or other_length:
+        sampler_state = _sampler_state_carried(sampler_state, sampler, other_length)
     restored = Restore(path, state)
     restored.into_model(model, model_cfg, sampler, sampler_state)
     start.state = None   # the tensors are in the model now (or held by `restored`); the start's step stays
