@@ -20,6 +20,7 @@ Writes <out>/loss_by_position_<name>.{json,md,png} (<name>_docmask with the mask
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
@@ -105,6 +106,14 @@ def main(argv: list[str]) -> None:
     windows = "; ".join(f"{r['name']}: {r['windows']} windows of {r['seq_len']:,} tokens" for r in curves)
     write_text(stem.with_suffix(".md"), f"Loss by position, {name}, {bundle.fingerprint} (held-out tokens {digest}), "
                f"{windows}, {'with' if mask else 'without'} the document mask\n\n" + markdown_table(headers, rows))
+    plot_curves(result, stem.with_suffix(".png"))
+    print(f"wrote {stem}.{{json,md,png}}")
+
+
+def plot_curves(result: dict, path: Path) -> None:
+    """A result's curve and the one beside it (if any) on one axes, from the result alone."""
+    curves = [result] + ([result["beside"]] if result.get("beside") else [])
+    headers, _ = loss_table(curves)
     fig, axes = new_figure(figsize=(7, 4))
     ax = axes[0][0]
     for curve, label in zip(curves, headers[1:]):
@@ -112,11 +121,11 @@ def main(argv: list[str]) -> None:
                 marker="o", ms=3, label=label)
     ax.set_xlabel("token position in window")
     ax.set_ylabel("mean validation loss (nats)")
-    ax.set_title(f"loss by position ({cfg.model.name}, {bundle.fingerprint.split('/')[0]})", fontsize=9)
+    ax.set_title(f"loss by position ({result['model']}, {result['data'].split('/')[0]})", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, stem.with_suffix(".png"))
-    print(f"wrote {stem}.{{json,md,png}}")
+    # below the axes: inside, it hid the end of a short curve drawn beside a long one
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -189,14 +189,21 @@ def test_a_length_past_the_position_table_does_not_fit():
     assert (hits, peak) == (None, None) and why == "13 tokens exceed model.max_seq_len=10"
 
 
-def test_loss_curves_beside_each_other_must_share_their_held_out_tokens(trained, tmp_path):
+def test_loss_curves_beside_each_other_must_share_their_held_out_tokens(trained, tmp_path, monkeypatch):
     run_dir, _ = trained
     common = [str(run_dir), "--device", "cpu", "--batches", "2", "--out", str(tmp_path)]
     eval_loss_by_position.main(common + ["--name", "a", "--bucket-tokens", "16"])
+    figures = []
+    save = eval_loss_by_position.save_figure
+    monkeypatch.setattr(eval_loss_by_position, "save_figure", lambda fig, path: (figures.append(fig), save(fig, path)))
     eval_loss_by_position.main(common + ["--name", "b", "--seq-len", "32", "--bucket-tokens", "16",
                                          "--beside", str(tmp_path / "loss_by_position_a.json")])
     b = json.loads((tmp_path / "loss_by_position_b.json").read_text())
     assert b["beside"]["name"] == "a" and len(b["beside"]["buckets"]) == 4 and len(b["buckets"]) == 2
+    (fig,) = figures   # the legend hides no point: it is outside the axes (inside, it had hidden a curve's end)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
     other = json.loads((tmp_path / "loss_by_position_a.json").read_text()) | {"validation": "0" * 16}
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="was evaluated on other held-out tokens"):
