@@ -71,7 +71,7 @@ def main(argv: list[str]) -> dict:
                         help="file stem of the .md and .png (default compare)")
     args = parser.parse_args(argv)
 
-    from training.run.records import comparison, differing_keys, find_runs
+    from training.run.records import LABEL_KEYS, comparison, differing_keys, find_runs
 
     runs = find_runs(args.runs)
     root = args.runs[0] if len(args.runs) == 1 and not (args.runs[0] / "metrics.jsonl").exists() else None
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> dict:
     write_text(stem.with_suffix(".md"), f"# {title}\n\nRuns: {', '.join(str(p) for p in args.runs)}. Compared "
                f"{meta['date']} at commit {meta['git_commit']} (`{meta['command']}`).\n\n"
                + markdown_table(headers, rows))
-    plot(runs, keys, stem.with_suffix(".png"), title if len(keys) <= 3 else
+    plot(runs, keys, stem.with_suffix(".png"), title if len(keys) <= LABEL_KEYS else
          f"{len(runs)} run(s): {len(keys)} config keys differ ({stem.name}.md lists them)")
     print(f"wrote {stem}.md, .json, .png")
     return {"headers": headers, "rows": rows, "keys": keys}

@@ -148,7 +148,10 @@ def key_label(key: str) -> str:
     return group if leaf == "name" and group else leaf
 
 
-def run_label(run: RunRecord, keys: list[str], most: int = 3) -> str:
+LABEL_KEYS = 3   # differing keys a legend entry names; the table names them all
+
+
+def run_label(run: RunRecord, keys: list[str], most: int = LABEL_KEYS) -> str:
     """The run's folder name and its values of the first `most` keys that differ: a plot legend entry
     (runs differing in many keys, as two recipes do, would otherwise get a legend wider than the
     figure; the table lists them all)."""
