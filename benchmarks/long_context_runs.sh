@@ -264,6 +264,21 @@ branch_of() {
   train "$name" "$@"
 }
 
+# the README's recipe, both stages, with one change in a run of its own (RECIPE_WITH: the run -> the array
+# of its overrides; adding one there adds its three cases), drawn beside mixed-digits-whole (its BPE, so
+# its loss curve too): RoPE base 5,000,000 (is the fading of the slow pairs' match over 16-32K what the
+# far slips are?), another seed, and every question at its document's end
+variant=${1:-}; variant=${variant%-long}; variant=${variant%-eval}
+if [[ -n $variant && -n ${RECIPE_WITH[$variant]:-} ]]; then
+  with="${RECIPE_WITH[$variant]}[@]"
+  case $1 in
+  *-long) after_stage_1 "$variant" 2900; train "$variant" long-context-retrieval-long continue "${!with}" ;;
+  *-eval) evaluate "$variant" flash 12 mixed-digits-whole ;;
+  *) shift; train "$variant" long-context-retrieval "$@" "${!with}" ;;
+  esac
+  step done
+  exit 0
+fi
 case "${1:-}" in
 flash) shift; train flash long-context-passkey "$@" ;;
 dense) dense ;;
@@ -296,16 +311,6 @@ mixed-digits-whole) branch_of mixed-digits mixed-digits-whole long-context-retri
 mixed-digits-whole-eval) evaluate mixed-digits-whole flash 12 mixed-digits ;;
 mixed-digits-longer) branch_of mixed-digits mixed-digits-longer long-context-retrieval-long trainer.max_steps=4100 ;;
 mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits-whole ;;
-# the README's recipe, both stages, with one change in a run of its own (RECIPE_WITH: the run -> the array
-# of its overrides), drawn beside mixed-digits-whole (its BPE, so its loss curve too): RoPE base 5,000,000
-# (is the fading of the slow pairs' match over 16-32K what the far slips are?), another seed, and
-# every question at its document's end
-mixed-digits-5m|mixed-digits-seed2026|mixed-digits-last)
-  with="${RECIPE_WITH[$1]}[@]"; name=$1; shift; train "$name" long-context-retrieval "$@" "${!with}" ;;
-mixed-digits-5m-long|mixed-digits-seed2026-long|mixed-digits-last-long)
-  name=${1%-long}; with="${RECIPE_WITH[$name]}[@]"
-  after_stage_1 "$name" 2900; train "$name" long-context-retrieval-long continue "${!with}" ;;
-mixed-digits-5m-eval|mixed-digits-seed2026-eval|mixed-digits-last-eval) evaluate "${1%-eval}" flash 12 mixed-digits-whole ;;
 # the README's recipe with its stage 1 in 8,192-token windows, 4 a step (naive's H100 preset with our
 # kernel, run mixed-digits-8k), and its stage 2 branched from that at 32,768 tokens (a branch may change
 # trainer.seq_len): at a fifth of the tokens the 8K windows had learned retrieval where 32K had not
@@ -370,6 +375,6 @@ compare)
   esac
   python3 scripts/compare_runs.py "${runs[@]/#/$EVALS/long_context_passkey_}" --out "$EVALS" --name "$name" 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | mixed-digits-{5m,seed2026,last} [continue] | mixed-digits-{5m,seed2026,last}-long | mixed-digits-{5m,seed2026,last}-eval | mixed-digits-warm8k [continue] | mixed-digits-warm8k-long | mixed-digits-warm8k-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | mixed-naive-flash [continue] | mixed-naive-flash-long | mixed-naive-flash-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | RUN [continue] | RUN-long | RUN-eval, RUN one of: ${!RECIPE_WITH[*]} | mixed-digits-warm8k [continue] | mixed-digits-warm8k-long | mixed-digits-warm8k-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | mixed-naive-flash [continue] | mixed-naive-flash-long | mixed-naive-flash-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
 esac
 step done
