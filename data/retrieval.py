@@ -152,14 +152,13 @@ def dense_document(length: int, pairs: int, key_digits: int, rng: np.random.Gene
     return text, found
 
 
-def _pad(text: str, budget: int, words: list[str], count_tokens: Callable[[str], int],
-         have: int | None = None) -> str:
+def _pad(text: str, budget: int, words: list[str], count_tokens: Callable[[str], int], have: int) -> str:
     """`text` with background words (then the shortest pieces that do not merge with what precedes
-    them) after it up to exactly `budget` tokens. `have`: text's count where the caller has it (the
-    sum of its pieces'), which spares encoding the whole text once more (a third of a passkey build);
-    where that sum is not the text's count (a tokenizer merging across pieces) and the padded text
-    misses the budget, the padding is redone from the text's own count."""
-    for start in ([have] if have is not None else []) + [None]:
+    them) after it up to exactly `budget` tokens. `have`: text's count as the caller summed it from
+    its pieces, which spares encoding the whole text once more (a third of a passkey build); where
+    that sum is not the text's count (a tokenizer merging across pieces) and the padded text misses
+    the budget, the padding is redone from the text's own count."""
+    for start in (have, None):
         padded = _fill(text, count_tokens(text) if start is None else start, budget, words, count_tokens)
         if (got := count_tokens(padded)) == budget:
             return padded

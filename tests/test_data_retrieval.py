@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from data.passkey import KEY_SENTENCE, QUESTION, passkey_prompt
-from data.retrieval import _pad, dense_document, question_text, statement_text
+from data.retrieval import _fill, _pad, dense_document, question_text, statement_text
 from data.sampler import windows_to_batch
 from data.sources.files import FilesSource
 from data.sources.passkey import PasskeySource
@@ -163,8 +163,8 @@ def test_padding_from_the_callers_count_is_padding_from_the_texts_own(bpe):
 
     words = [" alpha", " beta", " gamma", " delta", " epsilon"]
     text = " ".join(f"The key of bako{i} is {i:05d}." for i in range(8))
-    want = _pad(text, 400, words, count)
-    assert count(want) == 400 and want.startswith(text) and len(long_texts) == 3   # text, padded, the check's
+    want = _fill(text, count(text), 400, words, count)   # padded from the text's own count
+    assert count(want) == 400 and want.startswith(text) and len(long_texts) == 2   # text, and this check
     long_texts.clear()
     assert _pad(text, 400, words, count, len(bpe.encode(text))) == want and len(long_texts) == 1
     for off in (-3, 5):
