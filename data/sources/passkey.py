@@ -111,7 +111,7 @@ class PasskeySource:
             source.fingerprint += "-runs"
         return source
 
-    def _layout(self) -> list[tuple[str, int, int | None]]:
+    def layout(self) -> list[tuple[str, int, int | None]]:
         """(name, length in tokens, keys) of each document, in order: unit i of `length` tokens whole,
         or cut into pieces[k] documents of equal length with piece_pairs[k] keys each (k = i mod the
         list's length; `pairs` keys without piece_pairs)."""
@@ -123,12 +123,12 @@ class PasskeySource:
 
     def names(self) -> list[str]:
         """The documents' names, in order, without building their texts."""
-        return [name for name, _, _ in self._layout()]
+        return [name for name, _, _ in self.layout()]
 
     def documents(self) -> Iterator[tuple[str, str]]:
         rng = np.random.default_rng(self.seed)
         if self.kind == "dense":
-            for name, length, keys in self._layout():
+            for name, length, keys in self.layout():
                 yield name, dense_document(length, keys, self.key_digits, rng, self.count_tokens, self.ask_last)[0]
             return
         for i, name in enumerate(self.names()):
