@@ -82,6 +82,7 @@ RUNS=runs/long-context
 EVALS=${EVALS:-benchmarks/evals}   # where the committed results are (read by naive-eval and compare)
 LENGTHS="2048 4096 8192 16384 32768"
 DEPTHS="0 0.1 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 1"
+PRECISION_LENGTHS=${PRECISION_LENGTHS:-"2048 4096 8192 16384"}   # EVAL_PRECISION's grid (evaluate says why)
 step() { echo "=== $(date +%T) $*" | tee -a "$LOG"; }
 left() { echo $(( DEADLINE - $(date +%s) )); }
 # run SECONDS CMD...: CMD under a timeout of SECONDS, or of what is left before the deadline
@@ -147,12 +148,15 @@ evaluate() {
   # shellcheck disable=SC2086 (the lengths and depths are words)
   run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
     --depths $DEPTHS --trials 20 --name "$stem" --out "$OUT" "${passkey_beside[@]}"
-  # EVAL_PRECISION=fp32: the same grid again with the forwards in float32 (flash's products in IEEE
-  # fp32, ~3-4 min on an H100), beside the bf16 one: does bf16's rounding decide the wrong answers?
+  # EVAL_PRECISION=fp32: the same grid again with the forwards in float32, beside the bf16 one: does
+  # bf16's rounding decide the wrong answers? Flash's products in IEEE fp32 run without tensor cores:
+  # 2K-16K fit in 470 s on an H100 (mixed-digits-last), 32K alone would take ~20 min, so its lengths
+  # are PRECISION_LENGTHS' (2K-16K unless set; 32K: eval_passkey.py --precision fp32 --lengths 32768
+  # with a few --depths, in a call of its own)
   [[ -n ${EVAL_PRECISION:-} ]] || return 0
   step "$name: passkey grid, $attention attention in $EVAL_PRECISION"
   # shellcheck disable=SC2086
-  run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
+  run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $PRECISION_LENGTHS \
     --depths $DEPTHS --trials 20 --precision "$EVAL_PRECISION" --name "$stem-$EVAL_PRECISION" --out "$OUT" \
     --beside "$OUT/passkey_$stem.json"
 }
