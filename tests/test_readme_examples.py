@@ -36,6 +36,8 @@ NOT_RUN = {
                                     "6 minutes on a CPU (test_data_scripts.py runs the tool on a small run)",
     ("eval_passkey", "runs/dense"): "evaluates the dense curriculum of docs/long-context.md, whose three stages "
                                     "train for about 15 minutes on a CPU (test_data_scripts.py runs the tool on a small run)",
+    ("eval_passkey_documents", "runs/retrieval"): "reads the README recipe's run, about 11 minutes of an H100 "
+                                                   "(test_long_context_passkey.py runs the tool on the mixed CPU variant)",
     ("eval_loss_by_position", "--beside"): "needs runs/a's own result under outputs/eval/ first "
                                            "(test_long_context_passkey.py runs both)",
     ("bench_ring_balance", ""): "about a minute of counting (test_bench_ring_balance.py runs it smaller)",

@@ -13,6 +13,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import data_stats  # noqa: E402
 import eval_loss_by_position  # noqa: E402
 import eval_passkey  # noqa: E402
+import eval_passkey_documents  # noqa: E402
 import max_context  # noqa: E402
 from _common import run_cli  # noqa: E402
 
@@ -56,6 +57,18 @@ def test_eval_passkey_refuses_bad_arguments(trained, tmp_path, monkeypatch, caps
                                      *args], monkeypatch, capsys)
     assert message in line, line
     assert out.read_text() == SENTINEL
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lengths", "64", "--docs", "0"], "error: --docs 0: must be a positive integer"),
+    (["--lengths", "64"], "trained on data=stdlib without dense passkey documents"),
+], ids=["docs-0", "no-passkey-documents"])
+def test_eval_passkey_documents_refuses_a_run_without_its_questions(trained, tmp_path, monkeypatch, capsys, args,
+                                                                     message):
+    line = run_script(eval_passkey_documents, [str(trained), "--device", "cpu", "--out", str(tmp_path), "--name", "t",
+                                               *args], monkeypatch, capsys)
+    assert message in line, line
+    assert not list(tmp_path.glob("passkey_documents_*"))
 
 
 @pytest.mark.parametrize("flag", ["--batches", "--buckets", "--batch-size", "--seq-len"])
