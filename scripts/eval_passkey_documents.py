@@ -8,7 +8,8 @@ dense-retrieval documents (data.passkey.kind=dense, data/retrieval.py) can answe
 and still miss those prompts. This tool scores, teacher-forced as eval_passkey does, the question of
 documents of the run's own settings, at each length:
 
-- seen: the first `--docs` documents of that length the run trained on (its data.passkey, seed and all);
+- seen: the first `--docs` documents of that length in the run's data (its data.passkey, seed and all),
+  trained on once the run has gone through its passkey units;
 - fresh: as many documents built the same way from another seed, keys the model never saw.
 
 Seen right and fresh wrong: the model remembers its training keys (it cycled through them for
@@ -27,9 +28,12 @@ import numpy as np
 
 from _common import environment, markdown_table, print_table, require_positive, run_cli, write_json, write_text
 from _eval import add_checkpoint_args, load_for_eval, run_name
+from data.passkey import QUESTION_FORM
 from training.loop.evaluate import answer_predictions
 
-QUESTION = re.compile(r" What is the (\w+) key\? The \1 key is(?= (\d+)\.)")
+# a question of data/passkey.py's form and its answer: " What is the bako key? The bako key is 12345."
+QUESTION = re.compile(" " + re.escape(QUESTION_FORM).replace(re.escape("{name}"), r"(\w+)", 1)
+                      .replace(re.escape("{name}"), r"\1") + r"(?= (\d+)\.)")
 
 
 def question_ids(text: str, tokenizer) -> tuple[list[int], list[int]]:
