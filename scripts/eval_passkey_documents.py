@@ -112,13 +112,19 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"--lengths {missing[0]}: the run has no document of that length "
                          f"(it trained on {', '.join(f'{n:,}' for n in sorted(trained))})")
     precision = args.precision or cfg.trainer.precision
-    seen = seen_documents(source, set(args.lengths), args.docs)
+    # every document first: a length that holds none is refused before any forward
+    documents = {n: {"seen": texts} for n, texts in seen_documents(source, set(args.lengths), args.docs).items()}
+    for length in args.lengths + args.fresh_lengths:
+        try:
+            fresh = fresh_documents(source, length, args.docs, args.seed + length)
+        except ValueError as exc:
+            flag = "--lengths" if length in trained else "--fresh-lengths"
+            raise ValueError(f"{flag} {length}: {str(exc).split(': ', 1)[-1]}") from None
+        documents.setdefault(length, {})["fresh"] = fresh
     rows = []
     for length in args.lengths + args.fresh_lengths:
         row = {"length": length, "trained_at": length in trained}
-        groups = {"seen": seen[length]} if length in seen else {}
-        groups["fresh"] = fresh_documents(source, length, args.docs, args.seed + length)
-        for group, texts in groups.items():
+        for group, texts in documents[length].items():
             row[group], row[f"{group}_wrong"] = score(model, texts, tokenizer, device, precision)
             row[f"{group}_docs"] = len(texts)
         rows.append(row)

@@ -565,6 +565,10 @@ def test_the_mixed_cpu_variant_trains_and_writes_the_grid(tmp_path, cache_dir): 
     assert [(r["length"], r["trained_at"], "seen" in r) for r in rows] == [(128, True, True), (512, True, True),
                                                                            (300, False, False)]
     assert all(0 <= r[k] <= 1 and r[f"{k}_docs"] == 2 for r in rows for k in ("seen", "fresh") if k in r)
+    with pytest.raises(ValueError, match=r"^--fresh-lengths 50: a dense document needs at least \d+ tokens"):
+        eval_passkey_documents.main([str(run), "--lengths", "128", "--fresh-lengths", "50", "--out", str(out / "short"),
+                                     "--name", "mixed"])
+    assert not (out / "short").exists()   # refused before any document was scored
 
 
 @pytest.mark.parametrize("ask_last", [False, True])
