@@ -9,8 +9,10 @@ the model's most likely next token is right at every position of the key, which 
 when greedy decoding would write the key. Writes <out>/passkey_<name>.{json,md,png}. The JSON also
 keeps each cell's share of answer tokens ranked first and every wrong answer beside its key, and the
 Markdown counts the wrong answers by kind: a copy of the key garbled in one digit or in more, or no
-number of the key's length at all (a near miss and a failed retrieval fail a cell alike), and pools the
-cells by the key's distance from the question ((1 - depth) x length) in bands that double.
+number of the key's length at all (a near miss and a failed retrieval fail a cell alike), and where the
+one-digit slips' wrong digit came from (the key's neighbouring digit, another of its digits, or none of
+them, beside chance: a copy landing one token off, or noise), and pools the cells by the key's distance
+from the question ((1 - depth) x length) in bands that double.
 
 A length the model cannot take is a "does not fit" cell, never a zero: one whose sequence is
 longer than the model's model.max_seq_len, or one whose forward pass runs out of memory (on a GPU,
@@ -100,6 +102,29 @@ def miss_kind(key: str, predicted: str) -> str:
     return MISS_KINDS[2]
 
 
+# Where a one-digit slip's wrong digit came from, told in this order: the key's digit just before the
+# slipped one, the one just after it, another of the key's digits, or a digit the key does not hold.
+SLIP_SOURCES = ("the digit before", "the digit after", "another digit of the key", "not in the key")
+
+
+def slip_source(key: str, predicted: str) -> tuple[str, list[float]]:
+    """Where a one-digit-wrong answer's wrong digit came from (one of SLIP_SOURCES), and each source's
+    chance for a wrong digit drawn at random from the other nine: the yardstick that tells a copy
+    landing one token off (the first two far above chance) from noise in one digit."""
+    said = predicted.strip()
+    i = next(k for k, (a, b) in enumerate(zip(said, key)) if a != b)
+
+    def source(digit: str) -> str:
+        if i > 0 and key[i - 1] == digit:
+            return SLIP_SOURCES[0]
+        if i + 1 < len(key) and key[i + 1] == digit:
+            return SLIP_SOURCES[1]
+        return SLIP_SOURCES[2] if digit in key else SLIP_SOURCES[3]
+
+    others = [d for d in "0123456789" if d != key[i]]
+    return source(said[i]), [sum(source(d) == s for d in others) / len(others) for s in SLIP_SOURCES]
+
+
 def record_length(result: dict, j: int, keys: list[tuple[int, str]], trials, predictions, tokenizer) -> None:
     """One length's cells into `result`: accuracy (every answer token ranked first), the share of
     answer tokens ranked first (partial copies show there), and each wrong trial with what it said.
@@ -112,8 +137,11 @@ def record_length(result: dict, j: int, keys: list[tuple[int, str]], trials, pre
     for (i, key), (_, answer), predicted in zip(keys, trials, predictions):
         if predicted != answer:
             said = tokenizer.decode(predicted)
-            result["misses"].append({"length": result["lengths"][j], "depth": result["depths"][i], "key": key,
-                                     "predicted": said, "kind": miss_kind(key, said)})
+            miss = {"length": result["lengths"][j], "depth": result["depths"][i], "key": key, "predicted": said,
+                    "kind": miss_kind(key, said)}
+            if miss["kind"] == MISS_KINDS[0]:
+                miss["slip"] = slip_source(key, said)[0]
+            result["misses"].append(miss)
 
 
 def misses_markdown(result: dict) -> str:
@@ -129,7 +157,21 @@ def misses_markdown(result: dict) -> str:
         rows.append((f"{n:,}", f"{len(here)} of {len(result['depths']) * result['trials']}",
                      *(str(sum(m["kind"] == kind for m in here)) for kind in MISS_KINDS), example))
     return ("\n\nThe wrong answers (the answer token the model ranks first at each position, teacher-forced, "
-            "decoded):\n\n" + markdown_table(["length", "wrong", *MISS_KINDS, "e.g. key -> said"], rows))
+            "decoded):\n\n" + markdown_table(["length", "wrong", *MISS_KINDS, "e.g. key -> said"], rows)
+            + slips_markdown(result["misses"]))
+
+
+def slips_markdown(misses: list[dict]) -> str:
+    """The grid's one-digit slips pooled by where the wrong digit came from, each beside what wrong
+    digits drawn at random would give (computed from each miss's key and answer, so a result from
+    before the slips were recorded reads the same)."""
+    slips = [slip_source(m["key"], m["predicted"]) for m in misses if m["kind"] == MISS_KINDS[0]]
+    if not slips:
+        return ""
+    counts = [f"{name} {sum(s == name for s, _ in slips)} ({sum(c[k] for _, c in slips):.1f})"
+              for k, name in enumerate(SLIP_SOURCES)]
+    return (f"\n\nThe {len(slips)} one-digit slips by where the wrong digit came from (in brackets, what as many "
+            f"wrong digits drawn at random from the other nine would give): {', '.join(counts)}.")
 
 
 def by_distance(result: dict) -> list[dict]:

@@ -130,8 +130,29 @@ def test_wrong_answers_are_told_apart():
     eval_passkey.record_length(result, 0, [(0, "24680"), (0, "13579")], [([1], a) for a in answers], said, tok)
     assert result["accuracy"] == [[0.5]] and result["answer_tokens_right"] == [[(1 + 5 / 6) / 2]]
     assert result["misses"] == [{"length": 256, "depth": 0.5, "key": "13579", "predicted": " 13570",
-                                 "kind": "one digit wrong"}]
+                                 "kind": "one digit wrong", "slip": "not in the key"}]
     assert "| 256 | 1 of 2 | 1 | 0 | 0 | 13579 -> '13570' |" in eval_passkey.misses_markdown(result)
+
+
+def test_one_digit_slips_are_told_by_where_the_wrong_digit_came_from():
+    """A slip's wrong digit is the key's digit before the slipped one, the one after, another of its
+    digits, or none of them (checked in that order), each beside its chance for a wrong digit drawn at
+    random from the other nine; the Markdown pools them over the grid, from keys and answers alone."""
+    before, after, elsewhere, outside = eval_passkey.SLIP_SOURCES
+    assert eval_passkey.slip_source("68333", " 66333") == (before, [1 / 9, 1 / 9, 0.0, 7 / 9])
+    assert eval_passkey.slip_source("92067", " 90067") == (after, [1 / 9, 1 / 9, 2 / 9, 5 / 9])
+    assert eval_passkey.slip_source("13579", " 13571") == (elsewhere, [1 / 9, 0.0, 3 / 9, 5 / 9])
+    assert eval_passkey.slip_source("13579", " 23579") == (outside, [0.0, 1 / 9, 3 / 9, 5 / 9])
+    # the first digit has no digit before it; a digit both before and after counts as before
+    assert eval_passkey.slip_source("12121", " 12111")[0] == before
+    misses = [{"key": "68333", "predicted": " 66333", "kind": "one digit wrong"},
+              {"key": "13579", "predicted": " 23579", "kind": "one digit wrong"},
+              {"key": "13579", "predicted": " 97531", "kind": "several digits wrong"}]
+    assert eval_passkey.slips_markdown(misses).endswith(
+        "The 2 one-digit slips by where the wrong digit came from (in brackets, what as many wrong digits drawn at "
+        "random from the other nine would give): the digit before 1 (0.1), the digit after 0 (0.2), another digit "
+        "of the key 0 (0.3), not in the key 1 (1.3).")
+    assert eval_passkey.slips_markdown(misses[2:]) == ""
 
 
 def test_passkey_scoring_matches_greedy_decoding():
