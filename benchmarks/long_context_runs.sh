@@ -55,7 +55,8 @@
 # mixed-digits-5m-long (~5 min), mixed-digits-5m-eval (~1.3 min); and from seed 2,026, the same three
 # cases of mixed-digits-seed2026; and with every question at its document's end, mixed-digits-last.
 # And the recipe's stage 1 in 8,192-token windows with our kernel (mixed-digits-warm8k ~5 min), its
-# stage 2 branched from it at 32,768 (mixed-digits-warm8k-long ~5 min), mixed-digits-warm8k-eval.
+# stage 2 branched from it at 32,768 (mixed-digits-warm8k-long ~5 min), mixed-digits-warm8k-eval; the
+# same three from seed 2,026 (mixed-digits-warm8k-seed2026[-long|-eval], beside mixed-digits-seed2026).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -321,6 +322,11 @@ mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits-who
 mixed-digits-warm8k) shift; train mixed-digits-8k long-context-mixed-naive-h100 "$@" attention=flash ;;
 mixed-digits-warm8k-long) branch_of mixed-digits-8k mixed-digits-warm8k long-context-retrieval-long ;;
 mixed-digits-warm8k-eval) evaluate mixed-digits-warm8k flash 12 mixed-digits-whole ;;
+# the same from seed 2,026, drawn beside the 32K stage 1's run from that seed (mixed-digits-seed2026,
+# 133 wrong of 1,100 where seed 1,337 made 20): does the 8K stage 1 make retrieval hold across seeds?
+mixed-digits-warm8k-seed2026) shift; train mixed-digits-8k-seed2026 long-context-mixed-naive-h100 "$@" attention=flash "${MIXED_SEED_2026[@]}" ;;
+mixed-digits-warm8k-seed2026-long) branch_of mixed-digits-8k-seed2026 mixed-digits-warm8k-seed2026 long-context-retrieval-long "${MIXED_SEED_2026[@]}" ;;
+mixed-digits-warm8k-seed2026-eval) evaluate mixed-digits-warm8k-seed2026 flash 12 mixed-digits-seed2026 ;;
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document
@@ -379,6 +385,6 @@ compare)
   esac
   python3 scripts/compare_runs.py "${runs[@]/#/$EVALS/long_context_passkey_}" --out "$EVALS" --name "$name" 2>&1 | tee -a "$LOG"
   ;;
-*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | RUN [continue] | RUN-long | RUN-eval, RUN one of: ${!RECIPE_WITH[*]} | mixed-digits-warm8k [continue] | mixed-digits-warm8k-long | mixed-digits-warm8k-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | mixed-naive-flash [continue] | mixed-naive-flash-long | mixed-naive-flash-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
+*) echo "usage: $0 flash|naive [continue] | flash-eval|naive-eval | dense | dense-eval | mixed [continue] | mixed-long | mixed-eval | mixed-scaled[-long|-eval] | mixed-base[-long|-eval] | mixed-digits[-long|-eval] | mixed-digits-whole[-eval] | mixed-digits-longer[-eval] | RUN [continue] | RUN-long | RUN-eval, RUN one of: ${!RECIPE_WITH[*]} | mixed-digits-warm8k[-seed2026] [continue] | mixed-digits-warm8k[-seed2026]-long | mixed-digits-warm8k[-seed2026]-eval | mixed-longer[-eval] | mixed-far[-eval] | mixed-whole[-eval] | mixed-naive [continue] | mixed-naive-long | mixed-naive-eval | mixed-naive-flash [continue] | mixed-naive-flash-long | mixed-naive-flash-eval | recipe-share [continue] | recipe-share-long | recipe-share-eval | compare" >&2; exit 2 ;;
 esac
 step done

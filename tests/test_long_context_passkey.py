@@ -459,29 +459,33 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
         assert ("model.rope_theta=500000" in call) == (first == "mixed-base")   # the preset has it
 
 
-def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path):
+@pytest.mark.parametrize("suffix, seed, beside", [("", "", "mixed-digits-whole"),
+                                                  ("-seed2026", " seed=2026", "mixed-digits-seed2026")])
+def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, suffix, seed, beside):
     """mixed-digits-warm8k: stage 1 is naive's H100 preset (the recipe in 8,192-token windows, 4 a
     step) with attention=flash to its own 1,700 steps; stage 2 the README's stage-2 preset, branched
-    from that run's step 1,700 at its 32,768 tokens; its grid beside mixed-digits-whole's. Read off
+    from that run's step 1,700 at its 32,768 tokens; its grid beside mixed-digits-whole's. With
+    -seed2026 both stages from seed 2,026, beside the 32K stage 1's run from that seed. Read off
     what the script would run."""
     env = script_env(tmp_path, tmp_path / "calls", EVALS=str(tmp_path / "evals"))
-    run_script(tmp_path, env, "mixed-digits-warm8k")
+    run_script(tmp_path, env, f"mixed-digits-warm8k{suffix}")
     (first,) = (tmp_path / "calls").read_text().splitlines()
-    assert "experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed-digits-8k " in first
-    assert first.endswith(" attention=flash") and "max_steps" not in first
-    missing = run_script(tmp_path, env, "mixed-digits-warm8k-long", check=False)
-    assert missing.returncode == 2 and "run 'mixed-digits-8k' first on this machine" in missing.stdout
-    checkpoint = tmp_path / "runs" / "long-context" / "mixed-digits-8k" / "checkpoints" / "step_00001700.pt"
+    assert f"experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed-digits-8k{suffix} " in first
+    assert first.endswith(f" attention=flash{seed}") and "max_steps" not in first
+    missing = run_script(tmp_path, env, f"mixed-digits-warm8k{suffix}-long", check=False)
+    assert missing.returncode == 2 and f"run 'mixed-digits-8k{suffix}' first on this machine" in missing.stdout
+    checkpoint = tmp_path / "runs" / "long-context" / f"mixed-digits-8k{suffix}" / "checkpoints" / "step_00001700.pt"
     checkpoint.parent.mkdir(parents=True)
     checkpoint.write_bytes(b"")
-    run_script(tmp_path, env, "mixed-digits-warm8k-long")
+    run_script(tmp_path, env, f"mixed-digits-warm8k{suffix}-long")
     second = (tmp_path / "calls").read_text().splitlines()[1]
-    assert (f"experiment=long-context-retrieval-long run.dir=runs/long-context/mixed-digits-warm8k "
+    assert (f"experiment=long-context-retrieval-long run.dir=runs/long-context/mixed-digits-warm8k{suffix} "
             f"resume={checkpoint.relative_to(tmp_path)} ") in second and "seq_len" not in second
-    run_script(tmp_path, env, "mixed-digits-warm8k-eval")
+    assert second.endswith(f"trainer.progress=false{seed}")
+    run_script(tmp_path, env, f"mixed-digits-warm8k{suffix}-eval")
     evaluated = "\n".join((tmp_path / "calls").read_text().splitlines()[2:])
-    assert "runs/long-context/mixed-digits-warm8k " in evaluated and "--attention flash" in evaluated
-    assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", evaluated)[:1] == ["mixed-digits-whole"]
+    assert f"runs/long-context/mixed-digits-warm8k{suffix} " in evaluated and "--attention flash" in evaluated
+    assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", evaluated)[:1] == [beside]
 
 
 @pytest.mark.parametrize("name, array, override", [("mixed-digits-5m", "MIXED_BASE_5M", "model.rope_theta=5000000"),
