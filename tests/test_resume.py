@@ -123,6 +123,53 @@ def test_sigterm_saves_after_native_code_replaced_the_handler(tmp_path, cache_di
     assert "SIGTERM received: checkpoint saved at step 5" in result.stdout + result.stderr
 
 
+# A run's first step on a GPU compiles our kernels, and LLVM's handlers went in then (its handler resets
+# to the default action as it runs, so `timeout`'s second SIGTERM, to the process group, could end the
+# run). Here the step compiles kernels for sm_90 instead, in an empty Triton cache, and checks that
+# SIGTERM's C-level handler is the one it had before: without `let_llvm_register_first` it is LLVM's.
+# It then sends SIGTERM twice, as `timeout` does. (Sent from the step's own thread, the two arrive one
+# after the other, and on the CPU LLVM's handler passes each on to Python's too: the handler check is
+# what would fail.)
+FIRST_COMPILE_THEN_TWO_SIGTERMS = """
+import ctypes
+from training.loop.trainer import Trainer
+libc = ctypes.CDLL(None)
+class SigAction(ctypes.Structure):
+    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16), ("flags", ctypes.c_int),
+                ("restorer", ctypes.c_void_p)]
+def sigterm_action():
+    action = SigAction()
+    libc.sigaction(signal.SIGTERM, None, ctypes.byref(action))
+    return action.handler, action.flags
+next_batch, calls = Trainer.next_batch, [0]
+def patched(self):
+    calls[0] += 1
+    if calls[0] == 1:
+        from kernels.gluon.backward import compile_aux_for_sm90
+        before = sigterm_action()
+        compile_aux_for_sm90(64)
+        print("SIGTERM's handler through the first compile:", "kept" if sigterm_action() == before else "replaced")
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return next_batch(self)
+Trainer.next_batch = patched
+"""
+
+
+def test_sigterm_in_the_step_that_first_compiles_a_kernel_saves(tmp_path, cache_dir, monkeypatch):
+    """The stop handlers go in after LLVM's (training/process/signals.py): a first compile
+    mid-step leaves them in place, and two SIGTERMs in that step save it and exit 143."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))   # nothing compiled yet
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)              # compiled, not interpreted
+    run = tmp_path / "run"
+    result = run_killed_at(tiny_overrides(run, cache_dir, steps=20, **{"trainer.ckpt_every": 0}),
+                           FIRST_COMPILE_THEN_TWO_SIGTERMS)
+    output = result.stdout + result.stderr
+    assert "SIGTERM's handler through the first compile: kept" in output, output[-2000:]
+    assert result.returncode == 143, output[-2000:]
+    assert [p.name for p in CheckpointStore(run).list()] == ["step_00000001.pt"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Triton compiles through LLVM there")
 def test_sigterm_saves_in_a_process_that_compiled_its_triton_kernels(tmp_path, cache_dir):
     """The case itself: our kernel in an empty Triton cache, so the run's first step compiles it, and

@@ -196,7 +196,7 @@ class Trainer:
                     self.step, self.tokens = self.step + 1, self.tokens + cadence.tokens_per_step
                     meter.add(cadence.tokens_per_step)
                     bar.update()
-                    stop.reclaim()   # after the step that first compiled a Triton kernel (LLVM's handlers)
+                    stop.reclaim()   # native code may have replaced the handlers during the step
                     stopping = agreed.poll()
                     evaluated, saved = cadence.evaluate(self.step), cadence.save(self.step, stopping)
                     if cadence.log(self.step):

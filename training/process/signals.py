@@ -14,11 +14,14 @@ saving, as for SIGHUP (status 129), instead of training on as an orphan.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
 
 from training.process.exits import FINISHED, INTERRUPTED, stopped_by
+
+log = logging.getLogger(__name__)
 
 
 def launched_by_torchrun() -> bool:
@@ -61,23 +64,46 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def __enter__(self) -> "StopRequest":
+        let_llvm_register_first()
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def reclaim(self) -> None:
-        """Install the handlers again, at each step boundary. Native code may have replaced them:
-        LLVM puts its own on SIGINT and SIGTERM the first time Triton compiles a kernel in the
-        process, and Python's record of the handler does not see it. On an H100 a SIGTERM after
-        that ended the process without its checkpoint (benchmarks/resume/sigterm_h100/). LLVM
-        installs them once a process, so from the boundary after the first compile on the signal
-        is ours again; a signal during that first step is still LLVM's. Two system calls a step."""
+        """Install the handlers again, at each step boundary: other native code may replace them
+        behind Python's back, as LLVM does (`let_llvm_register_first`). Two system calls a step."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def let_llvm_register_first() -> None:
+    """Have LLVM put its signal handlers in now, so that ours, installed after, stay on top.
+
+    LLVM (inside Triton's compiler) installs its own SIGINT and SIGTERM handlers the first time a
+    process runs a compiler pass pipeline, which is the first time it compiles a Triton kernel:
+    during a run's first step, behind Python's back. Its handler resets to the default action as it
+    runs (SA_RESETHAND), so a second SIGTERM right behind the first (`timeout` signals the process,
+    then its group) can end the process at once; on an H100 one ended a run without its checkpoint
+    (benchmarks/resume/sigterm_h100/). LLVM registers once a process, so one empty pipeline here
+    (~2 ms) spends that registration before ours go in: a compile later leaves them in place. Where
+    Triton's compiler cannot be reached (no triton, an API we do not know), `reclaim` at each step
+    boundary still takes the signals back after the step that compiled."""
+    try:
+        from triton._C.libtriton import ir
+        context = ir.context()
+        ir.load_dialects(context)
+        pipeline, module = ir.pass_manager(context), ir.builder(context).create_module()
+        try:
+            pipeline.run(module, "flashtrain-signals")   # triton 3.9 names the pipeline run; older releases do not
+        except TypeError:
+            pipeline.run(module)
+    except Exception as exc:  # noqa: BLE001 (best effort: reclaim() covers every step after the first)
+        log.warning("could not run an empty Triton pipeline before installing the stop handlers (%s): a SIGTERM "
+                    "during the step that first compiles a kernel may end the run without its checkpoint", exc)
 
 
 def stop_reason(signum: int) -> str:
