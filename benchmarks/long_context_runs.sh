@@ -53,7 +53,8 @@
 # two checkpoints, so step 1,700 is gone once mixed-digits' own stage 2 has saved twice. The README's
 # recipe with RoPE base 5,000,000, a run of its own beside mixed-digits-whole: mixed-digits-5m (~5 min),
 # mixed-digits-5m-long (~5 min), mixed-digits-5m-eval (~1.3 min); and from seed 2,026, the same three
-# cases of mixed-digits-seed2026; and with every question at its document's end, mixed-digits-last.
+# cases of mixed-digits-seed2026; with every question at its document's end, mixed-digits-last; and
+# with the slowest quarter of the RoPE pairs still (model.rope_fraction=0.75), mixed-digits-prope.
 # And the recipe's stage 1 in 8,192-token windows with our kernel (mixed-digits-warm8k ~5 min), its
 # stage 2 branched from it at 32,768 (mixed-digits-warm8k-long ~5 min), mixed-digits-warm8k-eval; the
 # same three from seed 2,026 (mixed-digits-warm8k-seed2026[-long|-eval], beside mixed-digits-seed2026).
@@ -222,8 +223,12 @@ MIXED_SEED_2026=(seed=2026)   # the recipe again from another seed (1,337 its ow
 # every question at its document's end, as the eval asks (data/retrieval.py): near keys at the end of 32K
 # documents, where the key right before the question was missed in every run (docs/long-context.md)
 MIXED_ASK_LAST=(data.passkey.ask_last=true)
+# the slowest quarter of the RoPE pairs (8 of 32, those base 500,000 turns least) not rotated at all
+# (p-RoPE): their match exact at any distance, every other pair as in the recipe, where base 5,000,000
+# slowed every pair (docs/long-context.md)
+MIXED_PROPE=(model.rope_fraction=0.75)
 declare -A RECIPE_WITH=([mixed-digits-5m]=MIXED_BASE_5M [mixed-digits-seed2026]=MIXED_SEED_2026
-                        [mixed-digits-last]=MIXED_ASK_LAST)
+                        [mixed-digits-last]=MIXED_ASK_LAST [mixed-digits-prope]=MIXED_PROPE)
 # the naive run of the recipe on an H200, at 11,264 tokens (an H100 does not hold that step), or with
 # NAIVE_ON=h100 on an H100, at 8,192 (the GPU the flash runs trained on): its run, preset, second
 # stage, and held-out windows for the loss curve (~393K tokens, as flash's 12 of 32,768)

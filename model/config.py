@@ -64,6 +64,7 @@ class GPTConfig:
     max_seq_len: int = ranged(1024, ge=1)
     pos_emb: PosEmb = PosEmb.rope
     rope_theta: float = ranged(10000.0, gt=0)
+    rope_fraction: float = ranged(1.0, ge=0, le=1)    # the fastest share of RoPE's pairs that rotate; the rest stay still (p-RoPE)
     norm: Norm = Norm.rmsnorm
     norm_eps: float = ranged(1e-5, gt=0)
     mlp: Mlp = Mlp.swiglu
@@ -86,6 +87,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def rotated_pairs(self) -> int | None:
+        """How many of each head's RoPE pairs rotate (the fastest), None for all of them."""
+        return None if self.rope_fraction == 1 else round(self.rope_fraction * self.head_dim / 2)
 
     @classmethod
     def from_cfg(cls, cfg_model, vocab_size: int) -> "GPTConfig":

@@ -143,7 +143,7 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)
         rope = None
         if self.pos_emb is None:
-            rope = rope_table(positions, self.config.head_dim, self.config.rope_theta)
+            rope = rope_table(positions, self.config.head_dim, self.config.rope_theta, self.config.rotated_pairs)
         else:
             x = x + self.pos_emb(positions)
         return self.dropout(x), rope

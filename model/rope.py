@@ -14,24 +14,35 @@ and the layers only read it.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
 @torch.library.custom_op("flashtrain::rope_cos_sin", mutates_args=())
-def rope_table(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(positions: torch.Tensor, head_dim: int, theta: float,
+               rotated_pairs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles at `positions` (any shape of integers), each
     (*positions.shape, head_dim // 2) in float32.
 
     Angles are formed in float64: in float32 a position near 10^6 times the fastest
     frequency (1 rad/token) is off by up to 0.06 rad, which would blur long contexts.
+
+    `rotated_pairs` (None: all): only the fastest that many pairs rotate; the slower rest get
+    frequency 0 (cos 1, sin 0), channels whose match does not depend on distance at all
+    (p-RoPE: Barbero et al. 2024, "Round and Round We Go! What makes Rotary Positional
+    Encodings useful?"). Every consumer of the table (the rotary kernel, apply_rope, the
+    KV cache) then leaves them as they are, with nothing of its own to change.
     """
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+    if rotated_pairs is not None:
+        inv_freq[rotated_pairs:] = 0.0
     angles = positions.to(torch.float64)[..., None] * inv_freq
     return angles.cos().float(), angles.sin().float()
 
 
 @rope_table.register_fake
-def _(positions, head_dim, theta):
+def _(positions, head_dim, theta, rotated_pairs=None):
     shape = (*positions.shape, head_dim // 2)
     return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
 

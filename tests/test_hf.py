@@ -65,6 +65,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, options, arch)
     (dict(GPT2_OPTIONS, n_kv_head=2), "model.n_kv_head=2 does not map"),
     (dict(LLAMA_OPTIONS, attention_softcap=30.0), "model.attention_softcap=30.0 does not map .* do not cap attention"),
     (dict(GPT2_OPTIONS, attention_sinks=True), "model.attention_sinks=True does not map .* have no attention sinks"),
+    (dict(LLAMA_OPTIONS, rope_fraction=0.75), "model.rope_fraction=0.75 does not map .* rotates every RoPE pair"),
 ])
 def test_unmappable_options_are_refused_before_writing(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):

@@ -243,7 +243,7 @@ def test_the_readme_recipe_is_the_run_it_cites():
         filled = {"device", "resume", "attention.plan", "trainer.progress", "trainer.precision", "run.dir",
                   "run.name", "run.world_size", "run.data_fingerprint", "run.num_params",
                   "data.cache_dir"}   # the machine's (FLASHTRAIN_CACHE)
-        added = {"data.passkey.ask_last": False}   # settings newer than the run, at the value it ran with
+        added = {"data.passkey.ask_last": False, "model.rope_fraction": 1.0}   # settings newer than the run, at the value it ran with
         filled |= {key for key, value in added.items() if key not in theirs and ours.get(key) == value}
         return {key: (ours.get(key), theirs.get(key)) for key in ours.keys() | theirs.keys()
                 if key not in filled and ours.get(key) != theirs.get(key)}
@@ -490,7 +490,8 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
 
 @pytest.mark.parametrize("name, array, override", [("mixed-digits-5m", "MIXED_BASE_5M", "model.rope_theta=5000000"),
                                                    ("mixed-digits-seed2026", "MIXED_SEED_2026", "seed=2026"),
-                                                   ("mixed-digits-last", "MIXED_ASK_LAST", "data.passkey.ask_last=true")])
+                                                   ("mixed-digits-last", "MIXED_ASK_LAST", "data.passkey.ask_last=true"),
+                                                   ("mixed-digits-prope", "MIXED_PROPE", "model.rope_fraction=0.75")])
 def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name, array, override):
     """mixed-digits-5m, mixed-digits-seed2026 and mixed-digits-last: both of the README's presets, each
     with one override (RoPE base 5,000,000; seed 2,026; every question at its document's end) and

@@ -138,6 +138,12 @@ def _check_model(m) -> None:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
     if m.n_head % m.n_kv_head:
         raise ValueError(f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head}")
+    if m.rope_fraction != 1:
+        pairs = m.d_model // m.n_head // 2
+        _require(m.pos_emb == "rope", "model.rope_fraction", m.rope_fraction, "needs model.pos_emb=rope")
+        _require(abs(m.rope_fraction * pairs - round(m.rope_fraction * pairs)) < 1e-9, "model.rope_fraction",
+                 m.rope_fraction, f"must rotate a whole number of the {pairs} RoPE pairs of head dim {2 * pairs} "
+                 f"(a multiple of 1/{pairs})")
     if m.attention_length_scale is not None and m.pos_emb != "rope":
         raise ValueError(f"model.attention_length_scale={m.attention_length_scale} needs model.pos_emb=rope (the "
                          "scale rides on the RoPE table's positions)")

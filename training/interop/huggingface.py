@@ -44,6 +44,8 @@ def hf_architecture(c: GPTConfig) -> str:
         _refuse("model.attention_softcap", c.attention_softcap, "gpt2 and llama do not cap attention scores")
     if c.attention_sinks:
         _refuse("model.attention_sinks", c.attention_sinks, "gpt2 and llama have no attention sinks")
+    if c.rope_fraction != 1:
+        _refuse("model.rope_fraction", c.rope_fraction, "llama rotates every RoPE pair")
     if c.attention_length_scale is not None:
         _refuse("model.attention_length_scale", c.attention_length_scale,
                 "gpt2 and llama do not scale queries with the context length")
