@@ -12,7 +12,8 @@ Markdown counts the wrong answers by kind: a copy of the key garbled in one digi
 number of the key's length at all (a near miss and a failed retrieval fail a cell alike), and where the
 one-digit slips' wrong digit came from (the key's neighbouring digit, another of its digits, or none of
 them, beside chance: a copy landing one token off, or noise), and pools the cells by the key's distance
-from the question ((1 - depth) x length) in bands that double.
+from the question ((1 - depth) x length) in bands that double. Last, the wrong answers in all with
+their 95% interval, and how many cells would fall under 0.95 by chance alone at that rate.
 
 A length the model cannot take is a "does not fit" cell, never a zero: one whose sequence is
 longer than the model's model.max_seq_len, or one whose forward pass runs out of memory (on a GPU,
@@ -28,6 +29,8 @@ a wrong answer that fp32 gets right was decided by a margin smaller than bf16's 
 naive's) in the heatmap as a panel to the left of this run's and in the Markdown as a second table.
 """
 from __future__ import annotations
+
+import math
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
@@ -172,6 +175,40 @@ def slips_markdown(misses: list[dict]) -> str:
               for k, name in enumerate(SLIP_SOURCES)]
     return (f"\n\nThe {len(slips)} one-digit slips by where the wrong digit came from (in brackets, what as many "
             f"wrong digits drawn at random from the other nine would give): {', '.join(counts)}.")
+
+
+TARGET = 0.95   # a cell meets the bar at this accuracy or more (the long-context recipe's target)
+
+
+def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of the proportion k / n (sound near 0 and 1, unlike p +- z se)."""
+    p, z2 = k / n, z * z
+    centre, half = p + z2 / (2 * n), z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return (centre - half) / (1 + z2 / n), (centre + half) / (1 + z2 / n)
+
+
+def chance_under_target(rate: float, trials: int, target: float = TARGET) -> float:
+    """The chance that a cell of `trials` prompts scores under `target` when every prompt is wrong
+    with probability `rate`, independently: more than (1 - target) trials wrong."""
+    allowed = math.floor((1 - target) * trials + 1e-9)
+    return 1 - sum(math.comb(trials, k) * rate ** k * (1 - rate) ** (trials - k) for k in range(allowed + 1))
+
+
+def rate_markdown(result: dict) -> str:
+    """The grid's wrong answers in all, with their interval, and how many cells would fall under
+    TARGET by chance alone at that rate: whether a recipe's failing cells are a few unlucky ones
+    or a rate too high (from the cells' accuracies, so older results read the same way)."""
+    cells = [a for row in result["accuracy"] for a in row if a is not None]
+    if not cells:
+        return ""
+    n = len(cells) * result["trials"]
+    wrong = round(sum((1 - a) * result["trials"] for a in cells))
+    low, high = wilson_interval(wrong, n)
+    under = sum(a < TARGET - 1e-9 for a in cells)
+    chance = chance_under_target(wrong / n, result["trials"])
+    return (f"\n\nIn all, {wrong:,} wrong of {n:,} ({wrong / n:.1%}, 95% interval {low:.1%}-{high:.1%}). "
+            f"{under} of {len(cells)} cells are under {TARGET}; with every prompt wrong at that rate, "
+            f"independently, {len(cells) * chance:.1f} would be ({chance:.1%} of cells of {result['trials']}).\n")
 
 
 def by_distance(result: dict) -> list[dict]:
@@ -324,9 +361,11 @@ def main(argv: list[str]) -> None:
         write_json(stem.with_suffix(".json"), result)   # after each length: a stopped run keeps what it measured
     headers, rows = grid_table(result)
     print_table(f"passkey accuracy: {name}", headers, rows)
-    text = f"# Passkey retrieval: {name}\n\n" + grid_markdown(result) + distance_markdown(result) + misses_markdown(result)
+    text = (f"# Passkey retrieval: {name}\n\n" + grid_markdown(result) + distance_markdown(result)
+            + misses_markdown(result) + rate_markdown(result))
     if beside is not None:
-        text += f"\n## Beside it: {beside['name']}\n\n" + grid_markdown(beside) + distance_markdown(beside)
+        text += (f"\n## Beside it: {beside['name']}\n\n" + grid_markdown(beside) + distance_markdown(beside)
+                 + rate_markdown(beside))
     write_text(stem.with_suffix(".md"), text)
     panels = ([beside] if beside is not None else []) + [result]   # the earlier result on the left
     width = sum(1.2 * len(r["lengths"]) + 2.5 for r in panels)

@@ -155,6 +155,26 @@ def test_one_digit_slips_are_told_by_where_the_wrong_digit_came_from():
     assert eval_passkey.slips_markdown(misses[2:]) == ""
 
 
+def test_the_wrong_answers_in_all_and_the_cells_chance_would_fail():
+    """Under the grid: the wrong answers in all with their 95% Wilson interval, and how many cells
+    would fall under 0.95 by chance at that rate (a cell of 20 fails at 2 wrong). 20 wrong of 1,100,
+    the README recipe's count: 5.1% of cells, 2.8 of 55, where it had 4; cells that did not fit
+    count in none."""
+    low, high = eval_passkey.wilson_interval(20, 1100)
+    assert (round(low, 4), round(high, 4)) == (0.0118, 0.0279)
+    assert eval_passkey.wilson_interval(0, 100)[0] == 0 and eval_passkey.wilson_interval(100, 100)[1] == pytest.approx(1)
+    p = 20 / 1100
+    assert eval_passkey.chance_under_target(p, 20) == pytest.approx(1 - (1 - p) ** 20 - 20 * p * (1 - p) ** 19)
+    assert eval_passkey.chance_under_target(0.0, 20) == 0 and eval_passkey.chance_under_target(p, 10) == \
+        pytest.approx(1 - (1 - p) ** 10)   # a cell of 10 fails at its first wrong answer
+    cells = [0.9] * 4 + [0.95] * 12 + [1.0] * 39                 # 8 + 12 wrong, 4 cells under 0.95
+    accuracy = [cells[5 * i:5 * i + 5] + [None] for i in range(11)]   # 11 depths x 5 lengths, a sixth that did not fit
+    text = eval_passkey.rate_markdown({"accuracy": accuracy, "trials": 20})
+    assert text.strip() == ("In all, 20 wrong of 1,100 (1.8%, 95% interval 1.2%-2.8%). 4 of 55 cells are under 0.95; "
+                            "with every prompt wrong at that rate, independently, 2.8 would be (5.1% of cells of 20).")
+    assert eval_passkey.rate_markdown({"accuracy": [[None]], "trials": 20}) == ""
+
+
 def test_passkey_scoring_matches_greedy_decoding():
     """An oracle that always predicts the next true token scores 1; one off at a key digit scores 0."""
     import torch
