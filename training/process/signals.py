@@ -87,13 +87,17 @@ def let_llvm_register_first() -> None:
     process runs a compiler pass pipeline, which is the first time it compiles a Triton kernel:
     during a run's first step, behind Python's back. Its handler resets to the default action as it
     runs (SA_RESETHAND), so a second SIGTERM right behind the first (`timeout` signals the process,
-    then its group) can end the process at once; on an H100 one ended a run without its checkpoint
-    (benchmarks/resume/sigterm_h100/). LLVM registers once a process, so one empty pipeline here
-    (~2 ms) spends that registration before ours go in: a compile later leaves them in place. Where
-    Triton's compiler cannot be reached (no triton, an API we do not know), `reclaim` at each step
-    boundary still takes the signals back after the step that compiled."""
+    then its group) can meet the default action and end the process at once, the likeliest reading
+    of a run an H100 lost without its checkpoint (benchmarks/resume/sigterm_h100/). LLVM registers
+    once a process, so one empty pipeline here (~2 ms) spends that registration before ours go in:
+    a compile later leaves them in place. Without triton nothing registers; should its compiler's
+    API change, a warning says so, and `reclaim` at each step boundary still takes the signals back
+    after the step that compiled."""
     try:
         from triton._C.libtriton import ir
+    except ImportError:   # no Triton compiler here: nothing will put LLVM's handlers in
+        return
+    try:
         context = ir.context()
         ir.load_dialects(context)
         pipeline, module = ir.pass_manager(context), ir.builder(context).create_module()
