@@ -138,17 +138,17 @@ def _check_model(m) -> None:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
     if m.n_head % m.n_kv_head:
         raise ValueError(f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head}")
+    if m.attention_length_scale is not None and m.pos_emb != "rope":
+        raise ValueError(f"model.attention_length_scale={m.attention_length_scale} needs model.pos_emb=rope (the "
+                         "scale rides on the RoPE table's positions)")
+    if m.pos_emb == "rope" and (m.d_model // m.n_head) % 2:
+        raise ValueError(f"RoPE needs an even head dim, got d_model/n_head={m.d_model // m.n_head}")
     if m.rope_fraction != 1:
         pairs = m.d_model // m.n_head // 2
         _require(m.pos_emb == "rope", "model.rope_fraction", m.rope_fraction, "needs model.pos_emb=rope")
         _require(abs(m.rope_fraction * pairs - round(m.rope_fraction * pairs)) < 1e-9, "model.rope_fraction",
                  m.rope_fraction, f"must rotate a whole number of the {pairs} RoPE pairs of head dim {2 * pairs} "
                  f"(a multiple of 1/{pairs})")
-    if m.attention_length_scale is not None and m.pos_emb != "rope":
-        raise ValueError(f"model.attention_length_scale={m.attention_length_scale} needs model.pos_emb=rope (the "
-                         "scale rides on the RoPE table's positions)")
-    if m.pos_emb == "rope" and (m.d_model // m.n_head) % 2:
-        raise ValueError(f"RoPE needs an even head dim, got d_model/n_head={m.d_model // m.n_head}")
     if m.block_chunk_size and m.activation_checkpointing == "none":
         raise ValueError(f"model.block_chunk_size={m.block_chunk_size} needs model.activation_checkpointing="
                          "full or selective (without checkpointing every chunk's activations are kept anyway)")
