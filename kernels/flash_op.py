@@ -280,7 +280,7 @@ def _gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, doc_bounds=N
                     cache=None, key=(), *, softcap=0.0, dropout_p=0.0, rng=None, grads=None):
     # sinks need nothing here: lse includes them (kernels/scores.py)
     return gluon_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, cache=cache, key=key,
-                          softcap=softcap, dropout_p=dropout_p, rng=rng, grads=grads)
+                          softcap=softcap, dropout_p=dropout_p, rng=rng, grads=grads, doc_bounds=doc_bounds)
 
 
 # ---- the families, the autograd formula and the entry point ------------------------------------

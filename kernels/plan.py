@@ -136,7 +136,7 @@ plan_kernels = functools.lru_cache(maxsize=None)(make_plan)
 
 def _direction(s: Setting, direction: str) -> Direction:
     choice = s.forward if direction == "forward" else s.backward
-    refused = gluon.refusal(s.arch, s.dtype, s.head_dim, s.mask, s.tma)
+    refused = gluon.refusal(s.arch, s.dtype, s.head_dim, s.mask, s.tma, direction, s.causal)
     if choice == "gluon" and refused:
         raise ValueError(f"kernel='gluon' cannot run the {direction} of this call: {refused} (kernel='triton' can)")
     measured = s.length >= _gluon_from(s, direction)

@@ -55,6 +55,24 @@ def test_smoke_run_writes_results(tmp_path, monkeypatch):
     assert again["results"][2]["window"] == 32 and again["results"][2]["ours"]["status"] == "ok"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke path")
+def test_a_kernel_word_names_its_own_results(tmp_path):
+    """--kernel runs ours under that word (a forward/backward pair too) into a file named for it;
+    a word that cannot run says so in its row (the Gluon kernels need Hopper)."""
+    threads = torch.get_num_threads()
+    try:
+        bench_document_mask.main(["--smoke", "--out", str(tmp_path), "--cases", "docs-mixed", "--kernel", "triton"])
+        bench_document_mask.main(["--smoke", "--out", str(tmp_path), "--cases", "docs-mixed", "--kernel", "triton/gluon"])
+    finally:
+        torch.set_num_threads(threads)
+    triton_row = json.loads((tmp_path / "document_mask_cpu_triton.json").read_text())
+    assert triton_row["kernel"] == "triton" and triton_row["results"][0]["ours"]["status"] == "ok"
+    pair = json.loads((tmp_path / "document_mask_cpu_triton-gluon.json").read_text())
+    assert "needs a CUDA device" in pair["results"][0]["ours"]["status"]
+    assert "Ours under kernel=triton/gluon" in (tmp_path / "document_mask_cpu_triton-gluon.md").read_text()
+    assert not (tmp_path / "document_mask_cpu.json").exists()
+
+
 def test_bad_heads_are_refused():
     with pytest.raises(ValueError, match="--heads"):
         bench_document_mask.main(["--smoke", "--heads", "12/5/64"])

@@ -91,6 +91,84 @@ def test_gqa_group_loop_matches_float64_reference(monkeypatch, shape, causal, de
     check_against_reference(*make_inputs(*shape, torch.bfloat16), causal, deterministic)
 
 
+# causal document masks (the Gluon forward refuses them: our Triton forward, then the Gluon backward
+# through the public entry point): documents shorter than a tile, crossing tiles, of one token, tile-aligned
+DOC_CASES = [
+    ("short_long_len1", 1, 4, 2, 64, [[40, 320, 1, 199]]),
+    ("two_rows", 2, 4, 4, 128, [[264, 24, 272], [8, 8, 544]]),
+    ("all_length1", 1, 2, 2, 64, [[1] * 300]),
+    ("tile_aligned", 1, 2, 1, 64, [[128, 256, 128, 512]]),
+    ("one_document", 1, 2, 2, 128, [[1000]]),
+]
+
+
+@pytest.mark.parametrize("block_m, block_n", [(128, 128), (64, 128)])
+def test_document_tile_ranges_cover_exactly_the_visible_tiles(block_m, block_n):
+    """`_work_item`'s ranges under causal documents, as its arithmetic reads the bounds buffer
+    (written out here in Python): every query tile a key tile visits is in [lo, hi); those in
+    [mid, tail) see every key of the tile; those outside [lo, hi) see none; and the key tiles that
+    visit a query tile are c(m) down to the first, contiguous, as the deterministic dQ order counts."""
+    import random
+
+    from kernels.masks import bounds_buffer
+    rng = random.Random(0)
+    for _ in range(16):
+        n = rng.choice([1000, 1024, 2047])
+        docs, left = [], n
+        while left:
+            docs.append(min(left, rng.choice([1, 7, 64, 127, 128, 300, 1024, 5000])))
+            left -= docs[-1]
+        ids = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))[None]
+        row = bounds_buffer(ids, None, n)[0].tolist()
+        ends = row[2 * n + n:2 * n + 2 * n]   # per key, one past the last query that sees it
+        start_of = [0] * n
+        for i in range(1, n):
+            start_of[i] = start_of[i - 1] if ids[0, i] == ids[0, i - 1] else i
+        n_m, n_kt = -(-n // block_m), -(-n // block_n)
+        visits = {m: [] for m in range(n_m)}
+        for t in range(n_kt):
+            start_n = t * block_n
+            lo = start_n // block_m
+            mid = min(max(-(-(start_n + block_n - 1) // block_m), lo), n_m)
+            hi = -(-ends[min(start_n + block_n, n) - 1] // block_m)
+            mid = min(mid, hi)
+            tail = min(max(ends[start_n] // block_m, mid), hi)
+            if start_n + block_n > n:
+                mid = tail = hi
+            keys = range(start_n, min(start_n + block_n, n))
+            for m in range(n_m):
+                queries = range(m * block_m, min((m + 1) * block_m, n))
+                seen = [[start_of[i] <= j <= i for j in keys] for i in queries]
+                if lo <= m < hi:
+                    visits[m].append(t)
+                else:
+                    assert not any(map(any, seen)), (docs, t, m)
+                if mid <= m < tail:
+                    assert all(map(all, seen)) and len(keys) == block_n and len(queries) == block_m, (docs, t, m)
+        for m, tiles in visits.items():
+            last = min((min((m + 1) * block_m, n) - 1) // block_n, n_kt - 1)   # _dq_turn's c(m)
+            assert tiles == list(range(tiles[0], last + 1)), (docs, m)
+
+
+@requires_hopper
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("case", DOC_CASES, ids=lambda c: c[0])
+def test_causal_documents_match_float64_reference(case, deterministic):
+    import functools
+
+    from kernels import flash_attention
+    _, B, H, Hkv, D, docs = case
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in docs]).cuda().int()
+    n = ids.shape[1]
+    q, k, v, do = make_inputs(B, n, n, H, Hkv, D, torch.bfloat16)
+    gluon_backward = functools.partial(flash_attention, kernel=("triton", "gluon"))
+    ours = forward_backward(gluon_backward, q, k, v, do, True, deterministic=deterministic, document_ids=ids)
+    plain = forward_backward(attention_reference, q, k, v, do, True, document_ids=ids)
+    exact = forward_backward(attention_reference, *(t.double() for t in (q, k, v, do)), True, document_ids=ids)
+    for name, mine, p, ref in zip(("out", "lse", "dq", "dk", "dv"), ours, plain, exact):
+        assert_as_exact_as_plain(name, mine, p, ref, do, v)
+
+
 def test_gqa_split_decision():
     """One program per query head for GQA while the float32 dK/dV shares fit SPLIT_MAX_BYTES."""
     from kernels.gluon.backward import SPLIT_MAX_BYTES, split_group
@@ -258,6 +336,8 @@ def test_backward_compiles_for_sm90():
                       config=dict(SPLIT_GROUP=True)) for d in (64, 128)]
     # soft-capping alone at head dim 64: the 128-query step with P' packed (float16 pairs)
     variants += [dict(head_dim=64, causal=True, deterministic=True, softcap=50.0)]
+    # causal document masks: a third loop, the masked query tiles past a key tile's document end
+    variants += [dict(head_dim=d, causal=True, deterministic=True, documents=True) for d in (64, 128)]
     rows = compile_variants(variants)
     assert [r["head_dim"] for r in rows if r.get("kernel") == "aux"] == [64, 64, 64, 128, 128, 128]
     assert [r["wgmma"] > 0 for r in rows if r.get("kernel") == "v1"] == [True]
@@ -269,5 +349,7 @@ def test_backward_compiles_for_sm90():
         # no wgmma waits for an earlier one (ptxas' C7517: kernels/LOG.md, the starting tiles' `_own`), and the
         # step that runs most (the last loop body: unmasked), plain or soft-capped, keeps its spills out of the loop
         assert not row["wgmma_wait_injected"] and len(row["steps"]) >= 2, row
+        unmasked = row["steps"][1 if row.get("documents") else -1]   # documents: masked, unmasked, masked
         if not row.get("dropout_p"):   # plain 1-5 (triton 3.6 and 3.9); soft-capped 1 under 3.6, 23 under 3.9
-            assert row["steps"][-1]["LDL"] + row["steps"][-1]["STL"] <= (32 if row.get("softcap") else 8), row
+            assert unmasked["LDL"] + unmasked["STL"] <= (32 if row.get("softcap") else 8), row
+        assert len(row["steps"]) == (3 if row.get("documents") else 2), row

@@ -60,7 +60,7 @@ def test_gluon_on_cpu_is_refused_and_auto_runs_triton():
 @pytest.mark.parametrize("changes, match", [
     (dict(dtype=torch.float32), "float16 and bfloat16"),
     (dict(head_dim=80), "head dims 64, 128, got 80"),
-    (dict(mask="documents"), "document masks, sliding windows and key bounds run on the Triton kernel only"),
+    (dict(mask="window"), "sliding windows and key bounds run on the Triton kernel"),
     (dict(mask="key_bounds"), "key bounds"),
     (dict(tma=False), "a view TMA cannot read"),
     (dict(arch="sm_80"), r"written for Hopper \(sm_90\); this GPU is sm_80"),
@@ -73,6 +73,20 @@ def test_settings_the_gluon_kernels_refuse(changes, match):
             plan_kernels(setting(**changes, **{direction: "gluon"}))
     plan = plan_kernels(setting(**changes, length=1 << 20))
     assert (plan.forward.family, plan.backward.family) == ("triton", "triton")
+
+
+def test_causal_documents_run_the_gluon_backward():
+    """The Gluon backward takes causal document masks; the Gluon forward none, nor the backward
+    without causal: each refusal in one line, and `auto` keeps the Gluon backward where it runs
+    without a mask."""
+    with pytest.raises(ValueError, match="cannot run the forward of this call: document masks, sliding windows"):
+        plan_kernels(setting(mask="documents", forward="gluon"))
+    assert plan_kernels(setting(mask="documents", backward="gluon")).backward.family == "gluon"
+    with pytest.raises(ValueError, match="cannot run the backward of this call: its document masks are causal"):
+        plan_kernels(setting(mask="documents", causal=False, backward="gluon"))
+    for length in (1024, 1 << 20):
+        plan, plain = plan_kernels(setting(mask="documents", length=length)), plan_kernels(setting(length=length))
+        assert plan.forward.family == "triton" and plan.backward.family == plain.backward.family
 
 
 @pytest.mark.parametrize("option", ["sinks", "softcap", "dropout"])

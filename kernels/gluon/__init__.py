@@ -15,10 +15,12 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def refusal(arch: str | None, dtype: torch.dtype, head_dim: int, mask: str, tma: bool) -> str | None:
-    """Why the Gluon kernels cannot run this setting (one line), or None. `arch`: the GPU's
-    "sm_XY", None off CUDA; `mask`: "none" or the kind of mask; `tma`: whether TMA can read the
-    inputs (`tma_refusal`)."""
+def refusal(arch: str | None, dtype: torch.dtype, head_dim: int, mask: str, tma: bool, direction: str = "forward",
+            causal: bool = True) -> str | None:
+    """Why the Gluon kernel of `direction` cannot run this setting (one line), or None. `arch`: the
+    GPU's "sm_XY", None off CUDA; `mask`: "none" or the kind of mask; `tma`: whether TMA can read
+    the inputs (`tma_refusal`). The backward takes causal document masks (per key, the end of its
+    document bounds the queries that see it); everything else masked runs on the Triton kernels."""
     if arch is None:
         return "it needs a CUDA device"
     if arch != ARCH:
@@ -27,8 +29,11 @@ def refusal(arch: str | None, dtype: torch.dtype, head_dim: int, mask: str, tma:
         return f"it takes float16 and bfloat16, got {dtype}"
     if head_dim not in HEAD_DIMS:
         return f"it supports head dims {', '.join(map(str, HEAD_DIMS))}, got {head_dim}"
-    if mask != "none":
-        return "document masks, sliding windows and key bounds run on the Triton kernel only"
+    if mask == "documents" and direction == "backward" and not causal:
+        return "its document masks are causal ones; without causal they run on the Triton kernel"
+    if mask != "none" and not (mask == "documents" and direction == "backward"):
+        return ("sliding windows and key bounds run on the Triton kernels only" if direction == "backward" else
+                "document masks, sliding windows and key bounds run on the Triton kernel only")
     if not tma:
         return "q, k or v is a view TMA cannot read (it needs the head dim contiguous, every other stride and " \
                "the start address multiples of 16 bytes)"

@@ -240,13 +240,17 @@ def _row_vector(buf, parent: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, SPLIT_GROUP: gl.constexpr):
+def _work_item(Ticket, Docs, n_heads, n_kv_heads, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, SPLIT_GROUP: gl.constexpr, DOCS: gl.constexpr):
     """This program's key tile, from a ticket (heads in order, key tiles descending within each),
     the query heads it visits (SPLIT_GROUP: one; otherwise every query head of its KV head's GQA
-    group) and the query tiles it visits per query head: [lo, mid) masked, [mid, n_m) not (causal:
-    [lo, n_m) are the tiles that see any of its keys; a ragged last key tile masks all).
-    Returns (b, h_kv, h0, pid_n, start_n, lo, mid, n_m, heads): query heads h0 .. h0 + heads - 1."""
+    group) and the query tiles it visits per query head: [lo, mid) masked, [mid, tail) not, [tail, hi)
+    masked (causal: [lo, hi) are the tiles that see any of its keys; a ragged last key tile masks
+    all). Without documents tail = hi = n_m, every query tile from the diagonal down. With them
+    (DOCS, causal, kernels/masks.bounds_buffer in Docs) key j is seen by queries [j, end of j's
+    document): the tiles past the diagonal see all of the key tile until one holds a query of a
+    later document (tail), and none after the last key's document ends (hi).
+    Returns (b, h_kv, h0, pid_n, start_n, lo, mid, tail, hi, n_m, heads): query heads h0 .. h0 + heads - 1."""
     n_kt = gl.cdiv(n_k, BLOCK_N)
     ticket = gl.atomic_add(Ticket, 1, sem="relaxed")
     unit = ticket // n_kt
@@ -271,9 +275,17 @@ def _work_item(Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M: gl.constexpr, BLO
     else:
         lo = n_m * 0
         mid = n_m * 0
+    tail = n_m
+    hi = n_m
+    if DOCS:   # per key, one past the last query that sees it, at 2 n_q + n_k of the batch row
+        ends = Docs + b * (2 * n_q + 2 * n_k + 1) + 2 * n_q + n_k
+        hi = gl.cdiv(gl.load(ends + gl.minimum(start_n + BLOCK_N, n_k) - 1), BLOCK_M)
+        mid = gl.minimum(mid, hi)
+        tail = gl.minimum(gl.maximum(gl.load(ends + start_n) // BLOCK_M, mid), hi)
     if start_n + BLOCK_N > n_k:
-        mid = n_m
-    return b, h_kv, h0, pid_n, start_n, lo, mid, n_m, heads
+        mid = hi
+        tail = hi
+    return b, h_kv, h0, pid_n, start_n, lo, mid, tail, hi, n_m, heads
 
 
 @gluon.jit
@@ -289,22 +301,26 @@ def _dq_turn(start_m, pid_n, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _stage_range(STAGE: gl.constexpr, lo, mid, n_m):
+def _stage_range(STAGE: gl.constexpr, lo, mid, tail, hi):
     """The query tiles of stage STAGE of a program's loop: 0 the masked [lo, mid), 1 the unmasked
-    [mid, n_m). One loop body serves both, MASK = STAGE == 0."""
+    [mid, tail), 2 the masked [tail, hi) (documents only). One loop body serves them all,
+    MASK = STAGE != 1."""
     first = lo
     end = mid
     if STAGE == 1:
         first = mid
-        end = n_m
+        end = tail
+    if STAGE == 2:
+        first = tail
+        end = hi
     return first, end
 
 
 @gluon.jit
 def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
-          ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset, bh,
+          ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset, bh, doc_ends,
           CAUSAL: gl.constexpr, MASK: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-          HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr):
+          HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr):
     """Consumer step i over query tile start_m: accumulate dK and dV, leave the dQ share in its buffer.
     The schedule flags (TILES) order the same work differently: DV_EARLY issues dV += P^T dO before
     dP^T is waited for; DQ_OVERLAP stores dQ while dK += dS^T Q runs; HANDOFF_AT_END hands the step's
@@ -365,6 +381,10 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         seen = (keys[:, None] < n_k) & (queries[None, :] >= 0)
         if CAUSAL:
             seen = seen & (keys[:, None] <= queries[None, :] + (n_k - n_q))
+        if DOCS:   # and i before the end of key j's document: per key row of S^T, two a thread (per query
+            # column, the document's start, would hold 32 a thread across the step's wgmmas)
+            ends = gl.load(doc_ends + keys, mask=keys < n_k, other=0)
+            seen = seen & (queries[None, :] < ends[:, None])
         p_t = gl.where(seen, p_t, 0.0)
     # A operands in registers are read while their wgmma runs: they stay in the final wait's deps
     if DROPOUT_P > 0:   # the keep bit rides in P's sign (P >= 0) to dS: no mask is held past this
@@ -462,13 +482,13 @@ def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, B
 
 
 @gluon.jit
-def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, CAUSAL: gl.constexpr, DV_EARLY: gl.constexpr,
-               DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr,
-               DROPOUT_P: gl.constexpr):
+def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: gl.constexpr,
+               DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr,
+               SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr):
     """The two consumer warpgroups: every step of the program, then dK (unscaled) and dV, float32."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
-    b, h_kv, h0, pid_n, start_n, lo, mid, n_m, group = work
+    b, h_kv, h0, pid_n, start_n, lo, mid, tail, hi, n_m, group = work
     n_heads, n_q, n_k, n_q_pad = sizes
     BLOCK_N: gl.constexpr = k_s.shape[0]
     HEAD_DIM: gl.constexpr = k_s.shape[1]
@@ -478,16 +498,21 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, CAUSAL: gl.cons
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     seed, offset = dropout_seed_of(Rng, DROPOUT_P)
+    doc_ends = Docs
+    if DOCS:   # per key, one past the last query that sees it (its document's end), at 2 n_q + n_k of the row
+        doc_ends = Docs + b * (2 * n_q + 2 * n_k + 1) + 2 * n_q + n_k
+    STAGE_LOOPS: gl.constexpr = 3 if DOCS else 2
     mbarrier.wait(kv_bar, 0)
     i = 0
     for g in range(group):
-        for stage in gl.static_range(2):   # the masked query tiles [lo, mid), then the unmasked [mid, n_m)
-            first, end = _stage_range(stage, lo, mid, n_m)
+        # the masked query tiles [lo, mid), the unmasked [mid, tail), then (documents) the masked [tail, hi)
+        for stage in gl.static_range(STAGE_LOOPS):
+            first, end = _stage_range(stage, lo, mid, tail, hi)
             for m in range(first, end):
                 dk, dv = _step(i, m * BLOCK_M, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
                                ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset,
-                               b * n_heads + h0 + g, CAUSAL, stage == 0, DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END,
-                               SOFTCAP, DROPOUT_P)
+                               b * n_heads + h0 + g, doc_ends, CAUSAL, stage != 1, DV_EARLY, DQ_OVERLAP,
+                               HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS)
                 i += 1
     if not HANDOFF_AT_END:
         compat.thread_barrier()   # the last step's dQ is in its buffer
@@ -504,14 +529,14 @@ def _producer(k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL: gl.constexpr):
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, Sem = descs
-    b, h_kv, h0, pid_n, start_n, lo, mid, n_m, group = work
+    b, h_kv, h0, pid_n, start_n, lo, mid, tail, hi, n_m, group = work
     n_heads, n_q, n_k, n_q_pad = sizes
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     compat.tma_load(k_desc, [b, start_n, h_kv, 0], kv_bar, k_s4)
     compat.tma_load(v_desc, [b, start_n, h_kv, 0], kv_bar, v_s4)
-    per_head = n_m - lo
+    per_head = hi - lo
     for j in range(group * per_head):
         s = j % STAGES
         # step j - 2 has released the stage (a fresh barrier counts as released, hence the flip)
@@ -533,12 +558,12 @@ def _dq_writer(k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL: gl.constexpr,
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, Sem = descs
-    b, h_kv, h0, pid_n, start_n, lo, mid, n_m, group = work
+    b, h_kv, h0, pid_n, start_n, lo, mid, tail, hi, n_m, group = work
     n_heads, n_q, n_k, n_q_pad = sizes
     BLOCK_M: gl.constexpr = dq_bufs.shape[1]
     BLOCK_N: gl.constexpr = k_s4.shape[1]
     DQ_BUFS: gl.constexpr = dq_bufs.shape[0]
-    per_head = n_m - lo
+    per_head = hi - lo
     for j in range(group * per_head):
         jb = j % DQ_BUFS
         mbarrier.wait(step_done.index(jb), (j // DQ_BUFS) & 1)   # step j's dQ is in its buffer
@@ -630,17 +655,18 @@ def _store_dk_dv_share(DKpart, DVpart, dk, dv, bh, start_n, n_k):
 
 @gluon.jit(do_not_specialize=["n_heads", "n_kv_heads", "n_q", "n_k", "n_q_pad"])
 def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, dq_desc,
-                     Sem, Ticket, DKpart, DVpart, Rng, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale, sm_scale,
-                     STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
+                     Sem, Ticket, DKpart, DVpart, Rng, Docs, n_heads, n_kv_heads, n_q, n_k, n_q_pad, qk_scale,
+                     sm_scale, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
                      DETERMINISTIC: gl.constexpr, SPLIT_GROUP: gl.constexpr, DV_EARLY: gl.constexpr,
                      DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr = 0.0,
-                     DROPOUT_P: gl.constexpr = 0.0):
+                     DROPOUT_P: gl.constexpr = 0.0, DOCS: gl.constexpr = False):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,), or (cdiv(Nk, BLOCK_N) * B * H,) with SPLIT_GROUP.
     Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
     and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
     blocks [BLOCK_M, D]. DKpart, DVpart: SPLIT_GROUP's (B H, Nk, D) float32 shares of dK and dV. Rng:
-    with DROPOUT_P > 0, the call's seed and offset (kernels/scores.py); None otherwise. sm_scale: dK's
-    factor, the softmax scale, over (1 - p) with dropout (the steps' dS is (1 - p) dS)."""
+    with DROPOUT_P > 0, the call's seed and offset (kernels/scores.py); None otherwise. Docs: with DOCS
+    (causal documents), kernels/masks.bounds_buffer's (B, 2 Nq + 2 Nk + 1) int32; None otherwise.
+    sm_scale: dK's factor, the softmax scale, over (1 - p) with dropout (the steps' dS is (1 - p) dS)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -648,15 +674,16 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each consumer warp owns 16 key rows")
     gl.static_assert(BLOCK_M % 64 == 0 and BLOCK_M <= 128, "query tiles of 64 or 128 rows")
     gl.static_assert(STAGES >= 2, "the ring needs a stage to fill while one is read")
-    work = _work_item(Ticket, n_heads, n_kv_heads, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_GROUP)
+    gl.static_assert(CAUSAL or not DOCS, "document masks here are causal ones")
+    work = _work_item(Ticket, Docs, n_heads, n_kv_heads, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_GROUP, DOCS)
     k_s4, v_s4, smem, bars = _allocate(q_desc, k_desc, lse_desc, dq_desc, STAGES, DQ_BUFS)
     k_s = k_s4.reshape([BLOCK_N, HEAD_DIM])
     v_s = v_s4.reshape([BLOCK_N, HEAD_DIM])
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, Sem)
     sizes = (n_heads, n_q, n_k, n_q_pad)
     dk, dv = gl.warp_specialize([
-        (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, CAUSAL, DV_EARLY, DQ_OVERLAP, HANDOFF_AT_END,
-                      SOFTCAP, DROPOUT_P)),
+        (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL, DV_EARLY, DQ_OVERLAP,
+                      HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS)),
         (_producer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL)),
         (_dq_writer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL, DETERMINISTIC)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -709,7 +736,7 @@ def launch_options() -> dict:
 
 def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
                      deterministic: bool = True, config: dict | None = None, softcap: float = 0.0,
-                     dropout_p: float = 0.0):
+                     dropout_p: float = 0.0, documents: bool = False):
     """The main kernel compiled for sm_90a without a GPU (a launch's signature: descriptors, the
     pointers 16-byte aligned): CI checks it compiles, and kernel reports read its registers."""
     from triton.backends.compiler import GPUTarget
@@ -728,14 +755,16 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                  "lse_desc": desc([1, cfg["BLOCK_M"]], llay, "fp32"), "delta_desc": desc([1, cfg["BLOCK_M"]], llay, "fp32"),
                  "dq_desc": desc([cfg["BLOCK_M"], head_dim], dqlay, "fp32"), "Sem": "*i32", "Ticket": "*i32",
                  "DKpart": "*fp32", "DVpart": "*fp32", "Rng": "*i64" if dropout_p > 0 else "constexpr",
+                 "Docs": "*i32" if documents else "constexpr",
                  "n_heads": "i32", "n_kv_heads": "i32", "n_q": "i32", "n_k": "i32", "n_q_pad": "i32",
                  "qk_scale": "fp32", "sm_scale": "fp32"}
     consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                   SPLIT_GROUP=bool(cfg.get("SPLIT_GROUP")), **{flag: cfg[flag] for flag in SCHEDULE},
-                  SOFTCAP=float(softcap), DROPOUT_P=float(dropout_p), **({} if dropout_p > 0 else {"Rng": None}))
+                  SOFTCAP=float(softcap), DROPOUT_P=float(dropout_p), DOCS=documents,
+                  **({} if dropout_p > 0 else {"Rng": None}), **({} if documents else {"Docs": None}))
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
-    pointers = ("Sem", "Ticket", "DKpart", "DVpart") + (("Rng",) if dropout_p > 0 else ())
+    pointers = ("Sem", "Ticket", "DKpart", "DVpart") + (("Rng",) if dropout_p > 0 else ()) + (("Docs",) if documents else ())
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in pointers}
     source = GluonASTSource(fn=gluon_bwd_kernel, signature={n: signature[n] for n in names}, constexprs=consts,
                             attrs=attrs)
@@ -777,11 +806,13 @@ def _descriptor(t: torch.Tensor, block: list[int], layout) -> TensorDescriptor:
 
 
 def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, cache=None, key=(),
-                    config: dict | None = None, softcap: float = 0.0, dropout_p: float = 0.0, rng=None, grads=None):
+                    config: dict | None = None, softcap: float = 0.0, dropout_p: float = 0.0, rng=None, grads=None,
+                    doc_bounds=None):
     """The launches on inputs a kernel plan has accepted (no checks: kernels/flash_op.py's path);
     `cache` and `key` as kernels/launch.py's, `config` overrides TILES (the benchmarks'); dropout_p
     and rng (kernels/scores.py's dropout_seed) as the forward's; grads: the dq, dk, dv to write into
-    (laid out as q, k, v), or None."""
+    (laid out as q, k, v), or None; doc_bounds: a causal call's document mask as
+    kernels/masks.bounds_buffer lays it out, or None."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     cfg = config_for(D, dropout_p > 0, config)
@@ -819,12 +850,12 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     described = descriptors(cache, ("gluon-bwd-tma", *key), tensors,
                             lambda: [_descriptor(t, *block) for t, block in zip(tensors, blocks)])
     grad_scale = scale / (1.0 - dropout_p)   # dK's and dQ's: the kernel's dS is (1 - p) dS with dropout
-    args = (*described, sem, ticket, shares[0], shares[1], rng if dropout_p > 0 else None, H, h_kv, n_q, n_k,
-            n_q_pad, scale * LOG2E.value, grad_scale)
+    args = (*described, sem, ticket, shares[0], shares[1], rng if dropout_p > 0 else None, doc_bounds, H, h_kv, n_q,
+            n_k, n_q_pad, scale * LOG2E.value, grad_scale)
     launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * (H if split else h_kv),), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                 SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, SOFTCAP=float(softcap),
-                DROPOUT_P=float(dropout_p), **launch_options()), cache,
+                DROPOUT_P=float(dropout_p), DOCS=doc_bounds is not None, **launch_options()), cache,
            ("gluon-bwd", *key))
     if split:
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,

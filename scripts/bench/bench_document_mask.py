@@ -4,6 +4,8 @@
                                                     # it compiling FlexAttention for each mask)
     python scripts/bench/bench_document_mask.py --cases window-4k   # one case; the file keeps the others
     python scripts/bench/bench_document_mask.py --smoke   # CPU-sized plumbing check (not a benchmark)
+    python scripts/bench/bench_document_mask.py --kernel triton/gluon --length 16384 --cases docs-mixed
+                                                    # ours with a kernel word: here the Gluon backward
 
 Cases, one sequence (B = 1) of T = 64K tokens, bf16, causal, 12 heads of 64 by default (--heads):
 
@@ -78,11 +80,13 @@ def make_case(name: str, T: int, device) -> dict:
             "ids": None if lengths is None else doc_ids(lengths, device)}
 
 
-def ours(case: dict, masked: bool):
+def ours(case: dict, masked: bool, kernel="auto"):
+    """Our attention under `kernel` (a word or a (forward, backward) pair: kernels.flash_attention's)."""
     from kernels import flash_attention
     if not masked:
-        return lambda q, k, v: flash_attention(q, k, v, causal=True)
-    return lambda q, k, v: flash_attention(q, k, v, causal=True, document_ids=case["ids"], window=case["window"])
+        return lambda q, k, v: flash_attention(q, k, v, causal=True, kernel=kernel)
+    return lambda q, k, v: flash_attention(q, k, v, causal=True, document_ids=case["ids"], window=case["window"],
+                                           kernel=kernel)
 
 
 def flex(case: dict, device):
@@ -167,7 +171,8 @@ def write_outputs(stem: Path, report: dict) -> None:
               if r[b]["status"] != "ok"]
     text = (f"# Document masks and sliding windows ({meta['device']})\n\n"
             f"{meta['date']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit']}, "
-            f"`{meta['command']}`. Heads (H/Hkv/D) {report['heads']}, {report['dtype']}, B = 1, causal; timing: "
+            f"`{meta['command']}`. Ours under kernel={report.get('kernel', 'auto')}. Heads (H/Hkv/D) {report['heads']}, "
+            f"{report['dtype']}, B = 1, causal; timing: "
             f"{report['timing']}.{tuning_note(meta)}"
             + (f" Rows measured by an earlier run: {'; '.join(older)}." if older else "") + "\n\n"
             + markdown_table(HEADERS, rows(report)) + "\n"
@@ -183,8 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated subset of {','.join(CASES)} (default all); the results file keeps "
                              "the other cases' rows of an earlier run of the same shapes")
+    parser.add_argument("--kernel", default="auto",
+                        help="ours under this kernel word (auto, triton, gluon) or forward/backward pair (triton/gluon); "
+                             "other than auto, the results file is named for it")
     add_out_argument(parser, "bench_document_mask")
     args = parser.parse_args(argv)
+    kernel = tuple(args.kernel.split("/")) if "/" in args.kernel else args.kernel
     try:
         heads = tuple(int(x) for x in args.heads.split("/"))
     except ValueError:
@@ -203,13 +212,14 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bench, timing = kernel_timer(device, cpu_calls=1)
     out = console()
-    stem = args.out / f"document_mask_{device_slug(device)}"
-    report = {"metadata": environment(device), "heads": "/".join(map(str, heads)), "results": [],
+    word = "" if args.kernel == "auto" else "_" + args.kernel.replace("/", "-")
+    stem = args.out / f"document_mask_{device_slug(device)}{word}"
+    report = {"metadata": environment(device), "heads": "/".join(map(str, heads)), "results": [], "kernel": args.kernel,
               "dtype": str(dtype).replace("torch.", ""), "T": T,
               "timing": timing}
     report["results"] = earlier_rows(stem.with_suffix(".json"), report, cases)
     measured = {"date": report["metadata"]["date"], "commit": report["metadata"]["git_commit"]}
-    causal = time_backend(lambda: ours(None, False), heads, T, dtype, device, bench)
+    causal = time_backend(lambda: ours(None, False, kernel), heads, T, dtype, device, bench)
     for name in cases:
         case = make_case(name, T, device)
         if args.smoke and name == "docs-2k":  # 2K documents do not fit: documents of 32
@@ -218,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
                "documents": None if case["lengths"] is None else len(case["lengths"]),
                "mean_doc_len": None if case["lengths"] is None else T / len(case["lengths"]),
                "visible_pairs": visible_pairs(T, case["lengths"], case["window"]),
-               "ours": time_backend(lambda: ours(case, True), heads, T, dtype, device, bench),
+               "ours": time_backend(lambda: ours(case, True, kernel), heads, T, dtype, device, bench),
                "flex": time_backend(lambda: flex(case, device), heads, T, dtype, device, bench),
                "causal": causal, "measured": measured}
         report["results"].append(row)
