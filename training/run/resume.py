@@ -190,9 +190,9 @@ def _plan_auto(store: CheckpointStore, usable: dict, unusable: list, own: str | 
                               f"starting over would replace them; move them aside (or choose another run.dir) to "
                               f"start from step 0")
     if mode == "continue":
-        raise CheckpointError(f"resume=continue: run.dir={run_dir} holds no checkpoint to continue: run the stage "
-                              f"this one continues into that run.dir first (or pass resume=auto to start from "
-                              f"step 0 with these settings)")
+        raise CheckpointError(f"resume=continue: run.dir={run_dir} holds no checkpoint to continue: pass "
+                              f"resume=<the earlier stage's checkpoint> to branch from it into this run.dir, or "
+                              f"run that stage here first (resume=auto starts from step 0 with these settings)")
     steps = metric_steps(run_dir)
     if steps:   # stopped before its first checkpoint: nothing to continue from, nothing lost by starting over
         log.warning("resume=auto: no checkpoint in %s (the run stopped before its first was saved): starting over "
