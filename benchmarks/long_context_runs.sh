@@ -48,7 +48,7 @@
 # with a BPE that keeps every digit its own token (mixed-digits ~5 min, mixed-digits-long ~4.5 min,
 # mixed-digits-eval ~1.3 min, its grid drawn beside mixed-base's; its loss curve alone, its BPE being
 # another), with two second stages branched from its first: mixed-digits-whole (~5 min, the README's
-# recipe; its -eval drawn beside mixed-digits') and mixed-digits-longer (the same to 4,100 steps, ~9
+# recipe as first run; its -eval drawn beside mixed-digits') and mixed-digits-longer (the same to 4,100 steps, ~9
 # min; its -eval beside mixed-digits-whole's). Run a branch before mixed-digits-long: stage 2 keeps
 # two checkpoints, so step 1,700 is gone once mixed-digits' own stage 2 has saved twice. The README's
 # recipe with RoPE base 5,000,000, a run of its own beside mixed-digits-whole: mixed-digits-5m (~5 min),
@@ -56,8 +56,8 @@
 # cases of mixed-digits-seed2026; with every question at its document's end, mixed-digits-last; and
 # with the slowest quarter of the RoPE pairs still (model.rope_fraction=0.75), mixed-digits-prope.
 # And the recipe's stage 1 in 8,192-token windows with our kernel (mixed-digits-warm8k ~5 min), its
-# stage 2 branched from it at 32,768 (mixed-digits-warm8k-long ~5 min), mixed-digits-warm8k-eval; the
-# same three from seed 2,026 (mixed-digits-warm8k-seed2026[-long|-eval], beside mixed-digits-seed2026).
+# stage 2 branched from it at 32,768 (mixed-digits-warm8k-long ~5 min), mixed-digits-warm8k-eval: the
+# README's recipe now (experiment=long-context-retrieval, then -long branched); the same three from seed 2,026 (mixed-digits-warm8k-seed2026[-long|-eval], beside mixed-digits-seed2026).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -274,7 +274,7 @@ branch_of() {
   train "$name" "$@"
 }
 
-# the README's recipe, both stages, with one change in a run of its own (RECIPE_WITH: the run -> the array
+# the README's recipe as first run (stage 1 at 32K), both stages, with one change in a run of its own (RECIPE_WITH: the run -> the array
 # of its overrides; adding one there adds its three cases), drawn beside mixed-digits-whole (its BPE, so
 # its loss curve too): RoPE base 5,000,000 (is the fading of the slow pairs' match over 16-32K what the
 # far slips are?), another seed, and every question at its document's end
@@ -284,7 +284,7 @@ if [[ -n $variant && -n ${RECIPE_WITH[$variant]:-} ]]; then
   case $1 in
   *-long) after_stage_1 "$variant" 2900; train "$variant" long-context-retrieval-long continue "${!with}" ;;
   *-eval) evaluate "$variant" flash 12 mixed-digits-whole ;;
-  *) shift; train "$variant" long-context-retrieval "$@" "${!with}" ;;
+  *) shift; train "$variant" long-context-retrieval-32k "$@" "${!with}" ;;
   esac
   step done
   exit 0
@@ -308,9 +308,9 @@ mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${M
 mixed-base-long) after_stage_1 mixed-base 2900; train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 # mixed-base's two stages with each digit its own token (tokenizer.split_digits), beside it: are its
-# garbled copies the BPE's? Its first stage is experiment=long-context-retrieval, the README's recipe;
+# garbled copies the BPE's? Its first stage is experiment=long-context-retrieval-32k, the README's recipe as first run;
 # its second mixed-base's (MIXED_LONG's units) with the digits split
-mixed-digits) shift; train mixed-digits long-context-retrieval "$@" ;;
+mixed-digits) shift; train mixed-digits long-context-retrieval-32k "$@" ;;
 mixed-digits-long) after_stage_1 mixed-digits 2900; train mixed-digits long-context-retrieval-long continue "${MIXED_LONG[@]}" ;;
 mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base - ;;   # its own BPE: no loss curve to put beside
 # two second stages for mixed-digits' first, branched from its step 1,700 (run `mixed-digits` first, on
@@ -322,7 +322,7 @@ mixed-digits-whole-eval) evaluate mixed-digits-whole flash 12 mixed-digits ;;
 mixed-digits-longer) branch_of mixed-digits mixed-digits-longer long-context-retrieval-long trainer.max_steps=4100 ;;
 mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits-whole ;;
 # the README's recipe with its stage 1 in 8,192-token windows, 4 a step (naive's H100 preset with our
-# kernel, run mixed-digits-8k), and its stage 2 branched from that at 32,768 tokens (a branch may change
+# kernel, run mixed-digits-8k: experiment=long-context-retrieval, the README's stage 1 since it held from two seeds), and its stage 2 branched from that at 32,768 tokens (a branch may change
 # trainer.seq_len): at a fifth of the tokens the 8K windows had learned retrieval where 32K had not
 mixed-digits-warm8k) shift; train mixed-digits-8k long-context-mixed-naive-h100 "$@" attention=flash ;;
 mixed-digits-warm8k-long) branch_of mixed-digits-8k mixed-digits-warm8k long-context-retrieval-long ;;
@@ -367,7 +367,7 @@ mixed-naive-flash-eval) evaluate "$NAIVE_RUN-flash" flash "$NAIVE_WINDOWS" "$NAI
 recipe-share)
   needs_share_steps recipe-share
   shift
-  train recipe-share long-context-retrieval "$@" trainer.max_steps=${SHARE_STEPS%,*} ;;
+  train recipe-share long-context-retrieval-32k "$@" trainer.max_steps=${SHARE_STEPS%,*} ;;
 recipe-share-long)
   needs_share_steps recipe-share-long
   after_stage_1 recipe-share "${SHARE_STEPS#*,}"

@@ -192,14 +192,14 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     dim = based.model.d_model // based.model.n_head
     slow = [i for i in range(dim // 2) if 2 * math.pi * based.model.rope_theta ** (2 * i / dim) > 4 * based.trainer.seq_len]
     assert len(slow) >= 4 and second.model.rope_theta ** ((dim - 2) / dim) * 2 * math.pi < 4 * second.trainer.seq_len
-    # the README's recipe (experiment=long-context-retrieval and -long, the script's mixed-digits and
-    # mixed-digits-whole): the base one with a BPE that keeps every digit its own token and MIXED_WHOLE's
+    # the README's recipe as first run (experiment=long-context-retrieval-32k and -long, the script's
+    # mixed-digits and mixed-digits-whole): the base one with a BPE that keeps every digit its own token and MIXED_WHOLE's
     # second stage, nothing else but the runs' names (and stage 2's resume=continue: it never trains
     # without stage 1's checkpoint)
     base_first = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE"))
     base_whole = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE")
                                + script_overrides("MIXED_WHOLE"))
-    for recipe, base, resume in ((composed("long-context-retrieval"), base_first, None),
+    for recipe, base, resume in ((composed("long-context-retrieval-32k"), base_first, None),
                                  (composed("long-context-retrieval-long"), base_whole, "continue")):
         assert recipe.tokenizer.name == "bpe" and recipe.tokenizer.split_digits and not base.tokenizer.split_digits
         assert recipe.resume == resume
@@ -230,9 +230,12 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
 
 
 def test_the_readme_recipe_is_the_run_it_cites():
-    """experiment=long-context-retrieval-long (the README's stage 2) composes to the committed config of
-    the run its numbers come from (mixed-digits-whole), and with MIXED_LONG's units (the script's
-    mixed-digits-long) to mixed-digits': every setting but those a run fills in or a call sets."""
+    """The README's two presets compose to the committed configs of the runs their numbers come from:
+    experiment=long-context-retrieval (stage 1, 8K windows) to mixed-digits-8k's (and from seed 2,026
+    to mixed-digits-8k-seed2026's), and long-context-retrieval-long (stage 2) to mixed-digits-warm8k's,
+    branched from it (and to mixed-digits-whole's, which continued the 32K stage 1; with MIXED_LONG's
+    units, the script's mixed-digits-long, to mixed-digits'): every setting but those a run fills in
+    or a call sets."""
     from training.run.records import flatten
 
     def differences(cfg, committed: str) -> dict:
@@ -248,7 +251,13 @@ def test_the_readme_recipe_is_the_run_it_cites():
         return {key: (ours.get(key), theirs.get(key)) for key in ours.keys() | theirs.keys()
                 if key not in filled and ours.get(key) != theirs.get(key)}
 
-    assert differences(composed("long-context-retrieval-long"), "long_context_passkey_mixed-digits-whole") == {}
+    assert differences(composed("long-context-retrieval"), "long_context_passkey_mixed-digits-8k") == {}
+    assert differences(composed_with("long-context-retrieval", ["seed=2026"]),
+                       "long_context_passkey_mixed-digits-8k-seed2026") == {}
+    for run in ("mixed-digits-warm8k", "mixed-digits-whole"):
+        assert differences(composed("long-context-retrieval-long"), f"long_context_passkey_{run}") == {}, run
+    assert differences(composed_with("long-context-retrieval-long", ["seed=2026"]),
+                       "long_context_passkey_mixed-digits-warm8k-seed2026") == {}
     assert differences(composed_with("long-context-retrieval-long", script_overrides("MIXED_LONG")),
                        "long_context_passkey_mixed-digits") == {}
     # and the differences would show: the older units are not the recipe's
@@ -267,7 +276,7 @@ def test_the_mixed_recipe_with_naive_attention_trains_as_many_tokens_at_its_long
     naive attention, in windows of naive's longest trainable length on that GPU: the same model,
     optimizer and vocabulary, units cut as flash's are into documents of one key (down to 64 tokens,
     `fewer` lengths fewer to halve through in stage 1), as many passkey tokens and as many tokens in all."""
-    flash = [composed("long-context-retrieval"), composed("long-context-retrieval-long")]
+    flash = [composed("long-context-retrieval-32k"), composed("long-context-retrieval-long")]
     naive = [composed(preset), composed_with(preset, script_overrides(second))]
     committed = json.loads((REPO / "benchmarks" / "max_context" / measured).read_text())
     longest = {(r["impl"], r["features"]): r["max_length"] for r in committed["results"]}
@@ -352,7 +361,7 @@ def test_the_flash_share_runs_the_readme_recipe_to_its_steps_and_naive_is_drawn_
     for case in ("recipe-share", "recipe-share-long"):
         run_script(tmp_path, env, case)
     first, second = calls.read_text().splitlines()
-    assert "experiment=long-context-retrieval run.dir=runs/long-context/recipe-share " in first
+    assert "experiment=long-context-retrieval-32k run.dir=runs/long-context/recipe-share " in first
     assert re.findall(r"trainer\.max_steps=(\d+)", first) == ["300"]
     assert "experiment=long-context-retrieval-long run.dir=runs/long-context/recipe-share " in second
     assert re.findall(r"trainer\.max_steps=(\d+)", second) == ["500"]
@@ -506,7 +515,7 @@ def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name,
 
     assert script_overrides(array) == [override]
     key, value = override.split("=")
-    for preset in ("long-context-retrieval", "long-context-retrieval-long"):
+    for preset in ("long-context-retrieval-32k", "long-context-retrieval-long"):
         readme = compose([f"experiment={preset}"])
         cfg = compose([f"experiment={preset}", override])
         validate_config(cfg)
@@ -526,7 +535,7 @@ def test_a_recipe_variant_is_the_readme_recipe_with_one_override(tmp_path, name,
         done = run_script(tmp_path, env, f"{name}-long", check=False)
         assert (done.returncode == 0) == runs, done.stdout
     first, second = calls.read_text().splitlines()
-    assert f"experiment=long-context-retrieval run.dir=runs/long-context/{name} resume=auto" in first
+    assert f"experiment=long-context-retrieval-32k run.dir=runs/long-context/{name} resume=auto" in first
     assert f"experiment=long-context-retrieval-long run.dir=runs/long-context/{name} resume=continue" in second
     for call in (first, second):
         assert call.split("trainer.progress=false ")[1].split() == [override]
