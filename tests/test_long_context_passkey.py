@@ -585,6 +585,37 @@ def test_the_mixed_cpu_variant_trains_and_writes_the_grid(tmp_path, cache_dir): 
     assert not (out / "short").exists()   # refused before any document was scored
 
 
+@pytest.mark.slow
+def test_the_readme_recipe_s_second_stage_branches_to_longer_windows_on_a_cpu(tmp_path, cache_dir, capsys):  # noqa: F811
+    """The README's recipe's two commands in miniature (long-context-mixed-cpu): stage 1 in 256-token
+    windows, 2 a step; stage 2 branched from its last checkpoint (resume=<file>) into a folder of its
+    own at 512 tokens, 1 a step, on other units, its lineage recording what changed; the same
+    command again refused in one line that says resume=auto, which goes on with the branch; stage 2
+    without resume=<file> refused in one line that names it."""
+    common = ["experiment=long-context-mixed-cpu", f"data.cache_dir={cache_dir}", "trainer.progress=false",
+              "trainer.eval_every=4", "trainer.ckpt_every=4", "trainer.log_every=2"]
+    first, second = tmp_path / "stage1", tmp_path / "stage2"
+    assert run_in_process([*common, f"run.dir={first}", "trainer.max_steps=4", "trainer.seq_len=256",
+                           "trainer.grad_accum=2", "trainer.batch_size=2", "data.passkey.length=256",
+                           "data.passkey.pieces=[1,2]"]) == 0
+    checkpoint = first / "checkpoints" / "step_00000004.pt"
+    stage_2 = [*common, f"run.dir={second}", "trainer.max_steps=8", "trainer.batch_size=2", "data.allow_changed=true",
+               "data.passkey.pieces=[1,1,4]"]
+    assert run_in_process([*stage_2, f"resume={checkpoint}"]) == 0
+    (row,) = [json.loads(line) for line in (second / "lineage.jsonl").read_text().splitlines()]
+    assert row["event"] == "branch" and row["step"] == 4 and row["parent"]["step"] == 4
+    assert row["changes"]["trainer.seq_len"] == [256, 512] and row["changes"]["trainer.grad_accum"] == [2, 1]
+    steps = [json.loads(line)["step"] for line in (second / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] > 4 and steps[-1] == 8
+    capsys.readouterr()
+    assert run_in_process([*stage_2, f"resume={checkpoint}"]) == 2
+    assert "continue this one with resume=auto" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert run_in_process([*stage_2, "trainer.max_steps=10", "allow_changes=[trainer.max_steps]", "resume=auto"]) == 0
+    assert json.loads((second / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 10
+    assert run_in_process([*stage_2, f"run.dir={tmp_path / 'alone'}", "resume=continue"]) == 2
+    assert "pass resume=<the earlier stage's checkpoint> to branch" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("ask_last", [False, True])
 def test_a_training_document_is_asked_its_last_question_as_the_eval_asks(ask_last):
     """eval_passkey_documents splits a dense document at its last question: the prompt is the text up
