@@ -57,7 +57,10 @@
 # with the slowest quarter of the RoPE pairs still (model.rope_fraction=0.75), mixed-digits-prope.
 # And the recipe's stage 1 in 8,192-token windows with our kernel (mixed-digits-warm8k ~5 min), its
 # stage 2 branched from it at 32,768 (mixed-digits-warm8k-long ~5 min), mixed-digits-warm8k-eval: the
-# README's recipe now (experiment=long-context-retrieval, then -long branched); the same three from seed 2,026 (mixed-digits-warm8k-seed2026[-long|-eval], beside mixed-digits-seed2026).
+# README's recipe now (experiment=long-context-retrieval, then -long branched); the same three from
+# seed 2,026 (mixed-digits-warm8k-seed2026[-long|-eval], beside mixed-digits-seed2026); and the
+# README's own commands, readme (~4.5 min), readme-long (~4.5 min), readme-eval (~1 min), beside
+# mixed-digits-warm8k.
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -332,6 +335,13 @@ mixed-digits-warm8k-eval) evaluate mixed-digits-warm8k flash 12 mixed-digits-who
 mixed-digits-warm8k-seed2026) shift; train mixed-digits-8k-seed2026 long-context-mixed-naive-h100 "$@" attention=flash "${MIXED_SEED_2026[@]}" ;;
 mixed-digits-warm8k-seed2026-long) branch_of mixed-digits-8k-seed2026 mixed-digits-warm8k-seed2026 long-context-retrieval-long "${MIXED_SEED_2026[@]}" ;;
 mixed-digits-warm8k-seed2026-eval) evaluate mixed-digits-warm8k-seed2026 flash 12 mixed-digits-seed2026 ;;
+# the README's recipe as its commands run it (experiment=long-context-retrieval in readme-8k, then
+# long-context-retrieval-long branched into readme), drawn beside mixed-digits-warm8k, the same settings
+# run before the Gluon backward took the document mask: what that backward buys each stage, and a third
+# sample of the recipe's retrieval
+readme) shift; train readme-8k long-context-retrieval "$@" ;;
+readme-long) branch_of readme-8k readme long-context-retrieval-long ;;
+readme-eval) evaluate readme flash 12 mixed-digits-warm8k ;;
 # three other second stages for mixed-base's first, each in its own run branched from mixed-base's
 # step-1,700 checkpoint (run `mixed-base` first, on the same machine) and drawn beside mixed-base's
 # committed grid: stage 2 to 4,100 steps (MIXED_LONGER), with several keys in each long document

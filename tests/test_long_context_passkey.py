@@ -497,6 +497,31 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", evaluated)[:1] == [beside]
 
 
+def test_the_readme_cases_run_the_readme_s_two_presets_as_its_commands_do(tmp_path):
+    """readme: experiment=long-context-retrieval to its 1,700 steps; readme-long:
+    long-context-retrieval-long branched from that run's step 1,700 into a folder of its own (refused
+    on a machine without stage 1); readme-eval: beside mixed-digits-warm8k, the same settings run
+    before. Read off what the script would run."""
+    env = script_env(tmp_path, tmp_path / "calls", EVALS=str(tmp_path / "evals"))
+    run_script(tmp_path, env, "readme")
+    (first,) = (tmp_path / "calls").read_text().splitlines()
+    assert "experiment=long-context-retrieval run.dir=runs/long-context/readme-8k resume=auto " in first
+    assert first.endswith("trainer.progress=false")
+    missing = run_script(tmp_path, env, "readme-long", check=False)
+    assert missing.returncode == 2 and "run 'readme-8k' first on this machine" in missing.stdout
+    checkpoint = tmp_path / "runs" / "long-context" / "readme-8k" / "checkpoints" / "step_00001700.pt"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"")
+    run_script(tmp_path, env, "readme-long")
+    second = (tmp_path / "calls").read_text().splitlines()[1]
+    assert (f"experiment=long-context-retrieval-long run.dir=runs/long-context/readme "
+            f"resume={checkpoint.relative_to(tmp_path)} ") in second and second.endswith("trainer.progress=false")
+    run_script(tmp_path, env, "readme-eval")
+    evaluated = "\n".join((tmp_path / "calls").read_text().splitlines()[2:])
+    assert "runs/long-context/readme " in evaluated and "--attention flash" in evaluated
+    assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", evaluated)[:1] == ["mixed-digits-warm8k"]
+
+
 @pytest.mark.parametrize("name, array, override", [("mixed-digits-5m", "MIXED_BASE_5M", "model.rope_theta=5000000"),
                                                    ("mixed-digits-seed2026", "MIXED_SEED_2026", "seed=2026"),
                                                    ("mixed-digits-last", "MIXED_ASK_LAST", "data.passkey.ask_last=true"),
