@@ -468,58 +468,44 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
         assert ("model.rope_theta=500000" in call) == (first == "mixed-base")   # the preset has it
 
 
-@pytest.mark.parametrize("suffix, seed, beside", [("", "", "mixed-digits-whole"),
-                                                  ("-seed2026", " seed=2026", "mixed-digits-seed2026")])
-def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, suffix, seed, beside):
+WARM = "experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed-digits-8k"
+
+
+@pytest.mark.parametrize("case, first_run, first, tail, beside", [
+    ("mixed-digits-warm8k", "mixed-digits-8k", WARM, " attention=flash", "mixed-digits-whole"),
+    ("mixed-digits-warm8k-seed2026", "mixed-digits-8k-seed2026", WARM + "-seed2026", " attention=flash seed=2026",
+     "mixed-digits-seed2026"),
+    ("readme", "readme-8k", "experiment=long-context-retrieval run.dir=runs/long-context/readme-8k", "",
+     "mixed-digits-warm8k"),
+])
+def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, case, first_run, first,
+                                                                                      tail, beside):
     """mixed-digits-warm8k: stage 1 is naive's H100 preset (the recipe in 8,192-token windows, 4 a
     step) with attention=flash to its own 1,700 steps; stage 2 the README's stage-2 preset, branched
     from that run's step 1,700 at its 32,768 tokens; its grid beside mixed-digits-whole's. With
-    -seed2026 both stages from seed 2,026, beside the 32K stage 1's run from that seed. Read off
-    what the script would run."""
+    -seed2026 both stages from seed 2,026, beside the 32K stage 1's run from that seed. `readme` is
+    the same two stages as the README's presets and commands run them (stage 1 is
+    experiment=long-context-retrieval), beside mixed-digits-warm8k. Read off what the script would run."""
+    seed = " seed=2026" if "seed2026" in case else ""
     env = script_env(tmp_path, tmp_path / "calls", EVALS=str(tmp_path / "evals"))
-    run_script(tmp_path, env, f"mixed-digits-warm8k{suffix}")
-    (first,) = (tmp_path / "calls").read_text().splitlines()
-    assert f"experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed-digits-8k{suffix} " in first
-    assert first.endswith(f" attention=flash{seed}") and "max_steps" not in first
-    missing = run_script(tmp_path, env, f"mixed-digits-warm8k{suffix}-long", check=False)
-    assert missing.returncode == 2 and f"run 'mixed-digits-8k{suffix}' first on this machine" in missing.stdout
-    checkpoint = tmp_path / "runs" / "long-context" / f"mixed-digits-8k{suffix}" / "checkpoints" / "step_00001700.pt"
+    run_script(tmp_path, env, case)
+    (stage_1,) = (tmp_path / "calls").read_text().splitlines()
+    assert f"{first} resume=auto " in stage_1
+    assert stage_1.endswith(f"trainer.progress=false{tail}") and "max_steps" not in stage_1
+    missing = run_script(tmp_path, env, f"{case}-long", check=False)
+    assert missing.returncode == 2 and f"run '{first_run}' first on this machine" in missing.stdout
+    checkpoint = tmp_path / "runs" / "long-context" / first_run / "checkpoints" / "step_00001700.pt"
     checkpoint.parent.mkdir(parents=True)
     checkpoint.write_bytes(b"")
-    run_script(tmp_path, env, f"mixed-digits-warm8k{suffix}-long")
+    run_script(tmp_path, env, f"{case}-long")
     second = (tmp_path / "calls").read_text().splitlines()[1]
-    assert (f"experiment=long-context-retrieval-long run.dir=runs/long-context/mixed-digits-warm8k{suffix} "
+    assert (f"experiment=long-context-retrieval-long run.dir=runs/long-context/{case} "
             f"resume={checkpoint.relative_to(tmp_path)} ") in second and "seq_len" not in second
     assert second.endswith(f"trainer.progress=false{seed}")
-    run_script(tmp_path, env, f"mixed-digits-warm8k{suffix}-eval")
+    run_script(tmp_path, env, f"{case}-eval")
     evaluated = "\n".join((tmp_path / "calls").read_text().splitlines()[2:])
-    assert f"runs/long-context/mixed-digits-warm8k{suffix} " in evaluated and "--attention flash" in evaluated
+    assert f"runs/long-context/{case} " in evaluated and "--attention flash" in evaluated
     assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", evaluated)[:1] == [beside]
-
-
-def test_the_readme_cases_run_the_readme_s_two_presets_as_its_commands_do(tmp_path):
-    """readme: experiment=long-context-retrieval to its 1,700 steps; readme-long:
-    long-context-retrieval-long branched from that run's step 1,700 into a folder of its own (refused
-    on a machine without stage 1); readme-eval: beside mixed-digits-warm8k, the same settings run
-    before. Read off what the script would run."""
-    env = script_env(tmp_path, tmp_path / "calls", EVALS=str(tmp_path / "evals"))
-    run_script(tmp_path, env, "readme")
-    (first,) = (tmp_path / "calls").read_text().splitlines()
-    assert "experiment=long-context-retrieval run.dir=runs/long-context/readme-8k resume=auto " in first
-    assert first.endswith("trainer.progress=false")
-    missing = run_script(tmp_path, env, "readme-long", check=False)
-    assert missing.returncode == 2 and "run 'readme-8k' first on this machine" in missing.stdout
-    checkpoint = tmp_path / "runs" / "long-context" / "readme-8k" / "checkpoints" / "step_00001700.pt"
-    checkpoint.parent.mkdir(parents=True)
-    checkpoint.write_bytes(b"")
-    run_script(tmp_path, env, "readme-long")
-    second = (tmp_path / "calls").read_text().splitlines()[1]
-    assert (f"experiment=long-context-retrieval-long run.dir=runs/long-context/readme "
-            f"resume={checkpoint.relative_to(tmp_path)} ") in second and second.endswith("trainer.progress=false")
-    run_script(tmp_path, env, "readme-eval")
-    evaluated = "\n".join((tmp_path / "calls").read_text().splitlines()[2:])
-    assert "runs/long-context/readme " in evaluated and "--attention flash" in evaluated
-    assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", evaluated)[:1] == ["mixed-digits-warm8k"]
 
 
 @pytest.mark.parametrize("name, array, override", [("mixed-digits-5m", "MIXED_BASE_5M", "model.rope_theta=5000000"),
