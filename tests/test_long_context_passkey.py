@@ -471,22 +471,28 @@ def test_a_second_stage_branches_from_its_own_first_stage(tmp_path):
 WARM = "experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed-digits-8k"
 
 
-@pytest.mark.parametrize("case, first_run, first, tail, beside", [
-    ("mixed-digits-warm8k", "mixed-digits-8k", WARM, " attention=flash", "mixed-digits-whole"),
+README_RUN = "experiment=long-context-retrieval run.dir=runs/long-context/readme"
+
+
+@pytest.mark.parametrize("case, first_run, first, tail, second_tail, beside", [
+    ("mixed-digits-warm8k", "mixed-digits-8k", WARM, " attention=flash", "", "mixed-digits-whole"),
     ("mixed-digits-warm8k-seed2026", "mixed-digits-8k-seed2026", WARM + "-seed2026", " attention=flash seed=2026",
-     "mixed-digits-seed2026"),
-    ("readme", "readme-8k", "experiment=long-context-retrieval run.dir=runs/long-context/readme-8k", "",
-     "mixed-digits-warm8k"),
+     " seed=2026", "mixed-digits-seed2026"),
+    ("readme", "readme-8k", README_RUN + "-8k", "", "", "mixed-digits-warm8k"),
+    ("readme-keys8", "readme-keys8-8k", README_RUN + "-keys8-8k", " data.passkey.key_digits=8",
+     " data.passkey.key_digits=8", "mixed-digits-warm8k"),
 ])
 def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, case, first_run, first,
-                                                                                      tail, beside):
+                                                                                      tail, second_tail, beside):
     """mixed-digits-warm8k: stage 1 is naive's H100 preset (the recipe in 8,192-token windows, 4 a
     step) with attention=flash to its own 1,700 steps; stage 2 the README's stage-2 preset, branched
     from that run's step 1,700 at its 32,768 tokens; its grid beside mixed-digits-whole's. With
     -seed2026 both stages from seed 2,026, beside the 32K stage 1's run from that seed. `readme` is
     the same two stages as the README's presets and commands run them (stage 1 is
-    experiment=long-context-retrieval), beside mixed-digits-warm8k. Read off what the script would run."""
-    seed = " seed=2026" if "seed2026" in case else ""
+    experiment=long-context-retrieval), beside mixed-digits-warm8k; `readme-keys8` that with 8-digit
+    keys in both stages (README_WITH). Read off what the script would run."""
+    if tail.startswith(" data."):   # a README_WITH change: the preset takes it
+        assert composed_with("long-context-retrieval", script_overrides("MIXED_KEYS_8")).data.passkey.key_digits == 8
     env = script_env(tmp_path, tmp_path / "calls", EVALS=str(tmp_path / "evals"))
     run_script(tmp_path, env, case)
     (stage_1,) = (tmp_path / "calls").read_text().splitlines()
@@ -501,7 +507,7 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     second = (tmp_path / "calls").read_text().splitlines()[1]
     assert (f"experiment=long-context-retrieval-long run.dir=runs/long-context/{case} "
             f"resume={checkpoint.relative_to(tmp_path)} ") in second and "seq_len" not in second
-    assert second.endswith(f"trainer.progress=false{seed}")
+    assert second.endswith(f"trainer.progress=false{second_tail}")
     run_script(tmp_path, env, f"{case}-eval")
     evaluated = "\n".join((tmp_path / "calls").read_text().splitlines()[2:])
     assert f"runs/long-context/{case} " in evaluated and "--attention flash" in evaluated
