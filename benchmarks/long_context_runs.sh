@@ -48,8 +48,8 @@
 # with a BPE that keeps every digit its own token (mixed-digits ~5 min, mixed-digits-long ~4.5 min,
 # mixed-digits-eval ~1.3 min, its grid drawn beside mixed-base's; its loss curve alone, its BPE being
 # another), with two second stages branched from its first: mixed-digits-whole (~5 min, the README's
-# recipe as first run; its -eval drawn beside mixed-digits') and mixed-digits-longer (the same to 4,100 steps, ~9
-# min; its -eval beside mixed-digits-whole's). Run a branch before mixed-digits-long: stage 2 keeps
+# recipe as first run; its -eval drawn beside mixed-digits') and mixed-digits-longer (the same to
+# 4,100 steps, ~9 min; its -eval beside mixed-digits-whole's). Run a branch before mixed-digits-long: stage 2 keeps
 # two checkpoints, so step 1,700 is gone once mixed-digits' own stage 2 has saved twice. The README's
 # recipe with RoPE base 5,000,000, a run of its own beside mixed-digits-whole: mixed-digits-5m (~5 min),
 # mixed-digits-5m-long (~5 min), mixed-digits-5m-eval (~1.3 min); and from seed 2,026, the same three
@@ -232,9 +232,10 @@ MIXED_ASK_LAST=(data.passkey.ask_last=true)
 MIXED_PROPE=(model.rope_fraction=0.75)
 declare -A RECIPE_WITH=([mixed-digits-5m]=MIXED_BASE_5M [mixed-digits-seed2026]=MIXED_SEED_2026
                         [mixed-digits-last]=MIXED_ASK_LAST [mixed-digits-prope]=MIXED_PROPE)
-# the README's recipe as its commands run it (stage 1 experiment=long-context-retrieval in <run>-8k, stage 2
-# long-context-retrieval-long branched from its step 1,700 into <run>), with one change or none, drawn
-# beside mixed-digits-warm8k (the same settings, trained before the Gluon backward took the document mask)
+# the README's recipe as its commands run it (stage 1 experiment=long-context-retrieval in <run>-8k,
+# stage 2 long-context-retrieval-long branched from its step 1,700 into <run>), with one change or
+# none, drawn beside mixed-digits-warm8k (the same settings, trained before the Gluon backward took
+# the document mask)
 MIXED_NONE=()
 # keys of 8 digits in training, 5 in the eval: 1.6x the copy steps a key (the slips left are one digit
 # of the key read one place off, docs/long-context.md); the 64-token documents still hold a key and its
@@ -286,9 +287,9 @@ branch_of() {
   train "$name" "$@"
 }
 
-# the README's recipe as first run (stage 1 at 32K), both stages, with one change in a run of its own (RECIPE_WITH: the run -> the array
-# of its overrides; adding one there adds its three cases), drawn beside mixed-digits-whole (its BPE, so
-# its loss curve too): RoPE base 5,000,000 (is the fading of the slow pairs' match over 16-32K what the
+# the README's recipe as first run (stage 1 at 32K), both stages, with one change in a run of its own
+# (RECIPE_WITH: the run -> the array of its overrides; adding one there adds its three cases), drawn
+# beside mixed-digits-whole (its BPE, so its loss curve too): RoPE base 5,000,000 (is the fading of the slow pairs' match over 16-32K what the
 # far slips are?), another seed, and every question at its document's end
 variant=${1:-}; variant=${variant%-long}; variant=${variant%-eval}
 if [[ -n $variant && -n ${README_WITH[$variant]:-} ]]; then
@@ -330,8 +331,8 @@ mixed-base) shift; train mixed-base long-context-mixed "${MIXED_SCALED[@]}" "${M
 mixed-base-long) after_stage_1 mixed-base 2900; train mixed-base long-context-mixed continue "${MIXED_SCALED[@]}" "${MIXED_BASE[@]}" "${MIXED_LONG[@]}" ;;
 mixed-base-eval) evaluate mixed-base flash 12 mixed-scaled ;;
 # mixed-base's two stages with each digit its own token (tokenizer.split_digits), beside it: are its
-# garbled copies the BPE's? Its first stage is experiment=long-context-retrieval-32k, the README's recipe as first run;
-# its second mixed-base's (MIXED_LONG's units) with the digits split
+# garbled copies the BPE's? Its first stage is experiment=long-context-retrieval-32k, the README's
+# recipe as first run; its second mixed-base's (MIXED_LONG's units) with the digits split
 mixed-digits) shift; train mixed-digits long-context-retrieval-32k "$@" ;;
 mixed-digits-long) after_stage_1 mixed-digits 2900; train mixed-digits long-context-retrieval-long continue "${MIXED_LONG[@]}" ;;
 mixed-digits-eval) evaluate mixed-digits flash 12 mixed-base - ;;   # its own BPE: no loss curve to put beside
@@ -344,7 +345,8 @@ mixed-digits-whole-eval) evaluate mixed-digits-whole flash 12 mixed-digits ;;
 mixed-digits-longer) branch_of mixed-digits mixed-digits-longer long-context-retrieval-long trainer.max_steps=4100 ;;
 mixed-digits-longer-eval) evaluate mixed-digits-longer flash 12 mixed-digits-whole ;;
 # the README's recipe with its stage 1 in 8,192-token windows, 4 a step (naive's H100 preset with our
-# kernel, run mixed-digits-8k: experiment=long-context-retrieval, the README's stage 1 since it held from two seeds), and its stage 2 branched from that at 32,768 tokens (a branch may change
+# kernel, run mixed-digits-8k: experiment=long-context-retrieval, the README's stage 1 since it held
+# from two seeds), and its stage 2 branched from that at 32,768 tokens (a branch may change
 # trainer.seq_len): at a fifth of the tokens the 8K windows had learned retrieval where 32K had not
 mixed-digits-warm8k) shift; train mixed-digits-8k long-context-mixed-naive-h100 "$@" attention=flash ;;
 mixed-digits-warm8k-long) branch_of mixed-digits-8k mixed-digits-warm8k long-context-retrieval-long ;;
