@@ -193,8 +193,8 @@ def test_the_mixed_recipe_cuts_whole_windows_into_documents_read_on_their_own():
     slow = [i for i in range(dim // 2) if 2 * math.pi * based.model.rope_theta ** (2 * i / dim) > 4 * based.trainer.seq_len]
     assert len(slow) >= 4 and second.model.rope_theta ** ((dim - 2) / dim) * 2 * math.pi < 4 * second.trainer.seq_len
     # the README's recipe as first run (experiment=long-context-retrieval-32k and -long, the script's
-    # mixed-digits and mixed-digits-whole): the base one with a BPE that keeps every digit its own token and MIXED_WHOLE's
-    # second stage, nothing else but the runs' names (and stage 2's resume=continue: it never trains
+    # mixed-digits and mixed-digits-whole): the base one with a BPE that keeps every digit its own
+    # token and MIXED_WHOLE's second stage, nothing else but the runs' names (and stage 2's resume=continue: it never trains
     # without stage 1's checkpoint)
     base_first = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE"))
     base_whole = composed_with("long-context-mixed", script_overrides("MIXED_SCALED") + script_overrides("MIXED_BASE")
