@@ -287,11 +287,10 @@ branch_of() {
   train "$name" "$@"
 }
 
-# the README's recipe as first run (stage 1 at 32K), both stages, with one change in a run of its own
-# (RECIPE_WITH: the run -> the array of its overrides; adding one there adds its three cases), drawn
-# beside mixed-digits-whole (its BPE, so its loss curve too): RoPE base 5,000,000 (is the fading of the slow pairs' match over 16-32K what the
-# far slips are?), another seed, and every question at its document's end
 variant=${1:-}; variant=${variant%-long}; variant=${variant%-eval}
+# the README's recipe as its commands run it, with one change or none (README_WITH: the run -> the
+# array of its overrides; adding one there adds its three cases): stage 1 in <run>-8k, stage 2
+# branched from it into <run>, drawn beside mixed-digits-warm8k
 if [[ -n $variant && -n ${README_WITH[$variant]:-} ]]; then
   with="${README_WITH[$variant]}[@]"
   case $1 in
@@ -302,6 +301,10 @@ if [[ -n $variant && -n ${README_WITH[$variant]:-} ]]; then
   step done
   exit 0
 fi
+# the README's recipe as first run (stage 1 at 32K), both stages, with one change in a run of its own
+# (RECIPE_WITH, as above), drawn beside mixed-digits-whole (its BPE, so its loss curve too): RoPE
+# base 5,000,000 (is the fading of the slow pairs' match over 16-32K what the far slips are?),
+# another seed, every question at its document's end, and the slowest pairs still
 if [[ -n $variant && -n ${RECIPE_WITH[$variant]:-} ]]; then
   with="${RECIPE_WITH[$variant]}[@]"
   case $1 in
