@@ -60,7 +60,8 @@
 # README's recipe now (experiment=long-context-retrieval, then -long branched); the same three from
 # seed 2,026 (mixed-digits-warm8k-seed2026[-long|-eval], beside mixed-digits-seed2026); and the
 # README's own commands, readme (~4.5 min), readme-long (~4.5 min), readme-eval (~1 min), beside
-# mixed-digits-warm8k, and the same with one change (README_WITH: readme-keys8, keys of 8 digits).
+# mixed-digits-warm8k, and the same with one change (README_WITH: readme-keys8, keys of 8 digits,
+# whose -eval asks 8-digit keys as well as 5-digit ones).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -153,6 +154,16 @@ evaluate() {
   # shellcheck disable=SC2086 (the lengths and depths are words)
   run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
     --depths $DEPTHS --trials 20 --name "$stem" --out "$OUT" "${passkey_beside[@]}"
+  # EVAL_KEY_DIGITS=N: the same grid again with keys of N digits, drawn beside the same run: a run
+  # trained on keys of another length (readme-keys8) is asked its own keys as well as the eval's 5-digit
+  # ones, which it answers as if they were its own length (docs/long-context.md)
+  if [[ -n ${EVAL_KEY_DIGITS:-} ]]; then
+    step "$name: passkey grid, $attention attention, keys of $EVAL_KEY_DIGITS digits"
+    # shellcheck disable=SC2086
+    run 470 python3 scripts/eval_passkey.py "$RUNS/$name" --attention "$attention" --lengths $LENGTHS \
+      --depths $DEPTHS --trials 20 --key-digits "$EVAL_KEY_DIGITS" --name "$stem-eval$EVAL_KEY_DIGITS" \
+      --out "$OUT" "${passkey_beside[@]}"
+  fi
   # EVAL_PRECISION=fp32: the same grid again with the forwards in float32, beside the bf16 one: does
   # bf16's rounding decide the wrong answers? Flash's products in IEEE fp32 run without tensor cores:
   # 2K-16K fit in 470 s on an H100 (mixed-digits-last), 32K alone would take ~20 min, so its lengths
@@ -295,7 +306,9 @@ if [[ -n $variant && -n ${README_WITH[$variant]:-} ]]; then
   with="${README_WITH[$variant]}[@]"
   case $1 in
   *-long) branch_of "$variant-8k" "$variant" long-context-retrieval-long "${!with}" ;;
-  *-eval) evaluate "$variant" flash 12 mixed-digits-warm8k ;;
+  # a run trained on keys of other than 5 digits is asked its own keys' length too
+  *-eval) digits=$(printf '%s\n' "${!with}" | sed -n 's/^data\.passkey\.key_digits=//p')
+          EVAL_KEY_DIGITS=${EVAL_KEY_DIGITS:-$digits} evaluate "$variant" flash 12 mixed-digits-warm8k ;;
   *) shift; train "$variant-8k" long-context-retrieval "$@" "${!with}" ;;
   esac
   step done

@@ -512,6 +512,11 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     evaluated = "\n".join((tmp_path / "calls").read_text().splitlines()[2:])
     assert f"runs/long-context/{case} " in evaluated and "--attention flash" in evaluated
     assert re.findall(r"--beside \S+_long_context_passkey_(\S+)\.json", evaluated)[:1] == [beside]
+    # a run trained on keys of another length is asked its own length too, in a grid of its own name
+    grids = [line for line in evaluated.splitlines() if "eval_passkey.py" in line]
+    digits = re.findall(r"key_digits=(\d+)", tail)
+    assert len(grids) == 1 + len(digits)
+    assert all(f"--key-digits {d} --name long_context_passkey_{case}-eval{d} " in grids[1] for d in digits)
 
 
 @pytest.mark.parametrize("name, array, override", [("mixed-digits-5m", "MIXED_BASE_5M", "model.rope_theta=5000000"),
