@@ -40,8 +40,11 @@ def test_smoke_run_writes_results(tmp_path, monkeypatch):
     for row in data["results"]:
         assert row["ours"]["status"] == "ok" and row["causal"]["status"] == "ok"
         assert row["flex"]["status"].startswith("error"), "Flex is not run on the CPU, and says so"
+    # what each side builds from the mask: ours from document ids (window-4k has none), Flex not on the CPU
+    assert [r["mask_build"]["ours"] is not None for r in data["results"]] == [True, True, False]
+    assert all(r["mask_build"]["flex"] is None for r in data["results"])
     md = (tmp_path / "document_mask_cpu.md").read_text()
-    assert "ours masked ms" in md and "FlexAttention is timed on CUDA only" in md
+    assert "ours masked ms" in md and "FlexAttention is timed on CUDA only" in md and "mask build ms" in md
     assert report["results"][0]["documents"] == 4
 
     # one case on its own: the file keeps the other cases' rows, in the usual order

@@ -19,7 +19,10 @@ ours with the mask, FlexAttention (torch.compile'd) with the same mask as its bl
 blocks, built with create_block_mask), and ours with plain causal attention over the whole window
 (what the model computes without the mask). "Speed-up vs causal" is causal's time over the masked
 one; "vs Flex" is Flex's time over ours. TFLOP/s count only the visible score pairs:
-forward 4 * H * D * pairs, forward+backward 3.5x that. Results: <out>/document_mask_<gpu>.json
+forward 4 * H * D * pairs, forward+backward 3.5x that. What each side builds from the mask is
+timed apart too ("mask build ms"): ours turns the document ids into per-token bounds inside every
+call (kernels.masks.bounds_buffer), so its times include that; Flex's block mask is built once,
+before its calls are timed, as a model builds it once a step. Results: <out>/document_mask_<gpu>.json
 (with date, GPU, versions, commit) and .md, rewritten after each case.
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ from _common import (add_out_argument, console, device_slug, environment, error_
 
 CASES = ("docs-2k", "docs-mixed", "window-4k")
 HEADERS = ["case", "T", "docs", "window", "pass", "ours masked ms", "Flex ms", "ours causal ms",
-           "vs Flex", "vs causal", "ours TFLOP/s"]
+           "vs Flex", "vs causal", "ours TFLOP/s", "mask build ms: ours (in its calls) / Flex (before them)"]
 
 
 def mixed_lengths(total: int, seed: int = 0, median: float = 700.0, sigma: float = 1.5) -> list[int]:
@@ -89,14 +92,13 @@ def ours(case: dict, masked: bool, kernel="auto"):
                                            kernel=kernel)
 
 
-def flex(case: dict, device):
-    """FlexAttention with the same mask as a block mask; (B, N, H, D) in and out like ours."""
+def flex_block_mask(case: dict, device):
+    """A builder of the case's mask as FlexAttention's block mask (128 x 128 blocks): one mask_mod,
+    so that building again reuses its compiled graph."""
     if device.type != "cuda":
         raise RuntimeError("FlexAttention is timed on CUDA only (CPU smoke run)")
-    import torch._dynamo
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    torch._dynamo.reset()
     ids, window = case["ids"], case["window"]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -107,8 +109,17 @@ def flex(case: dict, device):
             keep = keep & (q_idx - kv_idx < window)
         return keep
 
-    T = case["T"]
-    block_mask = create_block_mask(mask_mod, None, None, T, T, device=device, _compile=True)
+    return lambda: create_block_mask(mask_mod, None, None, case["T"], case["T"], device=device, _compile=True)
+
+
+def flex(case: dict, device):
+    """FlexAttention with the same mask as a block mask; (B, N, H, D) in and out like ours."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    build = flex_block_mask(case, device)
+    torch._dynamo.reset()
+    block_mask = build()
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attention(q, k, v):
@@ -116,6 +127,21 @@ def flex(case: dict, device):
                        enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
     return attention
+
+
+def time_mask_build(case: dict, device, bench) -> dict:
+    """Milliseconds to build each side's mask from the case (None: nothing to build, or not run)."""
+    from kernels.masks import bounds_buffer
+
+    built = {"ours": None, "flex": None}
+    if case["ids"] is not None:
+        built["ours"] = bench(lambda: bounds_buffer(case["ids"], None, case["T"]))
+    if device.type == "cuda":
+        try:
+            built["flex"] = bench(flex_block_mask(case, device))
+        except Exception as exc:  # Flex's own failure is its row's to report; the build is then not timed
+            built["flex_error"] = error_text(exc)
+    return built
 
 
 def time_backend(make, heads, T, dtype, device, bench) -> dict:
@@ -141,9 +167,12 @@ def rows(report: dict) -> list[list]:
             m, f, c = (r[b].get(p) for b in ("ours", "flex", "causal"))
             fmt = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
             flops = 4 * r["H"] * r["D"] * r["visible_pairs"] * (3.5 if p == "fwd+bwd" else 1)
+            built = r.get("mask_build", {})
             table.append([r["case"], r["T"], r["documents"] or "-", r["window"] or "-", p, fmt(m), fmt(f), fmt(c),
                           f"{f / m:.2f}x" if m and f else "-", f"{c / m:.1f}x" if m and c else "-",
-                          f"{flops / m / 1e9:.0f}" if m else "-"])
+                          f"{flops / m / 1e9:.0f}" if m else "-",
+                          " / ".join(f"{x:.3f}" if x is not None else "-" for x in (built.get("ours"), built.get("flex")))
+                          if built else "-"])
     return table
 
 
@@ -230,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
                "visible_pairs": visible_pairs(T, case["lengths"], case["window"]),
                "ours": time_backend(lambda: ours(case, True, kernel), heads, T, dtype, device, bench),
                "flex": time_backend(lambda: flex(case, device), heads, T, dtype, device, bench),
-               "causal": causal, "measured": measured}
+               "causal": causal, "mask_build": time_mask_build(case, device, bench), "measured": measured}
         report["results"].append(row)
         out.print(f"{name}: ours {row['ours']}, flex {row['flex']}")
         write_outputs(stem, report)
