@@ -49,8 +49,9 @@
 # mixed-digits-eval ~1.3 min, its grid drawn beside mixed-base's; its loss curve alone, its BPE being
 # another), with two second stages branched from its first: mixed-digits-whole (~5 min, the README's
 # recipe as first run; its -eval drawn beside mixed-digits') and mixed-digits-longer (the same to
-# 4,100 steps, ~9 min; its -eval beside mixed-digits-whole's). Run a branch before mixed-digits-long: stage 2 keeps
-# two checkpoints, so step 1,700 is gone once mixed-digits' own stage 2 has saved twice. The README's
+# 4,100 steps, ~9 min; its -eval beside mixed-digits-whole's). Run a branch before mixed-digits-long:
+# stage 2 keeps two checkpoints, so step 1,700 is gone once mixed-digits' own stage 2 has saved
+# twice. The README's
 # recipe with RoPE base 5,000,000, a run of its own beside mixed-digits-whole: mixed-digits-5m (~5 min),
 # mixed-digits-5m-long (~5 min), mixed-digits-5m-eval (~1.3 min); and from seed 2,026, the same three
 # cases of mixed-digits-seed2026; with every question at its document's end, mixed-digits-last; and
