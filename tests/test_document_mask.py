@@ -6,6 +6,7 @@ interpreter with 32 x 32 tiles, so the documents below are chosen around that si
 shorter than a tile, exactly one tile, crossing tile edges, length 1. On CUDA the same
 cases run in bfloat16/float16 at larger sizes.
 """
+import functools
 import math
 
 import pytest
@@ -274,3 +275,50 @@ def test_bad_key_bounds_are_refused(kw, match):
     for fn in (flash_attention, attention_reference):
         with pytest.raises(ValueError, match=match):
             fn(q, k, v, causal=True, **kw)
+
+
+# A training window's documents at the length the long-context recipe trains (32,768 tokens):
+# shorter than a tile, off the tile grid, and one of 16K whose first keys are seen by ~16K
+# queries. The GPU cases above stop at ~600 tokens; this is the length where a key's gradient
+# sums the most query tiles, and where retrieval from far back depends on it.
+LONG_DOCS = [64, 700, 16384, 9000, 6620]
+FAR_KEYS = 1024   # checked apart in documents of at least 4x as many tokens
+ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+@functools.cache
+def _long_window_reference(heads, kv_heads):
+    """Inputs and, per document, the float64 and same-dtype formulas' out, lse, dq, dk, dv: the
+    documents do not see one another, so each is a causal call of its own (a 32K dense float64
+    reference would need ~9 GB a score matrix and head)."""
+    q, k, v, do = make_inputs(1, sum(LONG_DOCS), sum(LONG_DOCS), heads, kv_heads, 64, torch.bfloat16, gen_seed=1234)
+    per_doc, start = [], 0
+    for n in LONG_DOCS:
+        part = [t[:, start:start + n] for t in (q, k, v, do)]
+        exact = forward_backward(attention_reference, *(t.double() for t in part), True)
+        plain = forward_backward(attention_reference, *part, True)
+        per_doc.append((start, n, plain, exact))
+        start += n
+    return (q, k, v, do), per_doc
+
+
+@requires_cuda
+@pytest.mark.parametrize("backward", ["triton", "gluon"])
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (2, 1)], ids=["mha", "gqa"])
+def test_long_training_window_matches_float64_reference_per_document(backward, heads, kv_heads):
+    """Every document of a 32K window, and apart the far keys of the longest (its first FAR_KEYS,
+    seen by every later query of it, whose share of the whole tensor's norm is too small for a
+    wrong or skipped tile there to show), within 2x the same-dtype formula's error."""
+    if backward == "gluon" and not ON_HOPPER:
+        pytest.skip("the Gluon backward needs an sm_90 (Hopper) GPU")
+    (q, k, v, do), per_doc = _long_window_reference(heads, kv_heads)
+    ids = ids_from_lengths(LONG_DOCS)
+    ours = forward_backward(flash_attention, q, k, v, do, True, document_ids=ids, kernel=("triton", backward))
+    for start, n, plain, exact in per_doc:
+        mine = [t[..., start:start + n] if name == "lse" else t[:, start:start + n] for name, t in zip(NAMES, ours)]
+        for name, m, p, e in zip(NAMES, mine, plain, exact):
+            assert_as_exact_as_plain(f"{name} of the {n}-token document", m, p, e, do, v)
+        if n >= 4 * FAR_KEYS:
+            for i, name in ((3, "dk"), (4, "dv")):
+                assert_as_exact_as_plain(f"{name} of the first {FAR_KEYS} keys of the {n}-token document",
+                                         mine[i][:, :FAR_KEYS], plain[i][:, :FAR_KEYS], exact[i][:, :FAR_KEYS], do, v)
