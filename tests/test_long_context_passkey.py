@@ -481,6 +481,10 @@ README_RUN = "experiment=long-context-retrieval run.dir=runs/long-context/readme
     ("readme", "readme-8k", README_RUN + "-8k", "", "", "mixed-digits-warm8k"),
     ("readme-keys8", "readme-keys8-8k", README_RUN + "-keys8-8k", " data.passkey.key_digits=8",
      " data.passkey.key_digits=8", "mixed-digits-warm8k"),
+    ("readme-triton-bwd", "readme-triton-bwd-8k", README_RUN + "-triton-bwd-8k", " attention.backward_kernel=triton",
+     " attention.backward_kernel=triton", "mixed-digits-warm8k"),
+    ("readme-seed2026", "readme-seed2026-8k", README_RUN + "-seed2026-8k", " seed=2026", " seed=2026",
+     "mixed-digits-warm8k"),
 ])
 def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, case, first_run, first,
                                                                                       tail, second_tail, beside):
@@ -490,9 +494,12 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     -seed2026 both stages from seed 2,026, beside the 32K stage 1's run from that seed. `readme` is
     the same two stages as the README's presets and commands run them (stage 1 is
     experiment=long-context-retrieval), beside mixed-digits-warm8k; `readme-keys8` that with 8-digit
-    keys in both stages (README_WITH). Read off what the script would run."""
+    keys in both stages, `readme-triton-bwd` with the Triton backward, `readme-seed2026` from seed
+    2,026 (README_WITH). Read off what the script would run."""
     if tail.startswith(" data."):   # a README_WITH change: the preset takes it
         assert composed_with("long-context-retrieval", script_overrides("MIXED_KEYS_8")).data.passkey.key_digits == 8
+    if tail.startswith(" attention."):
+        assert composed_with("long-context-retrieval", script_overrides("MIXED_TRITON_BWD")).attention.backward_kernel == "triton"
     env = script_env(tmp_path, tmp_path / "calls", EVALS=str(tmp_path / "evals"))
     run_script(tmp_path, env, case)
     (stage_1,) = (tmp_path / "calls").read_text().splitlines()
