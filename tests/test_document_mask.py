@@ -8,6 +8,7 @@ cases run in bfloat16/float16 at larger sizes.
 """
 import functools
 import math
+import random
 
 import pytest
 import torch
@@ -283,6 +284,7 @@ def test_bad_key_bounds_are_refused(kw, match):
 # sums the most query tiles, and where retrieval from far back depends on it.
 LONG_DOCS = [64, 700, 16384, 9000, 6620]
 FAR_KEYS = 1024   # checked apart in documents of at least 4x as many tokens
+LONG_SEED = random.SystemRandom().randrange(2**31)   # fresh inputs each session, shared by the cases
 ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -291,7 +293,8 @@ def _long_window_reference(heads, kv_heads):
     """Inputs and, per document, the float64 and same-dtype formulas' out, lse, dq, dk, dv: the
     documents do not see one another, so each is a causal call of its own (a 32K dense float64
     reference would need ~9 GB a score matrix and head)."""
-    q, k, v, do = make_inputs(1, sum(LONG_DOCS), sum(LONG_DOCS), heads, kv_heads, 64, torch.bfloat16, gen_seed=1234)
+    n = sum(LONG_DOCS)
+    q, k, v, do = make_inputs(1, n, n, heads, kv_heads, 64, torch.bfloat16, gen_seed=LONG_SEED)
     per_doc, start = [], 0
     for n in LONG_DOCS:
         part = [t[:, start:start + n] for t in (q, k, v, do)]
@@ -316,9 +319,18 @@ def test_long_training_window_matches_float64_reference_per_document(backward, h
     ours = forward_backward(flash_attention, q, k, v, do, True, document_ids=ids, kernel=("triton", backward))
     for start, n, plain, exact in per_doc:
         mine = [t[..., start:start + n] if name == "lse" else t[:, start:start + n] for name, t in zip(NAMES, ours)]
+        where = f"the {n}-token document at {start} (inputs' seed {LONG_SEED})"
         for name, m, p, e in zip(NAMES, mine, plain, exact):
-            assert_as_exact_as_plain(f"{name} of the {n}-token document", m, p, e, do, v)
+            _as_exact_as_plain_in(where, name, m, p, e, do, v)
         if n >= 4 * FAR_KEYS:
-            for i, name in ((3, "dk"), (4, "dv")):
-                assert_as_exact_as_plain(f"{name} of the first {FAR_KEYS} keys of the {n}-token document",
-                                         mine[i][:, :FAR_KEYS], plain[i][:, :FAR_KEYS], exact[i][:, :FAR_KEYS], do, v)
+            for i in (3, 4):
+                _as_exact_as_plain_in(f"its first {FAR_KEYS} keys, {where}", NAMES[i], mine[i][:, :FAR_KEYS],
+                                      plain[i][:, :FAR_KEYS], exact[i][:, :FAR_KEYS], do, v)
+
+
+def _as_exact_as_plain_in(where, name, *tensors):
+    """assert_as_exact_as_plain, its message saying which part of the window failed."""
+    try:
+        assert_as_exact_as_plain(name, *tensors)
+    except AssertionError as e:
+        raise AssertionError(f"{where}: {e}") from None
