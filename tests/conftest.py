@@ -29,3 +29,5 @@ for folder in ("kernel_dev", "bench", ""):   # scripts/ first, as a tool's own b
 import pytest  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)   # the Gluon kernels' GPU
+requires_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 (Hopper) GPU")

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from conftest import HAS_CUDA, requires_cuda
+from conftest import HAS_CUDA, ON_HOPPER, requires_cuda
 from kernels import attention_reference, flash_attention, flash_attention_backward
 from kernels.masks import bounds_buffer, document_bounds, visible_mask
 from model.attention import ATTENTION
@@ -285,7 +285,6 @@ def test_bad_key_bounds_are_refused(kw, match):
 LONG_DOCS = [64, 700, 16384, 9000, 6620]
 FAR_KEYS = 1024   # checked apart in documents of at least 4x as many tokens
 LONG_SEED = random.SystemRandom().randrange(2**31)   # fresh inputs each session, shared by the cases
-ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 
 @functools.cache

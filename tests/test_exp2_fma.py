@@ -8,15 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, requires_hopper
 from kernels import exp2
 from kernels.exp2 import COEFFS, FLOOR, MAX_REL_ERROR, SPLIT_PTX, exp2_fma
 from ptx_emulator import bits, f32, run_ptx
 from test_attention_scores import check, heads
 from test_flash_attention import DEVICE, DTYPES, make_inputs
 
-HOPPER = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0),
-                            reason="needs an sm_90 (Hopper) GPU")
 
 
 @triton.jit
@@ -98,7 +96,7 @@ def test_the_triton_forward_with_exponentials_on_the_fma_units_is_as_exact(monke
     check(q, k, v, do, causal, sinks=heads(4), softcap=5.0)
 
 
-@HOPPER
+@requires_hopper
 @pytest.mark.parametrize("forward", ["triton", "gluon"])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 @pytest.mark.parametrize("shape, causal", [((2, 1024, 1024, 8, 2, 64), True), ((1, 300, 517, 4, 4, 128), False),

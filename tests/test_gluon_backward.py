@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA
+from conftest import requires_hopper
 from test_flash_attention import (GPU_SHAPES, assert_as_exact_as_plain, forward_backward, make_inputs,  # noqa: F401
                                   poison_uninitialised_memory, rel_err)
 from kernels import attention_reference
@@ -24,8 +24,6 @@ from kernels.gluon import tma_refusal
 from kernels.gluon.backward import gluon_attention_backward
 
 REPO = Path(__file__).resolve().parents[1]
-ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
-requires_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 (Hopper) GPU")
 
 
 class _TritonForwardGluonBackward(torch.autograd.Function):

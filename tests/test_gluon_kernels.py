@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from conftest import HAS_CUDA
+from conftest import requires_hopper
 from kernels import attention_reference, flash_attention, gluon
 from kernels.gluon import forward as gluon_fwd
 from kernels.lab.gluon_forward_ladder import LADDER, variant_launch
@@ -23,8 +23,6 @@ from test_flash_attention import (DEVICE, GPU_SHAPES, NAMES, assert_as_exact_as_
                                   assert_compiled_matches_eager, forward_backward, make_inputs,
                                   poison_uninitialised_memory)
 
-HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
-requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 # The Triton kernel's GPU shapes at the head dims this kernel covers (B, n_q, n_k, H, H_kv, D): a single
 # row, ragged tiles, GQA 2/8, MQA, Nq < Nk, Nq > Nk (causal rows that see no key), many programs per head

@@ -8,7 +8,7 @@ would do more than concatenate must take the unpacked path. CPU: Triton's interp
 import pytest
 import torch
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, requires_hopper
 from kernels import attention_reference, flash_attention
 from kernels import flash_op
 
@@ -148,10 +148,7 @@ def test_no_grad_call_is_unpacked(packed_calls):
     torch.testing.assert_close(out, flash_attention(*split(qkv), causal=True), rtol=0, atol=0)
 
 
-ON_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon kernels need an sm_90 (Hopper) GPU")
+@requires_hopper
 @pytest.mark.parametrize("heads", [(12, 12), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("kernel", ["gluon", "triton"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
