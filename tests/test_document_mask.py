@@ -292,8 +292,8 @@ def _long_window_reference(heads, kv_heads):
     """Inputs and, per document, the float64 and same-dtype formulas' out, lse, dq, dk, dv: the
     documents do not see one another, so each is a causal call of its own (a 32K dense float64
     reference would need ~9 GB a score matrix and head)."""
-    n = sum(LONG_DOCS)
-    q, k, v, do = make_inputs(1, n, n, heads, kv_heads, 64, torch.bfloat16, gen_seed=LONG_SEED)
+    total = sum(LONG_DOCS)
+    q, k, v, do = make_inputs(1, total, total, heads, kv_heads, 64, torch.bfloat16, gen_seed=LONG_SEED)
     per_doc, start = [], 0
     for n in LONG_DOCS:
         part = [t[:, start:start + n] for t in (q, k, v, do)]

@@ -16,7 +16,6 @@ from test_attention_scores import check, heads
 from test_flash_attention import DEVICE, DTYPES, make_inputs
 
 
-
 @triton.jit
 def _exp2_fma_kernel(X, Y, N: tl.constexpr):
     offs = tl.arange(0, N)
