@@ -60,17 +60,21 @@ def _is_integer_tensor(t) -> bool:
 
 
 def document_bounds(document_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 2, N) int32: [:, 0, i] is the first position of token i's document, [:, 1, i] one past its last."""
-    ids = document_ids
-    n = ids.shape[1]
-    pos = torch.arange(n, device=ids.device, dtype=torch.int32).expand_as(ids)
-    changes = ids[:, 1:] != ids[:, :-1]
-    edge = torch.ones_like(ids[:, :1], dtype=torch.bool)
-    starts = torch.cat([edge, changes], dim=1)          # token i opens a document
-    ends = torch.cat([changes, edge], dim=1)            # token i closes one
-    start = torch.cummax(torch.where(starts, pos, 0), dim=1).values
-    end = torch.cummin(torch.where(ends, pos + 1, n).flip(1), dim=1).values.flip(1)
-    return torch.stack([start, end], dim=1).to(torch.int32).contiguous()
+    """(B, 2, N) int32: [:, 0, i] is the first position of token i's document, [:, 1, i] one past its last.
+
+    Device-wide ops only, over the flattened batch: one `cumsum` numbers the runs (each row's first
+    token opens one), and `searchsorted` of a token's own run number in that nondecreasing numbering
+    finds where its run starts and ends. A scan along each row (cummax/cummin) would be one thread
+    block walking the whole row, paid in every attention call (kernels/LOG.md, 2026-12-06).
+    """
+    b, n = document_ids.shape
+    edge = torch.ones_like(document_ids[:, :1], dtype=torch.bool)
+    opens = torch.cat([edge, document_ids[:, 1:] != document_ids[:, :-1]], dim=1)
+    run = torch.cumsum(opens.flatten(), 0, dtype=torch.int32)         # nondecreasing over the batch
+    start = torch.searchsorted(run, run, right=False, out_int32=True)  # first flat index of the run
+    end = torch.searchsorted(run, run, right=True, out_int32=True)     # one past its last
+    row = torch.arange(b, device=document_ids.device, dtype=torch.int32).repeat_interleave(n) * n
+    return torch.stack([start - row, end - row]).view(2, b, n).transpose(0, 1).contiguous()
 
 
 def bounds_buffer(document_ids=None, key_bounds=None, n_k: int = 0) -> torch.Tensor | None:

@@ -133,6 +133,32 @@ def test_document_bounds_are_runs_of_equal_ids():
     assert torch.equal(mask, (cols[None] >= bounds[0, 0][:, None]) & (cols[None] < bounds[0, 1][:, None]))
 
 
+def _bounds_by_walking(ids):
+    """The definition, one row at a time: a run of equal ids from where it opens to where it closes."""
+    rows = []
+    for row in ids.tolist():
+        start, end, n = [0] * len(row), [0] * len(row), len(row)
+        for i in range(n):
+            start[i] = start[i - 1] if i and row[i] == row[i - 1] else i
+        for i in reversed(range(n)):
+            end[i] = end[i + 1] if i + 1 < n and row[i] == row[i + 1] else i + 1
+        rows.append([start, end])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_document_bounds_match_a_walk_along_each_row(seed):
+    """Runs never join across rows, even where one row ends with the id the next begins with."""
+    gen = torch.Generator().manual_seed(seed)
+    b, n = 5, 97
+    ids = torch.randint(0, 3, (b, n), generator=gen).cumsum(1) % 4   # runs of random lengths, ids reused
+    ids[1, 0] = ids[0, -1]                                             # a run that would join across rows
+    ids[3] = 7                                                         # one document filling its row
+    bounds = document_bounds(ids.to(DEVICE)).cpu()
+    assert bounds.shape == (b, 2, n) and bounds.dtype == torch.int32
+    assert torch.equal(bounds, _bounds_by_walking(ids))
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(causal=False, window=4), "window needs causal"),
     (dict(causal=True, window=0), "window must be a positive int"),
