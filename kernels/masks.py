@@ -73,7 +73,7 @@ def document_bounds(document_ids: torch.Tensor) -> torch.Tensor:
     run = torch.cumsum(opens.flatten(), 0, dtype=torch.int32)         # nondecreasing over the batch
     start = torch.searchsorted(run, run, right=False, out_int32=True)  # first flat index of the run
     end = torch.searchsorted(run, run, right=True, out_int32=True)     # one past its last
-    row = torch.arange(b, device=document_ids.device, dtype=torch.int32).repeat_interleave(n) * n
+    row = torch.arange(b * n, device=document_ids.device, dtype=torch.int32) // n * n   # each token's row start
     return torch.stack([start - row, end - row]).view(2, b, n).transpose(0, 1).contiguous()
 
 
