@@ -63,7 +63,8 @@
 # README's own commands, readme (~4.5 min), readme-long (~4.5 min), readme-eval (~1 min), beside
 # mixed-digits-warm8k, and the same with one change (README_WITH: readme-keys8, keys of 8 digits,
 # whose -eval asks 8-digit keys as well as 5-digit ones; readme-triton-bwd, the Triton backward;
-# readme-seed2026, seed 2,026).
+# readme-seed2026, seed 2,026; readme-triton-atomic, the Triton backward with dQ added in arrival
+# order, and readme-triton-atomic-seed2026, that from seed 2,026).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -258,8 +259,14 @@ MIXED_KEYS_8=(data.passkey.key_digits=8)
 # plans the Gluon one on Hopper since): readme's 75 misses against their 18 and 16 are the kernel's
 # doing or one draw of a wide spread (docs/long-context.md); with readme-seed2026, the other half
 MIXED_TRITON_BWD=(attention.backward_kernel=triton)
+# the Triton backward adding dQ in arrival order (its float32 atomics): the rounding changes, the
+# algorithm does not, so these two runs measure how far retrieval moves on rounding alone, beside
+# readme's 75 and readme-seed2026's 28 on the Gluon backward (docs/long-context.md, "Both backwards")
+MIXED_TRITON_ATOMIC=(attention.backward_kernel=triton attention.deterministic=false)
+MIXED_TRITON_ATOMIC_2026=("${MIXED_TRITON_ATOMIC[@]}" seed=2026)
 declare -A README_WITH=([readme]=MIXED_NONE [readme-keys8]=MIXED_KEYS_8 [readme-triton-bwd]=MIXED_TRITON_BWD
-                        [readme-seed2026]=MIXED_SEED_2026)
+                        [readme-seed2026]=MIXED_SEED_2026 [readme-triton-atomic]=MIXED_TRITON_ATOMIC
+                        [readme-triton-atomic-seed2026]=MIXED_TRITON_ATOMIC_2026)
 # the naive run of the recipe on an H200, at 11,264 tokens (an H100 does not hold that step), or with
 # NAIVE_ON=h100 on an H100, at 8,192 (the GPU the flash runs trained on): its run, preset, second
 # stage, and held-out windows for the loss curve (~393K tokens, as flash's 12 of 32,768)

@@ -472,6 +472,7 @@ WARM = "experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed
 
 
 README_RUN = "experiment=long-context-retrieval run.dir=runs/long-context/readme"
+ATOMIC = " attention.backward_kernel=triton attention.deterministic=false"
 
 
 @pytest.mark.parametrize("case, first_run, first, tail, second_tail, beside", [
@@ -485,6 +486,10 @@ README_RUN = "experiment=long-context-retrieval run.dir=runs/long-context/readme
      " attention.backward_kernel=triton", "mixed-digits-warm8k"),
     ("readme-seed2026", "readme-seed2026-8k", README_RUN + "-seed2026-8k", " seed=2026", " seed=2026",
      "mixed-digits-warm8k"),
+    ("readme-triton-atomic", "readme-triton-atomic-8k", README_RUN + "-triton-atomic-8k", ATOMIC, ATOMIC,
+     "mixed-digits-warm8k"),
+    ("readme-triton-atomic-seed2026", "readme-triton-atomic-seed2026-8k", README_RUN + "-triton-atomic-seed2026-8k",
+     ATOMIC + " seed=2026", ATOMIC + " seed=2026", "mixed-digits-warm8k"),
 ])
 def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, case, first_run, first,
                                                                                       tail, second_tail, beside):
@@ -495,7 +500,8 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     the same two stages as the README's presets and commands run them (stage 1 is
     experiment=long-context-retrieval), beside mixed-digits-warm8k; `readme-keys8` that with 8-digit
     keys in both stages, `readme-triton-bwd` with the Triton backward, `readme-seed2026` from seed
-    2,026 (README_WITH). Read off what the script would run."""
+    2,026, `readme-triton-atomic[-seed2026]` with the Triton backward adding dQ in arrival order
+    (README_WITH). Read off what the script would run."""
     if case.startswith("readme-"):   # a README_WITH change (the tail): the preset takes it
         import yaml
 
