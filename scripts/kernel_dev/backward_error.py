@@ -19,6 +19,15 @@ over the regions a long-context run leans on: each document of a 32K window (the
 near 1 on a key 16K back, the attention a passkey answer needs), with their dQ and those keys'
 dK and dV apart. "flat" inputs are the tests' N(0, 1) q, k, v. Writes DIR/backward_error_<gpu>.json
 and .md. Needs CUDA; the float64 reference of the 16K document takes ~20 GB.
+
+    python scripts/kernel_dev/backward_error.py --checkpoint RUN --out DIR
+
+does the same with a trained model's own attention inputs: one forward and backward of the run's
+model on its first training window (--window val: its first held-out one), with the run's masks,
+records every layer's q, k, v and dO, and measures both backwards on each layer over the whole
+window and over its longest document's first 1,024 keys (dK, dV): the statistics of trained
+weights (sharp heads, large logits) that N(0, 1) inputs lack. Writes
+DIR/backward_error_<run>_<gpu>.{json,md}.
 """
 from __future__ import annotations
 
@@ -55,16 +64,23 @@ def inputs(kind: str, heads: int, seed: int, device):
 
 def grads(fn, q, k, v, do, **kw):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v, causal=True, **kw)
+    out = fn(q, k, v, **kw)
     return dict(zip(GRADS, torch.autograd.grad(out, (q, k, v), do)))
 
 
-def stats(mine, plain, exact) -> dict:
-    diff = mine.double() - exact
-    norm2 = (exact * exact).sum()
-    return dict(rel_err=(diff.norm() / norm2.sqrt()).item(),
-                plain_rel_err=((plain.double() - exact).norm() / norm2.sqrt()).item(),
-                gain=((mine.double() * exact).sum() / norm2 - 1).item())
+def sums(mine, plain, exact) -> torch.Tensor:
+    """|mine - exact|^2, |plain - exact|^2, <mine, exact>, |exact|^2: what `stats` needs, summable
+    over the pieces of one region (documents, head groups)."""
+    exact = exact.double()
+    mine, plain = mine.double(), plain.double()
+    return torch.stack([((mine - exact) ** 2).sum(), ((plain - exact) ** 2).sum(), (mine * exact).sum(),
+                        (exact * exact).sum()]).cpu()
+
+
+def stats(total: torch.Tensor) -> dict:
+    """rel err, the bf16 formula's rel err and the gain from a region's `sums`."""
+    d2, p2, me, e2 = total.tolist()
+    return dict(rel_err=(d2 / e2) ** 0.5, plain_rel_err=(p2 / e2) ** 0.5, gain=me / e2 - 1)
 
 
 def regions(kind: str):
@@ -87,13 +103,13 @@ def measure(device, heads: int, seed: int) -> list[dict]:
         q, k, v, do = inputs(kind, heads, seed, device)
         ours, repeat = {}, {}
         for b in backwards:
-            ours[b], again = (grads(flash_attention, q, k, v, do, document_ids=ids, kernel=("triton", b))
+            ours[b], again = (grads(flash_attention, q, k, v, do, causal=True, document_ids=ids, kernel=("triton", b))
                               for _ in range(2))
             repeat[b] = all(torch.equal(ours[b][g], again[g]) for g in GRADS)
         for i, n in enumerate(DOCS):       # one float64 causal call per document: they do not see one another
             part = [t[:, starts[i]:starts[i] + n] for t in (q, k, v, do)]
-            exact = grads(attention_reference, *(t.double() for t in part))
-            plain = grads(attention_reference, *part)
+            exact = grads(attention_reference, *(t.double() for t in part), causal=True)
+            plain = grads(attention_reference, *part, causal=True)
             for name, doc, which, sub in regions(kind):
                 if doc != i:
                     continue
@@ -102,11 +118,121 @@ def measure(device, heads: int, seed: int) -> list[dict]:
                     for b in backwards:
                         mine = ours[b][g][:, starts[i]:starts[i] + n][:, sub]
                         rows.append(dict(inputs=kind, region=name, grad=g, backward=b, repeat_identical=repeat[b],
-                                         **stats(mine, plain[g][:, sub], exact[g][:, sub])))
+                                         **stats(sums(mine, plain[g][:, sub], exact[g][:, sub]))))
             del exact, plain
             torch.cuda.empty_cache()
         print(f"{kind}: done", flush=True)
     return rows
+
+
+MASKS = {"causal", "document_ids", "window", "softcap"}   # what the float64 reference takes as the kernels do
+
+
+def recorded_attention(model, x, y, document_ids, precision) -> list[dict]:
+    """Every layer's attention call in one forward and backward of `model` on (x, y): its q, k, v,
+    keywords and the gradient dO of its output. A layer recomputed in backward (activation
+    checkpointing) records again with equal inputs; its dO comes from that second call."""
+    from training.process.device import autocast
+
+    calls = [dict() for _ in model.blocks]
+    inner = [block.attn.attention for block in model.blocks]
+
+    def recorder(layer):
+        def attention(q, k, v, **kw):
+            if set(kw) - MASKS:
+                raise ValueError(f"layer {layer} calls attention with {sorted(set(kw) - MASKS)}: this diagnosis "
+                                 f"compares against a float64 reference that takes only {sorted(MASKS)}")
+            out = inner[layer](q, k, v, **kw)
+            call = calls[layer]
+            call.update(q=q.detach().clone(), k=k.detach().clone(), v=v.detach().clone(), kw=kw)
+            out.register_hook(lambda g: call.update(do=g.detach().clone()))
+            return out
+        return attention
+
+    try:
+        for layer, block in enumerate(model.blocks):
+            block.attn.attention = recorder(layer)
+        masks = {} if document_ids is None else {"document_ids": document_ids}
+        with autocast(x.device, precision):
+            loss = model(x, y, **masks)
+        loss.backward()
+    finally:
+        for block, fn in zip(model.blocks, inner):
+            block.attn.attention = fn
+    return calls
+
+
+def documents(document_ids, n: int) -> list[tuple[int, int]]:
+    """(start, end) of each document of a (1, n) window (one document without ids)."""
+    if document_ids is None:
+        return [(0, n)]
+    ids = document_ids[0].cpu()
+    cuts = [0, *(torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist(), n]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def measure_trained(calls: list[dict], device, budget: int = 2**27) -> list[dict]:
+    """One row per (layer, region, gradient, backward): the whole window, and its longest
+    document's first FAR keys (dK, dV). The float64 reference runs per document and per group of
+    KV heads small enough that a score matrix stays under `budget` elements."""
+    backwards = ["triton"] + (["gluon"] if device_arch(device) == "sm_90" else [])
+    rows = []
+    for layer, call in enumerate(calls):
+        q, k, v, do, kw = call["q"], call["k"], call["v"], call["do"], dict(call["kw"])
+        ids = kw.pop("document_ids", None)
+        ours, repeat = {}, {}
+        for b in backwards:
+            ours[b], again = (grads(flash_attention, q, k, v, do, **kw, document_ids=ids, kernel=("triton", b))
+                              for _ in range(2))
+            repeat[b] = all(torch.equal(ours[b][g], again[g]) for g in GRADS)
+        spans = documents(ids, q.shape[1])
+        longest = max(spans, key=lambda span: span[1] - span[0])
+        far = (longest[0], min(longest[1], longest[0] + FAR))
+        group = q.shape[2] // k.shape[2]
+        total = {(region, g, b): torch.zeros(4, dtype=torch.float64) for region in ("window", "far")
+                 for g in GRADS for b in backwards}
+        for start, end in spans:
+            n = end - start
+            heads = max(1, min(k.shape[2], budget // (n * n * group)))
+            for h in range(0, k.shape[2], heads):
+                qh, kh = slice(h * group, (h + heads) * group), slice(h, h + heads)
+                part = [q[:, start:end, qh], k[:, start:end, kh], v[:, start:end, kh], do[:, start:end, qh]]
+                exact = grads(attention_reference, *(t.double() for t in part), **kw)
+                plain = grads(attention_reference, *part, **kw)
+                cut = {"dq": qh, "dk": kh, "dv": kh}
+                for g in GRADS:
+                    for b in backwards:
+                        mine = ours[b][g][:, start:end, cut[g]]
+                        total["window", g, b] += sums(mine, plain[g], exact[g])
+                        if (start, end) == longest and g != "dq":
+                            keys = slice(0, far[1] - far[0])
+                            total["far", g, b] += sums(mine[:, keys], plain[g][:, keys], exact[g][:, keys])
+                del exact, plain
+        names = {"window": f"whole window ({len(spans)} documents)",
+                 "far": f"first {far[1] - far[0]:,} keys of its longest document ({longest[1] - longest[0]:,} tokens)"}
+        for (region, g, b), t in total.items():
+            if t[3] > 0:
+                rows.append(dict(inputs=f"layer {layer}", region=names[region], grad=g, backward=b,
+                                 repeat_identical=repeat[b], **stats(t)))
+        print(f"layer {layer}: done", flush=True)
+    return rows
+
+
+def trained_inputs(args, device):
+    """The run's model and one window of its data (--window), with its document ids where the run
+    masked documents: (model, x, y, document_ids, precision, run name)."""
+    from _eval import load_for_eval, run_name
+    from training.builders import build_data
+
+    args.attention = "flash"
+    model, cfg, _, device, path = load_for_eval(args)
+    seq_len = int(cfg.trainer.seq_len)
+    mask = bool(cfg.data.get("document_mask", False))
+    bundle = build_data(cfg, seq_len=seq_len, seed=cfg.seed)
+    x, y, *ids = (bundle.train.next_batch(1, return_doc_ids=mask) if args.window == "train"
+                  else bundle.val_batches(1, 1, return_doc_ids=mask)[0])
+    ids = ids[0].to(device, torch.int32) if ids else None
+    return model, x.to(device), y.to(device), ids, cfg.trainer.precision, run_name(args, path)
 
 
 def main(argv: list[str]) -> None:
@@ -114,23 +240,36 @@ def main(argv: list[str]) -> None:
     add_out_argument(parser, "backward_error")
     parser.add_argument("--seed", type=int, default=0, help="the inputs' seed")
     parser.add_argument("--heads", type=int, default=2, help="query (and key) heads")
+    parser.add_argument("--checkpoint", type=_common.existing_path, default=None,
+                        help="a run dir or checkpoint: its model's own attention inputs instead of random ones")
+    parser.add_argument("--window", choices=["train", "val"], default="train",
+                        help="with --checkpoint: the run's first training window, or its first held-out one")
+    parser.add_argument("--name", type=_common.file_stem, default=None, help="with --checkpoint: the run's name in the output")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise ValueError("this diagnosis runs our CUDA kernels against float64: it needs a GPU")
     device = torch.device("cuda")
-    rows = measure(device, args.heads, args.seed)
+    if args.checkpoint is None:
+        rows, stem, what = measure(device, args.heads, args.seed), "backward_error", (
+            f"Documents {DOCS}, {args.heads} heads of 64, bf16, causal, inputs' seed {args.seed}")
+        extra = dict(docs=DOCS, seed=args.seed, heads=args.heads)
+    else:
+        args.device = "cuda"
+        model, x, y, ids, precision, name = trained_inputs(args, device)
+        rows = measure_trained(recorded_attention(model, x, y, ids, precision), device)
+        stem, what = f"backward_error_{name}", (f"{name}'s attention inputs and dO on its first {args.window} window "
+                                                f"({x.shape[1]:,} tokens), {precision}")
+        extra = dict(checkpoint=str(args.checkpoint), window=args.window)
     meta = environment(device)
-    stem = args.out / f"backward_error_{device_slug(device)}"
-    write_json(stem.with_suffix(".json"), dict(environment=meta, docs=DOCS, seed=args.seed, heads=args.heads,
-                                               results=rows))
+    stem = args.out / f"{stem}_{device_slug(device)}"
+    write_json(stem.with_suffix(".json"), dict(environment=meta, **extra, results=rows))
     table = markdown_table(["inputs", "region", "grad", "backward", "rel err", "plain's rel err", "gain", "repeat"],
                            [[r["inputs"], r["region"], r["grad"], r["backward"], f"{r['rel_err']:.2e}",
                              f"{r['plain_rel_err']:.2e}", f"{r['gain']:+.2e}", "same" if r["repeat_identical"] else "DIFFERS"]
                             for r in rows])
-    text = (f"# Each backward's error against float64 on a 32K window of documents\n\n{meta['date']}, {meta['device']}, "
+    text = (f"# Each backward's error against float64\n\n{meta['date']}, {meta['device']}, "
             f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit']}, `{meta['command']}`. "
-            f"Documents {DOCS}, {args.heads} heads of 64, bf16, causal, inputs' seed {args.seed}; forward: Triton's.\n\n"
-            f"{table}\n")
+            f"{what}; forward: Triton's.\n\n{table}\n")
     write_text(stem.with_suffix(".md"), text)
     print(text)
 
