@@ -64,7 +64,8 @@
 # mixed-digits-warm8k, and the same with one change (README_WITH: readme-keys8, keys of 8 digits,
 # whose -eval asks 8-digit keys as well as 5-digit ones; readme-triton-bwd, the Triton backward;
 # readme-seed2026, seed 2,026; readme-triton-atomic, the Triton backward with dQ added in arrival
-# order, and readme-triton-atomic-seed2026, that from seed 2,026).
+# order, and readme-triton-atomic-seed2026, that from seed 2,026: its stage 1 runs at ~236K tokens/s,
+# so on a fresh machine (BPE and caches first) a case's three steps need ~680 s, two calls).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
