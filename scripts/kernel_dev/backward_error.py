@@ -42,6 +42,7 @@ from _common import (add_out_argument, argument_parser, device_slug, environment
 
 from kernels import flash_attention  # noqa: E402
 from kernels.checks import device_arch  # noqa: E402
+from kernels.masks import document_bounds  # noqa: E402
 from kernels.reference import attention_reference  # noqa: E402
 
 DOCS = [64, 700, 16384, 9000, 6620]   # a 32,768-token window, as tests/test_document_mask.py's long case
@@ -163,12 +164,12 @@ def recorded_attention(model, x, y, document_ids, precision) -> list[dict]:
 
 
 def documents(document_ids, n: int) -> list[tuple[int, int]]:
-    """(start, end) of each document of a (1, n) window (one document without ids)."""
+    """(start, end) of each document of a (1, n) window (one document without ids): the distinct
+    per-token bounds the kernels' own mask uses."""
     if document_ids is None:
         return [(0, n)]
-    ids = document_ids[0].cpu()
-    cuts = [0, *(torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist(), n]
-    return list(zip(cuts[:-1], cuts[1:]))
+    start, end = document_bounds(document_ids)[0].tolist()
+    return sorted(set(zip(start, end)))
 
 
 def measure_trained(calls: list[dict], device, budget: int = 2**27) -> list[dict]:
@@ -187,7 +188,7 @@ def measure_trained(calls: list[dict], device, budget: int = 2**27) -> list[dict
             repeat[b] = all(torch.equal(ours[b][g], again[g]) for g in GRADS)
         spans = documents(ids, q.shape[1])
         longest = max(spans, key=lambda span: span[1] - span[0])
-        far = (longest[0], min(longest[1], longest[0] + FAR))
+        far = slice(0, min(longest[1] - longest[0], FAR))   # its first keys, within the document
         group = q.shape[2] // k.shape[2]
         total = {(region, g, b): torch.zeros(4, dtype=torch.float64) for region in ("window", "far")
                  for g in GRADS for b in backwards}
@@ -205,11 +206,10 @@ def measure_trained(calls: list[dict], device, budget: int = 2**27) -> list[dict
                         mine = ours[b][g][:, start:end, cut[g]]
                         total["window", g, b] += sums(mine, plain[g], exact[g])
                         if (start, end) == longest and g != "dq":
-                            keys = slice(0, far[1] - far[0])
-                            total["far", g, b] += sums(mine[:, keys], plain[g][:, keys], exact[g][:, keys])
+                            total["far", g, b] += sums(mine[:, far], plain[g][:, far], exact[g][:, far])
                 del exact, plain
         names = {"window": f"whole window ({len(spans)} documents)",
-                 "far": f"first {far[1] - far[0]:,} keys of its longest document ({longest[1] - longest[0]:,} tokens)"}
+                 "far": f"first {far.stop:,} keys of its longest document ({longest[1] - longest[0]:,} tokens)"}
         for (region, g, b), t in total.items():
             if t[3] > 0:
                 rows.append(dict(inputs=f"layer {layer}", region=names[region], grad=g, backward=b,
