@@ -92,8 +92,11 @@ def run_cli(main: Callable[[list[str]], Any]) -> None:
     try:
         main(sys.argv[1:])
     except Exception as exc:  # noqa: BLE001 (only bad input and the machine's faults are caught; a bug re-raised)
-        from training.config.errors import config_error_line, is_config_error   # only then: tools run without Hydra
         from training.process.faults import os_error_line
+        try:   # only now: the kernel tools run without Hydra, where no config error can arise
+            from training.config.errors import config_error_line, is_config_error
+        except ImportError:
+            config_error_line, is_config_error = None, lambda exc: False
 
         if not isinstance(exc, (ValueError, OSError)) and not is_config_error(exc) \
                 or os.environ.get("FLASHTRAIN_TRACEBACK") == "1":
@@ -129,12 +132,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def _checked(self, namespace):
         """train.py's key=value overrides, where a tool takes them: a key given twice is refused
-        (Hydra would take the last one silently), as train.py refuses it."""
-        from training.config import repeated_override
+        (Hydra would take the last one silently), as train.py refuses it. Only a tool given
+        overrides loads the config package, so the kernel tools parse without Hydra installed."""
+        overrides = list(getattr(namespace, "overrides", None) or [])
+        if overrides:
+            from training.config import repeated_override
 
-        repeated = repeated_override(list(getattr(namespace, "overrides", None) or []))
-        if repeated:
-            raise ValueError(repeated)
+            repeated = repeated_override(overrides)
+            if repeated:
+                raise ValueError(repeated)
         return namespace
 
 

@@ -153,3 +153,15 @@ def test_export_weights_never_replaces_the_runs_own_file_by_default(trained, mon
     line = run_script(export_weights, [str(trained), str(trained / "model.safetensors")], monkeypatch, capsys)
     assert line == f"error: {trained / 'model.safetensors'} exists; pass --force to replace it"
     assert (trained / "model.safetensors").read_bytes() == own
+
+
+def test_kernel_tools_parse_and_refuse_without_hydra():
+    """The GPU machines may lack Hydra and OmegaConf: a kernel tool parses its options and refuses a
+    bad one in one line without them (it once died importing omegaconf for the override check)."""
+    import subprocess
+
+    blocked = ("import sys, runpy; sys.modules.update(omegaconf=None, hydra=None); "
+               "sys.argv = ['bench_attention_scores.py', '--smoke', '--cases', 'bogus']; "
+               f"runpy.run_path({str(REPO / 'scripts' / 'bench' / 'bench_attention_scores.py')!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip()) == (2, "error: --cases: bogus not among none, dropout, softcap, sinks, all")
