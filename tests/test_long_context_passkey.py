@@ -473,6 +473,7 @@ WARM = "experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed
 
 README_RUN = "experiment=long-context-retrieval run.dir=runs/long-context/readme"
 ATOMIC = " attention.backward_kernel=triton attention.deterministic=false"
+FLOOR = " optim.min_lr=6.0e-6"   # stage 2 alone
 
 
 @pytest.mark.parametrize("case, first_run, first, tail, second_tail, beside", [
@@ -490,6 +491,9 @@ ATOMIC = " attention.backward_kernel=triton attention.deterministic=false"
      "mixed-digits-warm8k"),
     ("readme-triton-atomic-seed2026", "readme-triton-atomic-seed2026-8k", README_RUN + "-triton-atomic-seed2026-8k",
      ATOMIC + " seed=2026", ATOMIC + " seed=2026", "mixed-digits-warm8k"),
+    ("readme-floor", "readme-floor-8k", README_RUN + "-floor-8k", "", FLOOR, "mixed-digits-warm8k"),
+    ("readme-floor-seed2026", "readme-floor-seed2026-8k", README_RUN + "-floor-seed2026-8k", " seed=2026",
+     " seed=2026" + FLOOR, "mixed-digits-warm8k"),
 ])
 def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, case, first_run, first,
                                                                                       tail, second_tail, beside):
@@ -501,13 +505,15 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     experiment=long-context-retrieval), beside mixed-digits-warm8k; `readme-keys8` that with 8-digit
     keys in both stages, `readme-triton-bwd` with the Triton backward, `readme-seed2026` from seed
     2,026, `readme-triton-atomic[-seed2026]` with the Triton backward adding dQ in arrival order
-    (README_WITH). Read off what the script would run."""
+    (README_WITH), `readme-floor[-seed2026]` with stage 2 alone annealed to 6e-6
+    (README_STAGE_2_WITH). Read off what the script would run."""
     if case.startswith("readme-"):   # a README_WITH change (the tail): the preset takes it
         import yaml
 
-        changed = composed_with("long-context-retrieval", tail.split())
-        for key, value in (override.split("=") for override in tail.split()):
-            assert OmegaConf.select(changed, key) == yaml.safe_load(value), key
+        for preset, overrides in (("long-context-retrieval", tail), ("long-context-retrieval-long", second_tail)):
+            changed = composed_with(preset, overrides.split())
+            for key, value in (override.split("=") for override in overrides.split()):
+                assert OmegaConf.select(changed, key) == yaml.safe_load(value), (preset, key)
     env = script_env(tmp_path, tmp_path / "calls", EVALS=str(tmp_path / "evals"))
     run_script(tmp_path, env, case)
     (stage_1,) = (tmp_path / "calls").read_text().splitlines()
