@@ -9,7 +9,9 @@ does this on Blackwell). Timed on an H100 it did not pay in our forwards, which 
 (kernels/LOG.md, "2026-12-05 (H100)"): ON_FMA below is empty, and `--switches exp2-fma`
 (scripts/bench/bench_attention_scores.py) times it again where that may change.
 
-How. For x <= 0 (every P exponent is a score minus its row max):
+How. For x <= 0 (every P exponent is a score minus its row max; soft-capped scores minus the
+constant of kernels/scores.py's softcap_shift reach up to 29, which the steps below take as well:
+they hold for any x < 128):
 
     x  = max(x, -126)             (max.NaN: a NaN stays NaN; below -126 the result is < 2^-126, 0 to
                                    the output's precision, and the exponent field must not underflow)
@@ -53,7 +55,7 @@ FLOOR = tl.constexpr(-126.0)
 
 @triton.jit
 def exp2_fma(x):
-    """2^x of float32 x <= 0 by the cubic (the module's docstring), in Triton: what the CPU
+    """2^x of float32 x < 128 by the cubic (the module's docstring), in Triton: what the CPU
     interpreter runs, and the reference the PTX is checked against (tests/test_exp2_fma.py)."""
     x = tl.maximum(x, FLOOR, propagate_nan=tl.PropagateNan.ALL)   # NaN stays NaN, as max.NaN keeps it
     t = x + ROUND
@@ -88,7 +90,7 @@ SPLIT_PTX = tl.constexpr(tuple(_split_ptx(n) for n in range(5)))   # by ON_FMA
 
 @triton.jit
 def exp2_split(x, ON_FMA: tl.constexpr):
-    """2^x of float32 x <= 0 with ON_FMA (0 to 4) of every 4 elements computed on the FMA units."""
+    """2^x of float32 x < 128 with ON_FMA (0 to 4) of every 4 elements computed on the FMA units."""
     if ON_FMA == 0:
         return tl.math.exp2(x)
     elif PTX:

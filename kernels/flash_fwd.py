@@ -33,7 +33,9 @@ Details that matter for speed and exactness:
   scalars formed in int64 (kernels/tiles.py), so long sequences index correctly.
 
 What a call may do to its scores besides masking them (kernels/scores.py): soft-capping bends each
-S through c tanh(S / c) before the max is taken; sinks start every row's (m, l) at (sink, 1)
+S through c tanh(S / c) before the max is taken, and with bfloat16 inputs needs no max at all: the
+capped scores lie in [-c, c], so m stays one constant that keeps every exp in float32's range
+(`softcap_shift`), and alpha is 1; sinks start every row's (m, l) at (sink, 1)
 instead of (-inf, 0); dropout zeroes the dropped entries of P after l has summed them all (the
 normaliser is the undropped softmax's) and scales O by 1 / (1 - p) at the end.
 """
@@ -54,7 +56,7 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
               start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh, start_m,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
               SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, SHARE_DRAW: tl.constexpr, PACKED_MASK: tl.constexpr,
-              EXP2_ON_FMA: tl.constexpr):
+              EXP2_ON_FMA: tl.constexpr, SHIFT: tl.constexpr):
     """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, l, m) of a query tile."""
     k = load_tile(K_bh, start_n, stride_kn, k_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores; scaled below
@@ -64,27 +66,35 @@ def _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn
         scale = SOFTCAP * LOG2E
     if MASK:  # row i sees keys [row_lo_i, row_hi_i), which lies within [0, n_k)
         s = tl.where(visible(start_n + offs_n, row_lo, row_hi), s, float("-inf"))
-    # The running max lives in the scaled log2 domain. Scaling the row max (qk_scale > 0,
-    # and rounding is monotonic, so this is exactly the max of the scaled scores) rather
-    # than the whole tile leaves one fused multiply-add per score for P below.
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    m_shift = m_new
-    if MASK:
-        # A row that has seen only masked keys keeps m = -inf (so its first visible key
-        # later still gets P = 1 exactly); its exponents shift by 0 instead so that
-        # exp2(-inf - -inf) never produces NaN. Its P, l and acc stay exactly 0.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_shift)
-    # EXP2_ON_FMA of every 4 exponentials on the FMA units (kernels/exp2.py), in unmasked tiles (no -inf)
-    p = exp2_split(s * scale - m_shift[:, None], 0 if MASK else EXP2_ON_FMA)
-    l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums every probability, dropped or not
+    if SHIFT >= 0:
+        # Soft-capped scores lie in [-c, c]: every exponent is shifted by the constant m_i = SHIFT
+        # log2(e) (kernels/scores.py, softcap_shift), so no max is taken and nothing is rescaled.
+        m_new = m_i
+        p = exp2_split(s * scale - m_i[:, None], 0 if MASK else EXP2_ON_FMA)
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        # The running max lives in the scaled log2 domain. Scaling the row max (qk_scale > 0,
+        # and rounding is monotonic, so this is exactly the max of the scaled scores) rather
+        # than the whole tile leaves one fused multiply-add per score for P below.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+        m_shift = m_new
+        if MASK:
+            # A row that has seen only masked keys keeps m = -inf (so its first visible key
+            # later still gets P = 1 exactly); its exponents shift by 0 instead so that
+            # exp2(-inf - -inf) never produces NaN. Its P, l and acc stay exactly 0.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        # EXP2_ON_FMA of every 4 exponentials on the FMA units (kernels/exp2.py), in unmasked tiles (no -inf)
+        p = exp2_split(s * scale - m_shift[:, None], 0 if MASK else EXP2_ON_FMA)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums every probability, dropped or not
     if DROPOUT_P > 0:  # the dropped ones leave O; 1 / (1 - p) scales it at the end
         if PACKED_MASK:  # cast first: the 16-bit P holds half the registers while the mask is drawn
             p = p.to(q.dtype)
         words, r, c = dropout_words(seed, offset, bh, start_m, start_n, q.shape[0], offs_n.shape[0], SHARE_DRAW)
         p = drop_scores(words, r, c, p, q.dtype, DROPOUT_P, PACKED_MASK)
     v = load_tile(V_bh, start_n, stride_vn, v_offs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
-    acc = acc * alpha[:, None]
+    if SHIFT < 0:
+        acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -105,7 +115,7 @@ def _fwd_epilogue(Out, Lse, b, h, n_heads, stride_ob, stride_on, stride_oh, stri
 
 @triton.autotune(configs=fwd_configs(),
                  key=["HEAD_DIM", "CAUSAL", "DOCS", "WINDOW", "SOFTCAP", "DROPOUT_P", "PACKED_MASK", "EXP2_ON_FMA",
-                      "seq_bucket"],
+                      "SHIFT", "seq_bucket"],
                  prune_configs_by=fwd_prune(), **persistent())
 @triton.jit
 def flash_fwd_kernel(
@@ -118,7 +128,7 @@ def flash_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOCS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT_P: tl.constexpr, SHARE_DRAW: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PACKED_MASK: tl.constexpr = 0, EXP2_ON_FMA: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, PACKED_MASK: tl.constexpr = 0, EXP2_ON_FMA: tl.constexpr = 0, SHIFT: tl.constexpr = -1.0,
 ):
     """Grid: (cdiv(n_q, BLOCK_M), B * H). qk_scale = softmax_scale * log2(e).
     Docs: (B, 2, N) int32 document bounds when DOCS (any pointer otherwise); window is
@@ -132,7 +142,8 @@ def flash_fwd_kernel(
     SHARE_DRAW=1 and 16-bit inputs): P is cast first and the mask zeroes halves of its packed pairs
     (kernels/scores.py's drop_scores); `_triton_forward` sets it from kernels.scores.packed_mask.
     EXP2_ON_FMA (0 to 4): of every 4 exponentials of P in an unmasked tile, how many the FMA units
-    compute (kernels/exp2.py), from kernels.exp2.on_fma."""
+    compute (kernels/exp2.py), from kernels.exp2.on_fma. SHIFT >= 0 (soft-capping only, from
+    kernels.scores.softcap_shift): P's exponents are shifted by that constant instead of a running max."""
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D is the head dim padded to a power of two")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot takes tiles of 16 rows or more")
     # torch.compile passes Python floats as fp64; keep every score in fp32.
@@ -150,6 +161,8 @@ def flash_fwd_kernel(
     v_offs = tile_offsets(offs_n, offs_d, stride_vn, stride_vd)
 
     m_i, l_i = sink_start(Sinks, h, BLOCK_M)   # (-inf, 0), or the sink as every row's first score
+    if SHIFT >= 0:   # the constant every soft-capped exponent is shifted by (no sinks then)
+        m_i = tl.full([BLOCK_M], SHIFT * LOG2E, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     seed, offset = dropout_seed_of(Rng, DROPOUT_P)
     bh = b * n_heads + h
@@ -164,7 +177,7 @@ def flash_fwd_kernel(
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K_bh, V_bh, k_offs, v_offs, stride_kn, stride_vn,
                                       start_n, offs_n, offs_d, n_k, row_lo, row_hi, qk_scale, seed, offset, bh,
                                       start_m, HEAD_DIM, BLOCK_D, stage != 1, PRECISION, SOFTCAP, DROPOUT_P,
-                                      SHARE_DRAW, PACKED_MASK, EXP2_ON_FMA)
+                                      SHARE_DRAW, PACKED_MASK, EXP2_ON_FMA, SHIFT)
 
     if DROPOUT_P > 0:
         acc = acc * (1.0 / (1.0 - DROPOUT_P))

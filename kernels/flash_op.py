@@ -131,7 +131,8 @@ def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None
     # writes needs every constexpr bound
     share = int(dropout_p > 0 and _wgmma_scores(q.device))
     consts = {**consts, "SHARE_DRAW": share, "PACKED_MASK": scores.packed_mask(dropout_p, q.dtype, share),
-              "EXP2_ON_FMA": exp2.on_fma("triton", D, softcap, dropout_p, q.dtype)}
+              "EXP2_ON_FMA": exp2.on_fma("triton", D, softcap, dropout_p, q.dtype),
+              "SHIFT": scores.softcap_shift(softcap, q.dtype, sinks)}
     length = max(n_q, n_k)
 
     def grid(meta):
@@ -445,6 +446,12 @@ class _Call:
 
 _CALLS: dict = {}   # call signature -> _Call
 MAX_CALLS = 4096    # signatures kept (a run sees a handful; varying lengths, e.g. prompts, start it afresh)
+
+
+def forget_calls() -> None:
+    """Drop every call signature's plan and kernels, so that the next calls plan and compile afresh:
+    after a code-path switch of kernels/scores.py or kernels/exp2.py, which a signature reads once."""
+    _CALLS.clear()
 
 
 def _mask_kind(document_ids, window, key_bounds) -> str:

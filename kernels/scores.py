@@ -74,9 +74,16 @@ PTX = tl.constexpr(not INTERPRET)   # inline PTX runs on the GPU only
 # forward 3% and the Gluon one 8% faster with dropout (benchmarks/attention/score_switches_ab_h100.md).
 # Which scores share an asm call is Triton's choice, checked on the CPU only through the layout it
 # compiles to; on the GPU test_the_packed_dropout_mask_is_the_unpacked_one checks the outputs bit for
-# bit against the unpacked mask (passed on an H100, triton 3.6). False restores the unpacked mask;
-# launches read it at each call (bench_attention_scores.py --switches unpacked-dropout).
+# bit against the unpacked mask (passed on an H100, triton 3.6). False restores the unpacked mask
+# (bench_attention_scores.py --switches unpacked-dropout). Like SOFTCAP_FIXED_SHIFT below, it is read
+# at a call signature's first call, whose kernels kernels/flash_op.py then keeps: set it before.
 PACKED_DROPOUT = True
+
+# A soft-capped score lies in [-c, c], so the Triton forward may shift every exponent by one constant
+# instead of a running row max: no max, no rescale of O and l per tile (`softcap_shift`). False keeps
+# the running max (bench_attention_scores.py --switches softcap-running-max).
+SOFTCAP_FIXED_SHIFT = True
+SHIFT_HEADROOM = 20.0   # natural-log units: P <= e^20, so l and O's accumulator stay finite for any N and |v| < 1e20
 
 
 # ---- soft-capping ------------------------------------------------------------------------------
@@ -97,6 +104,25 @@ def tanh(x):
 def hardware_tanh(x):
     """tanh of float32 x in one special-function instruction (PTX tanh.approx.f32, sm_75 and later)."""
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+def softcap_shift(softcap: float, dtype: torch.dtype, sinks) -> float:
+    """SHIFT of a Triton forward launch: the constant k (natural log) that every soft-capped exponent
+    is shifted by in place of the running max, or -1.0 where the running max stays.
+
+    P = e^(t - k) for capped scores t in [-c, c] lies in [e^(-c-k), e^(c-k)]. k = max(0, c - 20) keeps
+    the top at e^20 or less (row sums under 2^31 e^20, so nothing overflows in float32) and the bottom
+    at e^(20 - 2c) or more, which stays a normal float32 while c <= 53: Gemma 2's cap of 50 fits.
+    What the shift costs is the exponent's rounding: a row's largest scores now sit up to (c + k)
+    log2(e) from 0 in exp2's argument (115 at c = 50) where the max put them at 0, which gives P a
+    relative error up to 115 x 2^-24 ~ 7e-6. bfloat16 inputs round P to 2^-9 before P V, so there
+    it is lost; float32 inputs' own formula is ~1e-7 exact, and float16's P would overflow its
+    65,504: both keep the running max, as do sinks (an unbounded learned logit joins every row) and
+    larger caps."""
+    if not (SOFTCAP_FIXED_SHIFT and softcap > 0 and sinks is None and dtype == torch.bfloat16
+            and softcap <= 53.0):
+        return -1.0
+    return max(0.0, float(softcap) - SHIFT_HEADROOM)
 
 
 @triton.jit

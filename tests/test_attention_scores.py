@@ -167,6 +167,51 @@ def test_a_large_cap_is_plain_attention_and_a_small_one_flattens_the_softmax():
     torch.testing.assert_close(lse, want, atol=0.011, rtol=0)
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["shift", "running-max"])
+@pytest.mark.parametrize("ends", ["top", "bottom", "both"])
+def test_gemmas_cap_at_both_ends_of_its_range(monkeypatch, fixed, ends):
+    """Cap 50 (Gemma 2's) with every score driven to +c, to -c, or alternately to both (P spanning
+    e^-100): on a GPU in bfloat16, the Triton forward's constant shift (kernels.scores.softcap_shift:
+    P = e^(t - 30) in [e^-80, e^20]) is as exact as the running max, where neither end may overflow or
+    flush. The interpreter's float32 and float16 keep the running max (the next test runs the shift
+    there)."""
+    from kernels import flash_op, scores
+
+    monkeypatch.setattr(scores, "SOFTCAP_FIXED_SHIFT", fixed)
+    monkeypatch.setattr(flash_op, "_CALLS", {})   # a call signature keeps the kernels of its first call
+    dtype = DTYPES[0]
+    assert (scores.softcap_shift(50.0, dtype, None) == 30.0) == (fixed and dtype == torch.bfloat16)
+    check(*capped_at(ends, dtype), True, softcap=50.0)
+
+
+def capped_at(ends, dtype):
+    """q, k, v, dO whose scores (D = 32) reach +-200 before a cap of 50: all of a row's at +c ("top"),
+    at -c ("bottom"), or every other key at each ("both")."""
+    q, k, v, do = make_inputs(1, 40 * SCALE, 40 * SCALE, 2, 2, 32, dtype)
+    q = q + 6 * (-1.0 if ends == "bottom" else 1.0)
+    k = k + 6
+    if ends == "both":
+        k[:, 1::2] -= 12
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("ends", ["top", "bottom", "both"])
+def test_the_constant_shift_computes_the_running_maxs_function(monkeypatch, ends):
+    """The shift forced on float32 inputs (where the running max runs: softcap_shift) gives the running
+    max's outputs and gradients to the shift's own rounding (its docstring: ~7e-6 of P at c = 50):
+    the path the bfloat16 GPU runs take, run here in the interpreter too."""
+    from kernels import flash_op, scores
+
+    q, k, v, do = capped_at(ends, torch.float32)
+    both = []
+    for shift in (lambda c, dtype, sinks: max(0.0, c - 20.0), lambda c, dtype, sinks: -1.0):
+        monkeypatch.setattr(scores, "softcap_shift", shift)
+        monkeypatch.setattr(flash_op, "_CALLS", {})
+        both.append(run(flash_attention, q, k, v, do, True, softcap=50.0))
+    for name, shifted, running in zip(("out", "lse", "dq", "dk", "dv"), *both):
+        assert torch.isfinite(shifted).all() and rel(shifted, running.double()) < 2e-5, name
+
+
 # ---- dropout --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", cases(SHAPES[:1]), ids=CASE_IDS)
@@ -491,14 +536,16 @@ def test_the_packed_dropout_mask_is_the_unpacked_one(monkeypatch, forward, shape
     unpacked mask's output and LSE bit for bit, and is as exact as the plain formula given the mask:
     Triton picks which scores share an asm call, so a pair that were not keys 2j, 2j + 1 of one query
     would drop other scores than the mask says."""
-    from kernels import scores
+    from kernels import flash_op, scores
 
     q, k, v, do = make_inputs(*shape, dtype)
     kw = dict(causal=causal, dropout_p=0.2, kernel=(forward, "triton"), return_lse=True)
     monkeypatch.setattr(scores, "PACKED_DROPOUT", False)
+    monkeypatch.setattr(flash_op, "_CALLS", {})   # a call signature keeps the kernels of its first call
     with replayed_generator():
         unpacked = flash_attention(q, k, v, **kw)
     monkeypatch.setattr(scores, "PACKED_DROPOUT", True)
+    monkeypatch.setattr(flash_op, "_CALLS", {})
     with replayed_generator():
         packed = flash_attention(q, k, v, **kw)
     assert torch.equal(packed[0], unpacked[0]) and torch.equal(packed[1], unpacked[1])

@@ -45,17 +45,19 @@ def test_switches_set_code_paths_and_name_them(tmp_path, monkeypatch):
     from kernels import exp2, scores
 
     monkeypatch.setattr(scores, "PACKED_DROPOUT", True)
+    monkeypatch.setattr(scores, "SOFTCAP_FIXED_SHIFT", True)
     monkeypatch.setattr(exp2, "ON_FMA", {})
     threads = torch.get_num_threads()
     try:
         bench_attention_scores.main(["--smoke", "--cases", "dropout", "--words", "triton",
-                                     "--switches", "unpacked-dropout,exp2-fma", "--out", str(tmp_path)])
+                                     "--switches", "unpacked-dropout,exp2-fma,softcap-running-max", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)
-    assert not scores.PACKED_DROPOUT and exp2.ON_FMA == exp2.CANDIDATES
-    stem = tmp_path / "attention_scores_cpu_unpacked-dropout_exp2-fma"
+    assert not scores.PACKED_DROPOUT and exp2.ON_FMA == exp2.CANDIDATES and not scores.SOFTCAP_FIXED_SHIFT
+    stem = tmp_path / "attention_scores_cpu_unpacked-dropout_exp2-fma_softcap-running-max"
     data = json.loads(stem.with_suffix(".json").read_text())
-    assert data["switches"] == ["unpacked-dropout", "exp2-fma"] and all(r["status"] == "ok" for r in data["results"])
+    assert data["switches"] == ["unpacked-dropout", "exp2-fma", "softcap-running-max"]
+    assert all(r["status"] == "ok" for r in data["results"])
     assert "Switched: the forwards' dropout mask as a float32 select" in stem.with_suffix(".md").read_text()
     with pytest.raises(ValueError, match="--switches: fast not among"):
         bench_attention_scores.main(["--smoke", "--switches", "fast", "--out", str(tmp_path)])

@@ -24,11 +24,12 @@ def _exp2_fma_kernel(X, Y, N: tl.constexpr):
 
 def exponents(n: int = 4096) -> np.ndarray:
     """P's exponents: x <= 0 spread over [-140, 0] (below the clamp too), dense near 0 and around
-    integers (where the rounding to n flips), with 0, -0, tiny negatives and NaN."""
+    integers (where the rounding to n flips), with 0, -0, tiny negatives and NaN; and up to 29, where
+    the soft-capped forward's constant shift puts a row's largest (kernels.scores.softcap_shift)."""
     g = np.random.default_rng(0)
     x = np.concatenate([-g.exponential(3.0, n // 2), -g.uniform(0, 140, n // 4),
                         -np.repeat(np.arange(0, 128), 8) + g.uniform(-1e-3, 1e-3, 1024)])
-    x = np.minimum(x, 0)[: n - 6]
+    x = np.concatenate([np.minimum(x, 0)[: n - 6 - 256], g.uniform(0, 29, 256)])
     return np.concatenate([x, [0.0, -0.0, -1e-30, -0.5, -125.5, np.nan]]).astype(np.float32)
 
 

@@ -51,12 +51,14 @@ HEADERS = ["case", "kernel", "plan", "fwd ms", "bwd ms", "fwd+bwd ms", "x none",
 SWITCHES = {"packed-dropout": "the forwards' dropout mask on P's packed pairs (kernels.scores.PACKED_DROPOUT on)",
             "unpacked-dropout": "the forwards' dropout mask as a float32 select before P's cast "
                                 "(kernels.scores.PACKED_DROPOUT off)",
-            "exp2-fma": "exponentials on the FMA units where kernels.exp2.CANDIDATES puts them"}
+            "exp2-fma": "exponentials on the FMA units where kernels.exp2.CANDIDATES puts them",
+            "softcap-running-max": "the soft-capped Triton forward with a running row max, not the constant "
+                                   "shift (kernels.scores.SOFTCAP_FIXED_SHIFT off)"}
 
 
 def set_switches(switches: list[str]) -> None:
-    """Set the SWITCHES named, for every launch that follows."""
-    from kernels import exp2, scores
+    """Set the SWITCHES named, for every call that follows (the calls made before forgotten)."""
+    from kernels import exp2, flash_op, scores
 
     unknown = [s for s in switches if s not in SWITCHES]
     if unknown:
@@ -67,6 +69,9 @@ def set_switches(switches: list[str]) -> None:
         scores.PACKED_DROPOUT = "packed-dropout" in switches
     if "exp2-fma" in switches:
         exp2.ON_FMA = dict(exp2.CANDIDATES)
+    if "softcap-running-max" in switches:
+        scores.SOFTCAP_FIXED_SHIFT = False
+    flash_op.forget_calls()
 
 
 def measure(case: str, word: str, shape, dtype, device, timer) -> dict:

@@ -51,16 +51,17 @@ def score_args(kernel, scores=()) -> dict:
     which compile to the code the kernel has without the option. A pointer left out is compiled as one."""
     import torch
 
-    from kernels.scores import packed_mask
+    from kernels.scores import packed_mask, softcap_shift
 
     names = getattr(kernel, "arg_names", None) or kernel.fn.arg_names
     off = {"Rng": None, "Sinks": None, "SOFTCAP": 0.0, "DROPOUT_P": 0.0, "SHARE_DRAW": 0, "PACKED_MASK": 0,
-           "EXP2_ON_FMA": 0}
+           "EXP2_ON_FMA": 0, "SHIFT": -1.0}
     on = {"dropout": {"DROPOUT_P": 0.1, **({"SHARE_DRAW": 1, "PACKED_MASK": packed_mask(0.1, torch.bfloat16, True)}
                                            if "SHARE_DRAW" in names else {})},   # as on sm_90 (bf16)
           "softcap": {"SOFTCAP": 30.0}, "sinks": {}}
     drop = {"dropout": "Rng", "sinks": "Sinks"}
     args = {**off, **{k: v for s in scores for k, v in on[s].items()}}
+    args["SHIFT"] = softcap_shift(args["SOFTCAP"], torch.bfloat16, "sinks" if "sinks" in scores else None)   # as launched
     return {k: v for k, v in args.items() if k in names and k not in {drop.get(s) for s in scores}}
 
 
