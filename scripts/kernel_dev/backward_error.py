@@ -69,6 +69,16 @@ def grads(fn, q, k, v, do, **kw):
     return dict(zip(GRADS, torch.autograd.grad(out, (q, k, v), do)))
 
 
+def both_backwards(device, q, k, v, do, **kw) -> tuple[dict, dict]:
+    """{backward: its gradients} for the Triton backward and, on sm_90, the Gluon one (the forward
+    Triton's for both), and {backward: whether a second call repeats them bit for bit}."""
+    ours, repeat = {}, {}
+    for b in ["triton"] + (["gluon"] if device_arch(device) == "sm_90" else []):
+        ours[b], again = (grads(flash_attention, q, k, v, do, **kw, kernel=("triton", b)) for _ in range(2))
+        repeat[b] = all(torch.equal(ours[b][g], again[g]) for g in GRADS)
+    return ours, repeat
+
+
 def sums(mine, plain, exact) -> torch.Tensor:
     """|mine - exact|^2, |plain - exact|^2, <mine, exact>, |exact|^2: what `stats` needs, summable
     over the pieces of one region (documents, head groups)."""
@@ -96,17 +106,12 @@ def regions(kind: str):
 
 def measure(device, heads: int, seed: int) -> list[dict]:
     """One row per (inputs, region, gradient, backward)."""
-    backwards = ["triton"] + (["gluon"] if device_arch(device) == "sm_90" else [])
     ids = torch.repeat_interleave(torch.arange(len(DOCS)), torch.tensor(DOCS))[None].to(device, torch.int32)
     starts = [sum(DOCS[:i]) for i in range(len(DOCS))]
     rows = []
     for kind in ("flat", "needle"):
         q, k, v, do = inputs(kind, heads, seed, device)
-        ours, repeat = {}, {}
-        for b in backwards:
-            ours[b], again = (grads(flash_attention, q, k, v, do, causal=True, document_ids=ids, kernel=("triton", b))
-                              for _ in range(2))
-            repeat[b] = all(torch.equal(ours[b][g], again[g]) for g in GRADS)
+        ours, repeat = both_backwards(device, q, k, v, do, causal=True, document_ids=ids)
         for i, n in enumerate(DOCS):       # one float64 causal call per document: they do not see one another
             part = [t[:, starts[i]:starts[i] + n] for t in (q, k, v, do)]
             exact = grads(attention_reference, *(t.double() for t in part), causal=True)
@@ -116,7 +121,7 @@ def measure(device, heads: int, seed: int) -> list[dict]:
                     continue
                 sub = sub or slice(0, n)
                 for g in which:
-                    for b in backwards:
+                    for b in ours:
                         mine = ours[b][g][:, starts[i]:starts[i] + n][:, sub]
                         rows.append(dict(inputs=kind, region=name, grad=g, backward=b, repeat_identical=repeat[b],
                                          **stats(sums(mine, plain[g][:, sub], exact[g][:, sub]))))
@@ -176,22 +181,17 @@ def measure_trained(calls: list[dict], device, budget: int = 2**27) -> list[dict
     """One row per (layer, region, gradient, backward): the whole window, and its longest
     document's first FAR keys (dK, dV). The float64 reference runs per document and per group of
     KV heads small enough that a score matrix stays under `budget` elements."""
-    backwards = ["triton"] + (["gluon"] if device_arch(device) == "sm_90" else [])
     rows = []
     for layer, call in enumerate(calls):
         q, k, v, do, kw = call["q"], call["k"], call["v"], call["do"], dict(call["kw"])
         ids = kw.pop("document_ids", None)
-        ours, repeat = {}, {}
-        for b in backwards:
-            ours[b], again = (grads(flash_attention, q, k, v, do, **kw, document_ids=ids, kernel=("triton", b))
-                              for _ in range(2))
-            repeat[b] = all(torch.equal(ours[b][g], again[g]) for g in GRADS)
+        ours, repeat = both_backwards(device, q, k, v, do, **kw, document_ids=ids)
         spans = documents(ids, q.shape[1])
         longest = max(spans, key=lambda span: span[1] - span[0])
         far = slice(0, min(longest[1] - longest[0], FAR))   # its first keys, within the document
         group = q.shape[2] // k.shape[2]
         total = {(region, g, b): torch.zeros(4, dtype=torch.float64) for region in ("window", "far")
-                 for g in GRADS for b in backwards}
+                 for g in GRADS for b in ours}
         for start, end in spans:
             n = end - start
             heads = max(1, min(k.shape[2], budget // (n * n * group)))
@@ -202,7 +202,7 @@ def measure_trained(calls: list[dict], device, budget: int = 2**27) -> list[dict
                 plain = grads(attention_reference, *part, **kw)
                 cut = {"dq": qh, "dk": kh, "dv": kh}
                 for g in GRADS:
-                    for b in backwards:
+                    for b in ours:
                         mine = ours[b][g][:, start:end, cut[g]]
                         total["window", g, b] += sums(mine, plain[g], exact[g])
                         if (start, end) == longest and g != "dq":

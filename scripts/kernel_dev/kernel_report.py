@@ -55,7 +55,7 @@ def score_args(kernel, scores=()) -> dict:
 
     names = getattr(kernel, "arg_names", None) or kernel.fn.arg_names
     off = {"Rng": None, "Sinks": None, "SOFTCAP": 0.0, "DROPOUT_P": 0.0, "SHARE_DRAW": 0, "PACKED_MASK": 0,
-           "EXP2_ON_FMA": 0, "SHIFT": -1.0}
+           "EXP2_ON_FMA": 0}
     on = {"dropout": {"DROPOUT_P": 0.1, **({"SHARE_DRAW": 1, "PACKED_MASK": packed_mask(0.1, torch.bfloat16, True)}
                                            if "SHARE_DRAW" in names else {})},   # as on sm_90 (bf16)
           "softcap": {"SOFTCAP": 30.0}, "sinks": {}}
