@@ -6,8 +6,9 @@ and soft-capping adds a tanh, a second MUFU operation a score: counted in SASS, 
 MUFU time exceeds the time its instructions take to issue. Computing some exponentials with a
 polynomial on the FMA units trades MUFU time for issue slots until the two balance (FlashAttention-4
 does this on Blackwell). Timed on an H100 it did not pay in our forwards, which are not MUFU-bound
-(kernels/LOG.md, "2026-12-05 (H100)"): ON_FMA below is empty, and `--switches exp2-fma`
-(scripts/bench/bench_attention_scores.py) times it again where that may change.
+(kernels/LOG.md, "2026-12-05 (H100)"), until the soft-capped Triton forward lost its running max:
+ON_FMA below lists where the split is on, and `--switches exp2-fma` (scripts/bench/bench_attention_scores.py)
+times every CANDIDATES entry on.
 
 How. For x <= 0 (every P exponent is a score minus its row max; soft-capped scores minus the
 constant of kernels/scores.py's softcap_shift reach up to 29, which the steps below take as well:
@@ -100,19 +101,25 @@ def exp2_split(x, ON_FMA: tl.constexpr):
         return exp2_fma(x)
 
 
-# (family, head dim, soft-capped) -> of every 4 exponentials of an unmasked tile, how many the FMA
-# units take: where the sm_90 code's counts put the balance of MUFU time and issue slots
-# (kernels/LOG.md, 2026-12-05). Timed on an H100, the Triton forward was slower and the Gluon one
-# 2.5% faster (the tile is not MUFU-bound: LOG.md, "2026-12-05 (H100)"), so ON_FMA stays empty, every
-# kernel on ex2; the GPU tests run CANDIDATES either way.
-CANDIDATES = {("triton", 64, True): 1, ("triton", 128, True): 1, ("gluon", 64, True): 2, ("gluon", 128, True): 2,
-              ("gluon", 64, False): 1}
-ON_FMA: dict = {}
+# (family, head dim, scores) -> of every 4 exponentials of an unmasked tile, how many the FMA units
+# take, where scores is "plain", "softcap" (a running row max) or "softcap-shift" (the Triton forward's
+# constant shift, kernels/scores.py softcap_shift). CANDIDATES: where the sm_90 code's counts put the
+# balance of MUFU time and issue slots (kernels/LOG.md, 2026-12-05); the GPU tests run them all.
+# ON_FMA: those a GPU A/B found faster. On an H100 the running-max Triton forward was slower with the
+# split and the Gluon one 2.5% faster (LOG.md, "2026-12-05 (H100)"), neither what a run launches at
+# 4K; the shifted Triton forward, ~80 instructions a step shorter, was 4% faster at head dim 64 (LOG.md,
+# "2026-12-07, night"). Head dim 128 was not timed, so it stays on ex2.
+CANDIDATES = {("triton", 64, "softcap"): 1, ("triton", 128, "softcap"): 1,
+              ("triton", 64, "softcap-shift"): 1, ("triton", 128, "softcap-shift"): 1,
+              ("gluon", 64, "softcap"): 2, ("gluon", 128, "softcap"): 2, ("gluon", 64, "plain"): 1}
+ON_FMA: dict = {("triton", 64, "softcap-shift"): 1}
 
 
-def on_fma(family: str, head_dim: int, softcap: float, dropout_p: float, dtype) -> int:
-    """EXP2_ON_FMA of a forward launch: 0 with dropout (its tile waits on issue slots, not on the
-    special-function unit) and for float32 inputs (whose output does not hide the cubic's error)."""
+def on_fma(family: str, head_dim: int, softcap: float, dropout_p: float, dtype, shift: float = -1.0) -> int:
+    """EXP2_ON_FMA of a forward launch (shift: its SHIFT, >= 0 where the soft-capped scores take a
+    constant shift): 0 with dropout (its tile waits on issue slots, not on the special-function unit)
+    and for float32 inputs (whose output does not hide the cubic's error)."""
     if dropout_p > 0 or dtype == torch.float32:
         return 0
-    return ON_FMA.get((family, head_dim, softcap > 0), 0)
+    scores = "plain" if softcap <= 0 else ("softcap-shift" if shift >= 0 else "softcap")
+    return ON_FMA.get((family, head_dim, scores), 0)

@@ -131,8 +131,8 @@ def _triton_forward(q, k, v, causal: bool, softmax_scale: float, doc_bounds=None
     # writes needs every constexpr bound
     share = int(dropout_p > 0 and _wgmma_scores(q.device))
     consts = {**consts, "SHARE_DRAW": share, "PACKED_MASK": scores.packed_mask(dropout_p, q.dtype, share),
-              "EXP2_ON_FMA": exp2.on_fma("triton", D, softcap, dropout_p, q.dtype),
               "SHIFT": scores.softcap_shift(softcap, q.dtype, sinks)}
+    consts["EXP2_ON_FMA"] = exp2.on_fma("triton", D, softcap, dropout_p, q.dtype, consts["SHIFT"])
     length = max(n_q, n_k)
 
     def grid(meta):

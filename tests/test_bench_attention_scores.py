@@ -63,6 +63,10 @@ def test_switches_set_code_paths_and_name_them(tmp_path, monkeypatch):
         bench_attention_scores.main(["--smoke", "--switches", "fast", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="exclude each other"):
         bench_attention_scores.main(["--smoke", "--switches", "packed-dropout,unpacked-dropout", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="exp2-fma and exp2-off exclude each other"):
+        bench_attention_scores.main(["--smoke", "--switches", "exp2-fma,exp2-off", "--out", str(tmp_path)])
+    bench_attention_scores.set_switches(["exp2-off"])   # the A/B's other arm: every exponential on ex2
+    assert exp2.ON_FMA == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal of the flex word")

@@ -73,27 +73,43 @@ def test_the_ptx_computes_the_triton_form():
         assert f"0f{int(np.float32(c).view(np.uint32)):08X}" in SPLIT_PTX.value[4]
 
 
-def test_the_split_is_off_until_measured():
-    """ON_FMA (what launches use) is empty until a GPU A/B picks entries; on_fma never moves an
+def test_the_split_runs_only_where_measured():
+    """ON_FMA (what launches use) holds only CANDIDATES a GPU A/B found faster: the shifted soft-capped
+    Triton forward at head dim 64. on_fma tells the shift from the running max, and never moves an
     exponential with dropout or float32 inputs."""
-    assert exp2.ON_FMA == {}
+    assert exp2.ON_FMA == {("triton", 64, "softcap-shift"): 1}
+    assert set(exp2.ON_FMA) <= set(exp2.CANDIDATES)
+    assert exp2.on_fma("triton", 64, 50.0, 0.0, torch.bfloat16, shift=30.0) == 1
+    assert exp2.on_fma("triton", 64, 50.0, 0.0, torch.bfloat16) == 0            # the running max
+    assert exp2.on_fma("triton", 128, 50.0, 0.0, torch.bfloat16, shift=30.0) == 0
+    assert exp2.on_fma("triton", 64, 0.0, 0.0, torch.bfloat16) == 0
     assert exp2.on_fma("gluon", 64, 30.0, 0.0, torch.bfloat16) == 0
     with pytest.MonkeyPatch.context() as m:
         m.setattr(exp2, "ON_FMA", dict(exp2.CANDIDATES))
         assert exp2.on_fma("gluon", 64, 30.0, 0.0, torch.bfloat16) == 2
+        assert exp2.on_fma("gluon", 64, 0.0, 0.0, torch.bfloat16) == 1
         assert exp2.on_fma("gluon", 64, 30.0, 0.1, torch.bfloat16) == 0
-        assert exp2.on_fma("triton", 64, 30.0, 0.0, torch.float32) == 0
+        assert exp2.on_fma("triton", 64, 30.0, 0.0, torch.float32, shift=10.0) == 0
 
 
+@pytest.mark.parametrize("form", ["running-max", "shift"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_the_triton_forward_with_exponentials_on_the_fma_units_is_as_exact(monkeypatch, causal):
+def test_the_triton_forward_with_exponentials_on_the_fma_units_is_as_exact(monkeypatch, causal, form):
     """The soft-capped Triton forward with EXP2_ON_FMA (on the CPU the cubic takes every exponential
-    of an unmasked tile) against the float64 reference, as every kernel test is; with sinks."""
-    monkeypatch.setattr(exp2, "ON_FMA", {("triton", d, True): 1 for d in (16, 32, 64, 128)})
+    of an unmasked tile) against the float64 reference, as every kernel test is: with sinks, which
+    keep the running max, and without, under the constant shift (scores.softcap_shift; forced on the
+    CPU's float16, which bf16 runs take on the GPU: at c = 5 the shift is 0 and P stays under e^5)."""
+    from kernels import flash_op, scores
+
+    monkeypatch.setattr(exp2, "ON_FMA", {("triton", d, f): 1 for d in (16, 32, 64, 128)
+                                         for f in ("softcap", "softcap-shift")})
+    monkeypatch.setattr(flash_op, "_CALLS", {})
     dtype = DTYPES[-1] if HAS_CUDA else torch.float16   # 16-bit: float32 keeps ex2
+    if form == "shift" and not HAS_CUDA:
+        monkeypatch.setattr(scores, "softcap_shift", lambda c, dtype, sinks: max(0.0, c - scores.SHIFT_HEADROOM))
     q, k, v, do = make_inputs(2, 96, 96, 4, 2, 32, dtype)
     q = (q.float() * 3).to(dtype)
-    check(q, k, v, do, causal, sinks=heads(4), softcap=5.0)
+    check(q, k, v, do, causal, softcap=5.0, **({"sinks": heads(4)} if form == "running-max" else {}))
 
 
 @requires_hopper

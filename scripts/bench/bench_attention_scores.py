@@ -52,6 +52,7 @@ SWITCHES = {"packed-dropout": "the forwards' dropout mask on P's packed pairs (k
             "unpacked-dropout": "the forwards' dropout mask as a float32 select before P's cast "
                                 "(kernels.scores.PACKED_DROPOUT off)",
             "exp2-fma": "exponentials on the FMA units where kernels.exp2.CANDIDATES puts them",
+            "exp2-off": "every exponential on the special-function unit (kernels.exp2.ON_FMA empty)",
             "softcap-running-max": "the soft-capped Triton forward with a running row max, not the constant "
                                    "shift (kernels.scores.SOFTCAP_FIXED_SHIFT off)"}
 
@@ -63,12 +64,13 @@ def set_switches(switches: list[str]) -> None:
     unknown = [s for s in switches if s not in SWITCHES]
     if unknown:
         raise ValueError(f"--switches: {', '.join(unknown)} not among {', '.join(SWITCHES)}")
-    if {"packed-dropout", "unpacked-dropout"} <= set(switches):
-        raise ValueError("--switches: packed-dropout and unpacked-dropout exclude each other")
+    for pair in (("packed-dropout", "unpacked-dropout"), ("exp2-fma", "exp2-off")):
+        if set(pair) <= set(switches):
+            raise ValueError(f"--switches: {pair[0]} and {pair[1]} exclude each other")
     if "packed-dropout" in switches or "unpacked-dropout" in switches:
         scores.PACKED_DROPOUT = "packed-dropout" in switches
-    if "exp2-fma" in switches:
-        exp2.ON_FMA = dict(exp2.CANDIDATES)
+    if "exp2-fma" in switches or "exp2-off" in switches:
+        exp2.ON_FMA = dict(exp2.CANDIDATES) if "exp2-fma" in switches else {}
     if "softcap-running-max" in switches:
         scores.SOFTCAP_FIXED_SHIFT = False
     flash_op.forget_calls()
