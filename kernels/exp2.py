@@ -102,7 +102,8 @@ def exp2_split(x, ON_FMA: tl.constexpr):
 
 
 # (family, head dim, scores) -> of every 4 exponentials of an unmasked tile, how many the FMA units
-# take, where scores is "plain", "softcap" (a running row max) or "softcap-shift" (the Triton forward's
+# take, where family is a forward's ("triton", "gluon") or the Gluon backward ("gluon-bwd", which
+# recomputes a soft-capped P with tanh and exp2 as the forward does) and scores is "plain", "softcap" (a running row max) or "softcap-shift" (the Triton forward's
 # constant shift, kernels/scores.py softcap_shift). CANDIDATES: where the sm_90 code's counts put the
 # balance of MUFU time and issue slots (kernels/LOG.md, 2026-12-05); the GPU tests run them all.
 # ON_FMA: those a GPU A/B found faster. On an H100 the running-max Triton forward was slower with the
@@ -111,12 +112,13 @@ def exp2_split(x, ON_FMA: tl.constexpr):
 # "2026-12-07, night"). Head dim 128 was not timed, so it stays on ex2.
 CANDIDATES = {("triton", 64, "softcap"): 1, ("triton", 128, "softcap"): 1,
               ("triton", 64, "softcap-shift"): 1, ("triton", 128, "softcap-shift"): 1,
-              ("gluon", 64, "softcap"): 2, ("gluon", 128, "softcap"): 2, ("gluon", 64, "plain"): 1}
+              ("gluon", 64, "softcap"): 2, ("gluon", 128, "softcap"): 2, ("gluon", 64, "plain"): 1,
+              ("gluon-bwd", 64, "softcap"): 1, ("gluon-bwd", 128, "softcap"): 1}
 ON_FMA: dict = {("triton", 64, "softcap-shift"): 1}
 
 
 def on_fma(family: str, head_dim: int, softcap: float, dropout_p: float, dtype, shift: float = -1.0) -> int:
-    """EXP2_ON_FMA of a forward launch (shift: its SHIFT, >= 0 where the soft-capped scores take a
+    """EXP2_ON_FMA of a launch (shift: its SHIFT, >= 0 where the soft-capped scores take a
     constant shift): 0 with dropout (its tile waits on issue slots, not on the special-function unit)
     and for float32 inputs (whose output does not hide the cubic's error)."""
     if dropout_p > 0 or dtype == torch.float32:

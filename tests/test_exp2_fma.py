@@ -113,15 +113,18 @@ def test_the_triton_forward_with_exponentials_on_the_fma_units_is_as_exact(monke
 
 
 @requires_hopper
-@pytest.mark.parametrize("forward", ["triton", "gluon"])
+@pytest.mark.parametrize("kernel", [("triton", "triton"), ("gluon", "triton"), ("triton", "gluon")], ids="/".join)
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 @pytest.mark.parametrize("shape, causal", [((2, 1024, 1024, 8, 2, 64), True), ((1, 300, 517, 4, 4, 128), False),
                                            ((1, 2048, 2048, 4, 4, 64), False)])
-def test_the_candidate_splits_are_as_exact_on_the_gpu(monkeypatch, forward, softcap, shape, causal):
-    """Every CANDIDATES entry through its forward on the GPU, where the PTX runs: as exact as the plain
-    formula in bf16 and float16."""
+def test_the_candidate_splits_are_as_exact_on_the_gpu(monkeypatch, kernel, softcap, shape, causal):
+    """Every CANDIDATES entry through its kernel on the GPU, where the PTX runs (the forwards, and the
+    Gluon backward's recomputed P): as exact as the plain formula in bf16 and float16."""
+    from kernels import flash_op
+
     monkeypatch.setattr(exp2, "ON_FMA", dict(exp2.CANDIDATES))
     for dtype in (torch.bfloat16, torch.float16):
+        monkeypatch.setattr(flash_op, "_CALLS", {})
         q, k, v, do = make_inputs(*shape, dtype)
         q = (q.float() * 4).to(dtype)
-        check(q, k, v, do, causal, kernel=(forward, "triton"), **({"softcap": softcap} if softcap else {}))
+        check(q, k, v, do, causal, kernel=kernel, **({"softcap": softcap} if softcap else {}))

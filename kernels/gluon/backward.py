@@ -97,9 +97,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels import exp2
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, device_arch, softmax_scale_for
 from kernels.gluon import compat, descriptors, refusal, tma_refusal, tma_strides
 from kernels.launch import cdiv, launch
+from kernels.exp2 import exp2_split
 from kernels.scores import dropout_keep_at, dropout_seed_of, hardware_tanh
 from kernels.tiles import LOG2E
 
@@ -320,7 +322,8 @@ def _stage_range(STAGE: gl.constexpr, lo, mid, tail, hi):
 def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
           ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset, bh, doc_ends,
           CAUSAL: gl.constexpr, MASK: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-          HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr):
+          HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr,
+          EXP2_ON_FMA: gl.constexpr):
     """Consumer step i over query tile start_m: accumulate dK and dV, leave the dQ share in its buffer.
     The schedule flags (TILES) order the same work differently: DV_EARLY issues dV += P^T dO before
     dP^T is waited for; DQ_OVERLAP stores dQ while dK += dS^T Q runs; HANDOFF_AT_END hands the step's
@@ -368,7 +371,8 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         lse2 = _row_vector(lse_bufs.index(s), s_layout)
     if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
         u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
-        p_t = gl.exp2(u * (SOFTCAP * LOG2E) - lse2[None, :])
+        # EXP2_ON_FMA of every 4 exponentials on the FMA units (kernels/exp2.py), in unmasked steps
+        p_t = exp2_split(u * (SOFTCAP * LOG2E) - lse2[None, :], 0 if MASK else EXP2_ON_FMA)
     elif FOLDED:   # s_t is S^T - L2 / qk_scale
         p_t = gl.exp2(s_t * qk_scale)
     else:
@@ -484,7 +488,7 @@ def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, B
 @gluon.jit
 def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: gl.constexpr,
                DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr,
-               SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr):
+               SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr, EXP2_ON_FMA: gl.constexpr):
     """The two consumer warpgroups: every step of the program, then dK (unscaled) and dV, float32."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
@@ -512,7 +516,7 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: g
                 dk, dv = _step(i, m * BLOCK_M, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
                                ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset,
                                b * n_heads + h0 + g, doc_ends, CAUSAL, stage != 1, DV_EARLY, DQ_OVERLAP,
-                               HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS)
+                               HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA)
                 i += 1
     if not HANDOFF_AT_END:
         compat.thread_barrier()   # the last step's dQ is in its buffer
@@ -659,14 +663,16 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
                      sm_scale, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
                      DETERMINISTIC: gl.constexpr, SPLIT_GROUP: gl.constexpr, DV_EARLY: gl.constexpr,
                      DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr = 0.0,
-                     DROPOUT_P: gl.constexpr = 0.0, DOCS: gl.constexpr = False):
+                     DROPOUT_P: gl.constexpr = 0.0, DOCS: gl.constexpr = False, EXP2_ON_FMA: gl.constexpr = 0):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,), or (cdiv(Nk, BLOCK_N) * B * H,) with SPLIT_GROUP.
     Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
     and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
     blocks [BLOCK_M, D]. DKpart, DVpart: SPLIT_GROUP's (B H, Nk, D) float32 shares of dK and dV. Rng:
     with DROPOUT_P > 0, the call's seed and offset (kernels/scores.py); None otherwise. Docs: with DOCS
     (causal documents), kernels/masks.bounds_buffer's (B, 2 Nq + 2 Nk + 1) int32; None otherwise.
-    sm_scale: dK's factor, the softmax scale, over (1 - p) with dropout (the steps' dS is (1 - p) dS)."""
+    sm_scale: dK's factor, the softmax scale, over (1 - p) with dropout (the steps' dS is (1 - p) dS).
+    EXP2_ON_FMA (0 to 4): of every 4 exponentials of a soft-capped unmasked step's P, how many the FMA
+    units compute (kernels/exp2.py), from kernels.exp2.on_fma."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -683,7 +689,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     sizes = (n_heads, n_q, n_k, n_q_pad)
     dk, dv = gl.warp_specialize([
         (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL, DV_EARLY, DQ_OVERLAP,
-                      HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS)),
+                      HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA)),
         (_producer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL)),
         (_dq_writer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL, DETERMINISTIC)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -736,7 +742,7 @@ def launch_options() -> dict:
 
 def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
                      deterministic: bool = True, config: dict | None = None, softcap: float = 0.0,
-                     dropout_p: float = 0.0, documents: bool = False):
+                     dropout_p: float = 0.0, documents: bool = False, exp2_on_fma: int = 0):
     """The main kernel compiled for sm_90a without a GPU (a launch's signature: descriptors, the
     pointers 16-byte aligned): CI checks it compiles, and kernel reports read its registers."""
     from triton.backends.compiler import GPUTarget
@@ -760,7 +766,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
                  "qk_scale": "fp32", "sm_scale": "fp32"}
     consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                   SPLIT_GROUP=bool(cfg.get("SPLIT_GROUP")), **{flag: cfg[flag] for flag in SCHEDULE},
-                  SOFTCAP=float(softcap), DROPOUT_P=float(dropout_p), DOCS=documents,
+                  SOFTCAP=float(softcap), DROPOUT_P=float(dropout_p), DOCS=documents, EXP2_ON_FMA=int(exp2_on_fma),
                   **({} if dropout_p > 0 else {"Rng": None}), **({} if documents else {"Docs": None}))
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
@@ -855,7 +861,8 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     launch(gluon_bwd_kernel, (cdiv(n_k, block_n) * B * (H if split else h_kv),), args,
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                 SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, SOFTCAP=float(softcap),
-                DROPOUT_P=float(dropout_p), DOCS=doc_bounds is not None, **launch_options()), cache,
+                DROPOUT_P=float(dropout_p), DOCS=doc_bounds is not None,
+                EXP2_ON_FMA=exp2.on_fma("gluon-bwd", D, softcap, dropout_p, q.dtype), **launch_options()), cache,
            ("gluon-bwd", *key))
     if split:
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,

@@ -2,12 +2,16 @@
 two source trees: run it once from each tree, alternating, and compare the lines.
 
     FLASHTRAIN_AUTOTUNE=0 python scripts/kernel_dev/gluon_bwd_ab.py LABEL     # one JSON line per shape
+    python scripts/kernel_dev/gluon_bwd_ab.py m64-fma2 --shapes 1 --softcap 50 --block-m 64 --exp2-on-fma 2
 
 Each shape is gpt2-small's or a 128-wide head's attention, bf16, q, k, v views of one fused QKV
 projection (as the model passes them), our Triton forward then the Gluon backward
 (kernel=("triton", "gluon")). The backward is what it adds to the forward in forward+backward calls
 (scripts/_common.py, pass_timer: CUDA events before, between and after each call, medians). The
-forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning.
+forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning. Within one tree,
+--softcap, --block-m and --exp2-on-fma set the soft cap, the backward's query tile and how many of
+every 4 exponentials of its unmasked steps the FMA units take (kernels/exp2.py), for A/B lines of
+settings rather than trees; --shapes N times the first N shapes only.
 """
 from __future__ import annotations
 
@@ -29,20 +33,32 @@ SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 1
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("label", nargs="?", default="this", help="names this tree's lines (default: this)")
-    label = parser.parse_args(argv).label
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="time the first N shapes")
+    parser.add_argument("--softcap", type=float, default=0.0, help="the soft cap (0: none)")
+    parser.add_argument("--block-m", type=int, default=None, help="the backward's query tile (default: the plan's)")
+    parser.add_argument("--exp2-on-fma", type=int, default=None,
+                        help="of every 4 exponentials of an unmasked step, how many on the FMA units (default: exp2.ON_FMA's)")
+    args = parser.parse_args(argv)
+    label = args.label
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: the Gluon backward runs on a Hopper GPU")
     timer, _ = pass_timer(torch.device("cuda"))
     from bench_attention import fused_inputs
 
+    from kernels import exp2
     from kernels.flash_op import flash_attention
+    from kernels.gluon import backward
 
-    for B, T, H, Hkv, D, causal in SHAPES:
+    for B, T, H, Hkv, D, causal in SHAPES[:args.shapes]:
+        if args.block_m is not None:
+            backward.TILES[D] = {**backward.TILES[D], "BLOCK_M": args.block_m}
+        if args.exp2_on_fma is not None:
+            exp2.ON_FMA = {**exp2.ON_FMA, ("gluon-bwd", D, "softcap"): args.exp2_on_fma}
         leaf, (q, k, v), dout = fused_inputs(B, T, H, Hkv, D, False, "cuda", torch.bfloat16)
-        ms = timer(lambda: flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon")),
+        ms = timer(lambda: flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"), softcap=args.softcap or None),
                    lambda out: torch.autograd.grad(out, [leaf], dout))
         shape = f"B{B} T{T} {H}/{Hkv}x{D} {'causal' if causal else 'full'}"
-        print(json.dumps({"who": label, "shape": shape, "bwd_ms": round(ms["bwd"], 4),
+        print(json.dumps({"who": label, "shape": shape, "softcap": args.softcap, "bwd_ms": round(ms["bwd"], 4),
                           "fwd+bwd_ms": round(ms["fwd+bwd"], 4)}), flush=True)
 
 
