@@ -102,14 +102,15 @@ def exp2_split(x, ON_FMA: tl.constexpr):
 
 
 # (family, head dim, scores) -> of every 4 exponentials of an unmasked tile, how many the FMA units
-# take, where family is a forward's ("triton", "gluon") or the Gluon backward ("gluon-bwd", which
-# recomputes a soft-capped P with tanh and exp2 as the forward does) and scores is "plain", "softcap" (a running row max) or "softcap-shift" (the Triton forward's
-# constant shift, kernels/scores.py softcap_shift). CANDIDATES: where the sm_90 code's counts put the
-# balance of MUFU time and issue slots (kernels/LOG.md, 2026-12-05); the GPU tests run them all.
-# ON_FMA: those a GPU A/B found faster. On an H100 the running-max Triton forward was slower with the
-# split and the Gluon one 2.5% faster (LOG.md, "2026-12-05 (H100)"), neither what a run launches at
-# 4K; the shifted Triton forward, ~80 instructions a step shorter, was 4% faster at head dim 64 (LOG.md,
-# "2026-12-07, night"). Head dim 128 was not timed, so it stays on ex2.
+# take. family: a forward's ("triton", "gluon") or the Gluon backward's ("gluon-bwd", which recomputes
+# a soft-capped P with tanh and exp2 as the forward does); scores: "plain", "softcap" (a running row
+# max) or "softcap-shift" (the Triton forward's constant shift, kernels/scores.py softcap_shift).
+# CANDIDATES: where the sm_90 code's counts put the balance of MUFU time and issue slots
+# (kernels/LOG.md, 2026-12-05); the GPU tests run them all. ON_FMA: those a GPU A/B found faster. On
+# an H100 the running-max Triton forward was slower with the split and the Gluon one 2.5% faster
+# (LOG.md, "2026-12-05 (H100)"), neither what a run launches at 4K; the shifted Triton forward, ~80
+# instructions a step shorter, was 4% faster at head dim 64, and the Gluon backward slower in every
+# form (LOG.md, both "2026-12-07, night" entries). Head dim 128 was not timed, so it stays on ex2.
 CANDIDATES = {("triton", 64, "softcap"): 1, ("triton", 128, "softcap"): 1,
               ("triton", 64, "softcap-shift"): 1, ("triton", 128, "softcap-shift"): 1,
               ("gluon", 64, "softcap"): 2, ("gluon", 128, "softcap"): 2, ("gluon", 64, "plain"): 1,

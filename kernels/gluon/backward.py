@@ -99,9 +99,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import exp2
 from kernels.checks import check_flag, check_inputs, check_like_q, check_lse, device_arch, softmax_scale_for
+from kernels.exp2 import exp2_split
 from kernels.gluon import compat, descriptors, refusal, tma_refusal, tma_strides
 from kernels.launch import cdiv, launch
-from kernels.exp2 import exp2_split
 from kernels.scores import dropout_keep_at, dropout_seed_of, hardware_tanh
 from kernels.tiles import LOG2E
 
