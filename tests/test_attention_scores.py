@@ -197,6 +197,14 @@ def capped_at(ends, dtype):
     return q, k, v, do
 
 
+def forced_shift(softcap, dtype, sinks):
+    """kernels.scores.softcap_shift's constant whatever the dtype: the shift forced on inputs where the
+    running max runs (monkeypatched in its place)."""
+    from kernels import scores
+
+    return max(0.0, softcap - scores.SHIFT_HEADROOM)
+
+
 @pytest.mark.parametrize("ends", ["top", "bottom", "both"])
 def test_the_constant_shift_computes_the_running_maxs_function(monkeypatch, ends):
     """The shift forced on float32 inputs (where the running max runs: softcap_shift) gives the running
@@ -206,7 +214,7 @@ def test_the_constant_shift_computes_the_running_maxs_function(monkeypatch, ends
 
     q, k, v, do = capped_at(ends, torch.float32)
     both = []
-    for shift in (lambda c, dtype, sinks: max(0.0, c - 20.0), lambda c, dtype, sinks: -1.0):
+    for shift in (forced_shift, lambda c, dtype, sinks: -1.0):
         monkeypatch.setattr(scores, "softcap_shift", shift)
         monkeypatch.setattr(flash_op, "_CALLS", {})
         both.append(run(flash_attention, q, k, v, do, True, softcap=50.0))

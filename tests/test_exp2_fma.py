@@ -12,7 +12,7 @@ from conftest import HAS_CUDA, requires_hopper
 from kernels import exp2
 from kernels.exp2 import COEFFS, FLOOR, MAX_REL_ERROR, SPLIT_PTX, exp2_fma
 from ptx_emulator import bits, f32, run_ptx
-from test_attention_scores import check, heads
+from test_attention_scores import check, forced_shift, heads
 from test_flash_attention import DEVICE, DTYPES, make_inputs
 
 
@@ -106,7 +106,7 @@ def test_the_triton_forward_with_exponentials_on_the_fma_units_is_as_exact(monke
     monkeypatch.setattr(flash_op, "_CALLS", {})
     dtype = DTYPES[-1] if HAS_CUDA else torch.float16   # 16-bit: float32 keeps ex2
     if form == "shift" and not HAS_CUDA:
-        monkeypatch.setattr(scores, "softcap_shift", lambda c, dtype, sinks: max(0.0, c - scores.SHIFT_HEADROOM))
+        monkeypatch.setattr(scores, "softcap_shift", forced_shift)
     q, k, v, do = make_inputs(2, 96, 96, 4, 2, 32, dtype)
     q = (q.float() * 3).to(dtype)
     check(q, k, v, do, causal, softcap=5.0, **({"sinks": heads(4)} if form == "running-max" else {}))
