@@ -20,7 +20,8 @@ in flight. Three partitions (gl.warp_specialize):
 
     consumers  8 warps (two warpgroups, 240 registers a thread): the matmuls and the softmax;
     producer   1 warp  (24 registers): K and V once, then each step's Q, dO, L2 and Delta through
-               a 2-stage ring of shared-memory buffers (TMA; mbarriers `ready`, `step_done`);
+               a ring of shared-memory buffers, 2 stages (4 for dropout's 64-query steps: SCORE_TILES)
+               (TMA; mbarriers `ready`, `step_done`);
     dQ writer  1 warp  (24 registers): each step's dQ tile from shared memory into a float32
                accumulator in global memory with one TMA reduce-add (mbarriers `step_done`, `dq_empty`).
 
@@ -36,7 +37,7 @@ One consumer step (query tile i):
     on diagonal and ragged tiles only; wait for dP^T: dS^T = P^T (dP^T - Delta); store dS^T;
     issue dV += P^T dO; ONE barrier over the two warpgroups (both halves of dS^T are in place, and
     every warp has finished step i - 1, so step i - 1's ring stage and dQ buffer are handed on to
-    the producer and the writer, one mbarrier `step_done` per step parity); issue dQ = dS K and
+    the producer and the writer, one mbarrier `step_done` per ring stage); issue dQ = dS K and
     dK += dS^T Q; wait for all three; store dQ into its buffer for the writer.
 
 Registers. In the transposed layout L2 and Delta run along the columns, so a thread holds 32 of
@@ -108,9 +109,9 @@ from kernels.tiles import LOG2E
 # Per head dim: BLOCK_M query rows per step, BLOCK_N keys per program, STAGES of the Q/dO ring,
 # DQ_BUFS dQ hand-off buffers, and the consumers' schedule (`_step`), each the faster of the two
 # measured side by side (benchmarks/gluon/gluon_bwd_h200_rounds.md; DQ_OVERLAP crashes ptxas of
-# triton 3.6). Shared memory per program, of Hopper's 227 KB: head dim 64, K and V 32 KB, the ring
-# 2 x 32 KB, dS^T 2 x 32 KB, dQ 2 x 32 KB; head dim 128, K and V 64 KB, the ring 2 x 32 KB, dS^T
-# 2 x 16 KB, dQ 2 x 32 KB.
+# triton 3.6). STAGES = DQ_BUFS: step j's barrier `step_done` j % STAGES frees both. Shared memory
+# per program, of Hopper's 227 KB: head dim 64, K and V 32 KB, the ring 2 x 32 KB, dS^T 2 x 32 KB,
+# dQ 2 x 32 KB; head dim 128, K and V 64 KB, the ring 2 x 32 KB, dS^T 2 x 16 KB, dQ 2 x 32 KB.
 TILES = {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
                  HANDOFF_AT_END=False),
          128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_BUFS=2, DV_EARLY=False, DQ_OVERLAP=False,
@@ -119,8 +120,12 @@ SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
 # Dropout keeps its keep mask alive from S^T's issue to P^T: at head dim 64 the 128-query step then
 # spills 30 loads and stores a step (ptxas, triton 3.6), the 64-query one none, and is slower (backward
 # 0.937 against 0.896 ms at 4K; benchmarks/attention/score_options_ab_h200.md), so dropout calls take
-# the 64-query step. Soft-capped ones keep 128 queries, their P' packed (packed_p_scale).
-SCORE_TILES = {64: dict(BLOCK_M=64)}
+# the 64-query step, and its smaller tiles leave shared memory for a 4-stage ring (199 KB): a step
+# then finds its Q and dO loaded and a free dQ buffer where with 2 it waited for them (0.918 -> 0.850
+# ms at 4K, 3.17 -> 2.85 at 16K on an H100; 3 stages 0.856, 2.87:
+# benchmarks/attention/dropout_ring_h100/). Soft-capped steps keep 128 queries, their P' packed
+# (packed_p_scale): their 64-query step gained nothing from the deeper ring (same file).
+SCORE_TILES = {64: dict(BLOCK_M=64, STAGES=4, DQ_BUFS=4)}
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.
@@ -422,7 +427,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     compat.thread_barrier()   # both halves of dS^T are in place
     if not HANDOFF_AT_END:
         # every warp is also past step i - 1: its ring stage and dQ buffer go to the producer and writer
-        mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
+        mbarrier.arrive(step_done.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_s, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                        use_acc=False, is_async=True)
     ds_op = gl.convert_layout(ds_t, a_layout)
@@ -441,7 +446,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         fence_async_shared()
     if HANDOFF_AT_END:   # this step's ring stage and dQ buffer go on now
         compat.thread_barrier()
-        mbarrier.arrive(step_done.index(i % 2), count=1)
+        mbarrier.arrive(step_done.index(i % STAGES), count=1)
     return dk, dv
 
 
@@ -497,7 +502,7 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: g
     BLOCK_N: gl.constexpr = k_s.shape[0]
     HEAD_DIM: gl.constexpr = k_s.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
-    DQ_BUFS: gl.constexpr = dq_bufs.shape[0]
+    STAGES: gl.constexpr = q_bufs.shape[0]
     kv_layout: gl.constexpr = _acc_layout(BLOCK_N, HEAD_DIM, gl.num_warps())
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -520,7 +525,7 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: g
                 i += 1
     if not HANDOFF_AT_END:
         compat.thread_barrier()   # the last step's dQ is in its buffer
-        mbarrier.arrive(step_done.index((i + 1) % 2), count=1, pred=i > 0)
+        mbarrier.arrive(step_done.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
     if DROPOUT_P > 0:
         dv = dv * (1.0 / (1.0 - DROPOUT_P))
     P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
@@ -610,13 +615,13 @@ def _allocate(q_desc, k_desc, lse_desc, dq_desc, STAGES: gl.constexpr, DQ_BUFS: 
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
-    gl.static_assert(STAGES == 2 and DQ_BUFS == 2, "one step_done barrier per parity releases a stage and a dQ buffer")
+    gl.static_assert(STAGES == DQ_BUFS, "step_done's barrier j % STAGES releases step j's ring stage and dQ buffer")
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    step_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    step_done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(2):
+    for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(step_done.index(s), count=1)
         mbarrier.init(dq_empty.index(s), count=1)

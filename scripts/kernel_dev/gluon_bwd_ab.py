@@ -3,15 +3,20 @@ two source trees: run it once from each tree, alternating, and compare the lines
 
     FLASHTRAIN_AUTOTUNE=0 python scripts/kernel_dev/gluon_bwd_ab.py LABEL     # one JSON line per shape
     python scripts/kernel_dev/gluon_bwd_ab.py m64-fma2 --shapes 1 --softcap 50 --block-m 64 --exp2-on-fma 2
+    python scripts/kernel_dev/gluon_bwd_ab.py d --shapes 1 --dropout 0.1 --rounds 2 \
+        --tiles '{"s2": {"STAGES": 2, "DQ_BUFS": 2}, "plan": {}}'
 
 Each shape is gpt2-small's or a 128-wide head's attention, bf16, q, k, v views of one fused QKV
 projection (as the model passes them), our Triton forward then the Gluon backward
 (kernel=("triton", "gluon")). The backward is what it adds to the forward in forward+backward calls
 (scripts/_common.py, pass_timer: CUDA events before, between and after each call, medians). The
 forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning. Within one tree,
---softcap, --block-m and --exp2-on-fma set the soft cap, the backward's query tile and how many of
-every 4 exponentials of its unmasked steps the FMA units take (kernels/exp2.py), for A/B lines of
-settings rather than trees; --shapes N times the first N shapes only.
+--softcap, --dropout, --block-m and --exp2-on-fma set the soft cap, the dropout probability, the
+backward's query tile and how many of every 4 exponentials of its unmasked steps the FMA units take
+(kernels/exp2.py), for A/B lines of settings rather than trees; --shapes N times the first N shapes
+only. --tiles names settings of the backward's tiles and schedule (each a dict over the call's own,
+kernels.gluon.backward.config_for), timed in turn --rounds times in one process, so that the
+settings alternate on one warm GPU; its lines are labelled LABEL/NAME.
 """
 from __future__ import annotations
 
@@ -38,28 +43,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-m", type=int, default=None, help="the backward's query tile (default: the plan's)")
     parser.add_argument("--exp2-on-fma", type=int, default=None,
                         help="of every 4 exponentials of an unmasked step, how many on the FMA units (default: exp2.ON_FMA's)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="the attention dropout probability (0: none)")
+    parser.add_argument("--tiles", type=json.loads, default={"": {}},
+                        help='JSON {name: {tile or schedule key: value}}: settings timed in turn (default: the plan\'s)')
+    parser.add_argument("--rounds", type=int, default=1, help="times each --tiles setting is timed, alternating")
     args = parser.parse_args(argv)
-    label = args.label
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: the Gluon backward runs on a Hopper GPU")
     timer, _ = pass_timer(torch.device("cuda"))
     from bench_attention import fused_inputs
 
-    from kernels import exp2
-    from kernels.flash_op import flash_attention
+    from kernels import exp2, flash_op
     from kernels.gluon import backward
 
+    tiles, scores = dict(backward.TILES), dict(backward.SCORE_TILES)
     for B, T, H, Hkv, D, causal in SHAPES[:args.shapes]:
         if args.block_m is not None:
-            backward.TILES[D] = {**backward.TILES[D], "BLOCK_M": args.block_m}
+            tiles[D] = {**tiles[D], "BLOCK_M": args.block_m}
         if args.exp2_on_fma is not None:
             exp2.ON_FMA = {**exp2.ON_FMA, ("gluon-bwd", D, "softcap"): args.exp2_on_fma}
         leaf, (q, k, v), dout = fused_inputs(B, T, H, Hkv, D, False, "cuda", torch.bfloat16)
-        ms = timer(lambda: flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"), softcap=args.softcap or None),
-                   lambda out: torch.autograd.grad(out, [leaf], dout))
         shape = f"B{B} T{T} {H}/{Hkv}x{D} {'causal' if causal else 'full'}"
-        print(json.dumps({"who": label, "shape": shape, "softcap": args.softcap, "bwd_ms": round(ms["bwd"], 4),
-                          "fwd+bwd_ms": round(ms["fwd+bwd"], 4)}), flush=True)
+        for round_ in range(args.rounds):
+            for name, setting in args.tiles.items():
+                # the setting goes over the call's own tiles (dropout's SCORE_TILES included)
+                backward.TILES = {**tiles, D: {**tiles[D], **setting}}
+                backward.SCORE_TILES = {**scores, D: {**scores.get(D, {}), **setting}}
+                flash_op.forget_calls()   # a call signature keeps the kernels it first compiled
+                ms = timer(lambda: flash_op.flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"),
+                                                            softcap=args.softcap or None, dropout_p=args.dropout),
+                           lambda out: torch.autograd.grad(out, [leaf], dout))
+                print(json.dumps({"who": f"{args.label}/{name}" if name else args.label, "round": round_,
+                                  "shape": shape, "softcap": args.softcap, "dropout": args.dropout,
+                                  "tiles": backward.config_for(D, args.dropout > 0), "bwd_ms": round(ms["bwd"], 4),
+                                  "fwd+bwd_ms": round(ms["fwd+bwd"], 4)}), flush=True)
 
 
 if __name__ == "__main__":
