@@ -57,12 +57,15 @@ GLUON_FROM = {
 # - dropout, backward: the Triton backward draws the mask twice (dQ, then dK/dV) and the Gluon one
 #   once, beside its matrix products: head dim 64 causal, Gluon's was faster from 1K
 #   (benchmarks/attention/attention_scores_h200_B16_T1024.md, _B8_T2048.md; at 256 tokens Triton's,
-#   _B64_T256.md). Forward: the Gluon forward's draw hides no better than Triton's, so GLUON_FROM's
-#   16K holds (attention_scores_h200_gluon_fwd.md: 11% faster at 16K, 2% at 4K, slower at 1K).
+#   _B64_T256.md). Forward, head dim 64 causal: since the mask zeroes P's packed pairs
+#   (kernels/scores.py, PACKED_DROPOUT) the Gluon forward is faster from 4K on an H100 (0.373 ms
+#   against 0.384 at 4K, 0.679 against 0.721 at 8K; 0.219 against 0.212 at 2K, 0.147 against 0.128
+#   at 1K: benchmarks/attention/dropout_ring_h100/scores_call3_*.md); before it, 2% at 4K
+#   (attention_scores_h200_gluon_fwd.md), and the plan kept Triton's below 16K.
 # - softcap, forward: the Gluon forward was slower at 4K and at 16K, head dim 64 (the same file): a
 #   second MUFU op a score, which ping-pong cannot hide where exp2 alone already keeps MUFU as busy
 #   as the tensor cores.
-GLUON_FROM_SCORES = {"dropout": {("backward", 64, True): 1024},
+GLUON_FROM_SCORES = {"dropout": {("backward", 64, True): 1024, ("forward", 64, True): 4096},
                      "softcap": {("forward", 64, True): float("inf")}}
 
 

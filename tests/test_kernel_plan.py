@@ -113,7 +113,8 @@ def test_auto_runs_the_gluon_forward_only_where_it_was_measured_faster(head_dim,
 
 
 @pytest.mark.parametrize("options, direction, length, want", [
-    (dict(dropout=True), "forward", 4096, "triton"), (dict(dropout=True), "forward", 16384, "gluon"),
+    (dict(dropout=True), "forward", 2048, "triton"), (dict(dropout=True), "forward", 4096, "gluon"),
+    (dict(dropout=True), "forward", 16384, "gluon"),
     (dict(softcap=True), "forward", 1 << 20, "triton"), (dict(dropout=True, softcap=True), "forward", 1 << 20, "triton"),
     (dict(dropout=True, softcap=True), "backward", 2048, "triton"), (dict(dropout=True, softcap=True), "backward", 4096, "gluon"),
     (dict(sinks=True, dropout=True), "backward", 1024, "gluon"),
