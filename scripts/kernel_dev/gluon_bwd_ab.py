@@ -14,7 +14,7 @@ forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning.
 --softcap, --dropout, --block-m and --exp2-on-fma set the soft cap, the dropout probability, the
 backward's query tile and how many of every 4 exponentials of its unmasked steps the FMA units take
 (kernels/exp2.py), for A/B lines of settings rather than trees; --shapes N times the first N shapes
-only. --tiles names settings of the backward's tiles and schedule (each a dict over the call's own,
+only, --pick I,J those of SHAPES. --tiles names settings of the backward's tiles and schedule (each a dict over the call's own,
 kernels.gluon.backward.config_for), timed in turn --rounds times in one process, so that the
 settings alternate on one warm GPU; its lines are labelled LABEL/NAME.
 """
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("label", nargs="?", default="this", help="names this tree's lines (default: this)")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="time the first N shapes")
+    parser.add_argument("--pick", type=lambda text: [int(i) for i in text.split(",")], default=None,
+                        help="comma-separated indices into SHAPES to time instead (0: gpt2-small at 4K)")
     parser.add_argument("--softcap", type=float, default=0.0, help="the soft cap (0: none)")
     parser.add_argument("--block-m", type=int, default=None, help="the backward's query tile (default: the plan's)")
     parser.add_argument("--exp2-on-fma", type=int, default=None,
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     from kernels.gluon import backward
 
     tiles, scores = dict(backward.TILES), dict(backward.SCORE_TILES)
-    for B, T, H, Hkv, D, causal in SHAPES[:args.shapes]:
+    for B, T, H, Hkv, D, causal in (SHAPES[:args.shapes] if args.pick is None else [SHAPES[i] for i in args.pick]):
         if args.block_m is not None:
             tiles[D] = {**tiles[D], "BLOCK_M": args.block_m}
         if args.exp2_on_fma is not None:
