@@ -12,8 +12,9 @@ do (a launch's specialisation: strides of 1 constant, multiples of 16 divisible)
 prep kernel; the decode kernels), head dims 32 to 256 where the tile tables have them, causal or not,
 document masks and windows on and off, at the pinned default tile of each table; and at head dims 64
 and 128 the Triton kernels with the score options of kernels/scores.py on (dropout, soft-capping,
-sinks) and the Gluon backward with soft-capping and with dropout, which are off in every other
-config. The fingerprint
+sinks; the exponentials split onto the FMA units as a bf16 launch splits them, kernels/exp2.py) and
+the Gluon backward with soft-capping and with dropout, which are off in every other config. The
+fingerprint
 is a hash of the PTX text without what only debuggers read: `.loc` and `.file` lines, `//`
 comments, the `.section .debug*` tail and the labels that only those sections reference. Two trees
 with the same fingerprints run the same machine code, so a refactor needs no new GPU run.
@@ -102,7 +103,7 @@ def score_configs(dim: int, block_d: int) -> list[tuple[str, tuple]]:
         a, b, warps, stages = default
         for scores in scores_list:
             consts = dict(HEAD_DIM=dim, BLOCK_D=block_d, CAUSAL=True, DOCS=False, WINDOW=False, PRECISION="tf32",
-                          **{names[0]: a, names[1]: b}, **score_args(fn, scores))
+                          **{names[0]: a, names[1]: b}, **score_args(fn, scores, dim))
             configs.append((f"{kernel} d={dim} causal=1 docs=0 window=0 scores={'+'.join(scores)}",
                             ("triton", kernel, consts, warps, stages, dim)))
     return configs

@@ -45,12 +45,15 @@ SCORES = ("dropout", "softcap", "sinks")
 SCORE_ARGS = ("Rng", "Sinks", "SOFTCAP", "DROPOUT_P")
 
 
-def score_args(kernel, scores=()) -> dict:
+def score_args(kernel, scores=(), head_dim: int | None = None) -> dict:
     """The constexprs of the score options (kernels/scores.py) of a Triton kernel, for `scores` (of
     SCORES) on: dropout 0.1, a soft cap of 30; what is off is a zero constexpr or a None pointer,
-    which compile to the code the kernel has without the option. A pointer left out is compiled as one."""
+    which compile to the code the kernel has without the option. A pointer left out is compiled as one.
+    With head_dim, the exponentials split onto the FMA units as a bf16 launch at it splits them
+    (kernels/exp2.py's on_fma); without, none are."""
     import torch
 
+    from kernels.exp2 import on_fma
     from kernels.scores import packed_mask, softcap_shift
 
     names = getattr(kernel, "arg_names", None) or kernel.fn.arg_names
@@ -62,6 +65,8 @@ def score_args(kernel, scores=()) -> dict:
     drop = {"dropout": "Rng", "sinks": "Sinks"}
     args = {**off, **{k: v for s in scores for k, v in on[s].items()}}
     args["SHIFT"] = softcap_shift(args["SOFTCAP"], torch.bfloat16, "sinks" if "sinks" in scores else None)   # as launched
+    if head_dim is not None:
+        args["EXP2_ON_FMA"] = on_fma("triton", head_dim, args["SOFTCAP"], args["DROPOUT_P"], torch.bfloat16, args["SHIFT"])
     return {k: v for k, v in args.items() if k in names and k not in {drop.get(s) for s in scores}}
 
 
@@ -261,7 +266,7 @@ def report(kernels: list[str], dims: list[int], shape: tuple[int, int, int, int]
         for dim in dims:
             values = launch_values(batch, seq_len, heads, kv_heads, dim) if specialize else None
             consts = dict(HEAD_DIM=dim, BLOCK_D=dim, CAUSAL=True, DOCS=False, WINDOW=False, PRECISION="tf32",
-                          **score_args(kernel, scores))
+                          **score_args(kernel, scores, dim))
             for a, b, warps, stages in table[dim][:limit]:
                 compiled = compile_for_hopper(kernel, dict(consts, **{block_names[0]: a, block_names[1]: b}),
                                               warps, stages, values, pointers={"dQ": "*fp32"} if name == "kv_dq" else None)
