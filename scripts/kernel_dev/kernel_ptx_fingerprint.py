@@ -14,9 +14,8 @@ document masks and windows on and off, at the pinned default tile of each table;
 and 128 the Triton kernels with the score options of kernels/scores.py on (dropout, soft-capping,
 sinks; the exponentials split onto the FMA units as a bf16 launch splits them, kernels/exp2.py) and
 the Gluon backward with soft-capping and with dropout, which are off in every other config. The
-fingerprint
-is a hash of the PTX text without what only debuggers read: `.loc` and `.file` lines, `//`
-comments, the `.section .debug*` tail and the labels that only those sections reference. Two trees
+fingerprint is a hash of the PTX text without what only debuggers read: `.loc` and `.file` lines,
+`//` comments, the `.section .debug*` tail and the labels that only those sections reference. Two trees
 with the same fingerprints run the same machine code, so a refactor needs no new GPU run.
 Fingerprints differ between Triton releases; the file keeps one set per release (run the script
 with each Triton, e.g. a second virtualenv's python, to record or check it).
