@@ -120,8 +120,8 @@ SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
 # Dropout keeps its keep mask alive from S^T's issue to P^T: at head dim 64 the 128-query step then
 # spills 30 loads and stores a step (ptxas, triton 3.6), the 64-query one none, and is slower (backward
 # 0.937 against 0.896 ms at 4K; benchmarks/attention/score_options_ab_h200.md), so dropout calls take
-# the 64-query step, and its smaller tiles leave shared memory for a 4-stage ring (199 KB): a step
-# then finds its Q and dO loaded and a free dQ buffer where with 2 it waited for them (0.918 -> 0.850
+# the 64-query step, and its smaller tiles leave shared memory for a 4-stage ring (199 KB): with 2 a
+# step waited on the ring, for its Q and dO or a free dQ buffer (not yet told apart) (0.918 -> 0.850
 # ms at 4K, 3.17 -> 2.85 at 16K on an H100; 3 stages 0.856, 2.87:
 # benchmarks/attention/dropout_ring_h100/). Soft-capped steps keep 128 queries, their P' packed
 # (packed_p_scale): their 64-query step gained nothing from the deeper ring (same file).
