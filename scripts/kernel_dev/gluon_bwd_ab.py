@@ -59,16 +59,16 @@ def main(argv: list[str] | None = None) -> None:
     from kernels.gluon import backward
 
     tiles, scores = dict(backward.TILES), dict(backward.SCORE_TILES)
+    block_m = {} if args.block_m is None else {"BLOCK_M": args.block_m}
     for B, T, H, Hkv, D, causal in (SHAPES[:args.shapes] if args.pick is None else [SHAPES[i] for i in args.pick]):
-        if args.block_m is not None:
-            tiles[D] = {**tiles[D], "BLOCK_M": args.block_m}
         if args.exp2_on_fma is not None:
             exp2.ON_FMA = {**exp2.ON_FMA, ("gluon-bwd", D, "softcap"): args.exp2_on_fma}
         leaf, (q, k, v), dout = fused_inputs(B, T, H, Hkv, D, False, "cuda", torch.bfloat16)
         shape = f"B{B} T{T} {H}/{Hkv}x{D} {'causal' if causal else 'full'}"
         for round_ in range(args.rounds):
             for name, setting in args.tiles.items():
-                # the setting goes over the call's own tiles (dropout's SCORE_TILES included)
+                # the setting (after --block-m) goes over the call's own tiles, dropout's SCORE_TILES included
+                setting = {**block_m, **setting}
                 backward.TILES = {**tiles, D: {**tiles[D], **setting}}
                 backward.SCORE_TILES = {**scores, D: {**scores.get(D, {}), **setting}}
                 flash_op.forget_calls()   # a call signature keeps the kernels it first compiled
