@@ -35,6 +35,17 @@ SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 1
           (4, 4096, 32, 8, 128, True)]   # B, T, H, Hkv, D, causal
 
 
+def use_tiles(head_dim: int, setting: dict, tiles: dict, scores: dict) -> None:
+    """The Gluon backward's tiles at `head_dim` set to `setting` over `tiles` and `scores` (TILES and
+    SCORE_TILES as they were, so that settings do not stack), for this process; calls forgotten."""
+    from kernels import flash_op
+    from kernels.gluon import backward
+
+    backward.TILES = {**tiles, head_dim: {**tiles[head_dim], **setting}}
+    backward.SCORE_TILES = {**scores, head_dim: {**scores.get(head_dim, {}), **setting}}
+    flash_op.forget_calls()   # a call signature keeps the kernels it first compiled
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("label", nargs="?", default="this", help="names this tree's lines (default: this)")
@@ -68,10 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         for round_ in range(args.rounds):
             for name, setting in args.tiles.items():
                 # the setting (after --block-m) goes over the call's own tiles, dropout's SCORE_TILES included
-                setting = {**block_m, **setting}
-                backward.TILES = {**tiles, D: {**tiles[D], **setting}}
-                backward.SCORE_TILES = {**scores, D: {**scores.get(D, {}), **setting}}
-                flash_op.forget_calls()   # a call signature keeps the kernels it first compiled
+                use_tiles(D, {**block_m, **setting}, tiles, scores)
                 ms = timer(lambda: flash_op.flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"),
                                                             softcap=args.softcap or None, dropout_p=args.dropout),
                            lambda out: torch.autograd.grad(out, [leaf], dout))
