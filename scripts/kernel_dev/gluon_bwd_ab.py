@@ -11,9 +11,10 @@ projection (as the model passes them), our Triton forward then the Gluon backwar
 (kernel=("triton", "gluon")). The backward is what it adds to the forward in forward+backward calls
 (scripts/_common.py, pass_timer: CUDA events before, between and after each call, medians). The
 forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning. Within one tree,
---softcap, --dropout, --block-m and --exp2-on-fma set the soft cap, the dropout probability, the
-backward's query tile and how many of every 4 exponentials of its unmasked steps the FMA units take
-(kernels/exp2.py), for A/B lines of settings rather than trees; --shapes N times the first N shapes
+--softcap, --dropout, --atomic, --block-m and --exp2-on-fma set the soft cap, the dropout probability,
+dQ's sum in arrival order, the backward's query tile and how many of every 4 exponentials of its
+unmasked steps the FMA units take (kernels/exp2.py), for A/B lines of settings rather than trees;
+--shapes N times the first N shapes
 only, --pick I,J those of SHAPES. --tiles names settings of the backward's tiles and schedule (each
 a dict over the call's own, kernels.gluon.backward.config_for), timed in turn --rounds times in one
 process, so that the settings alternate on one warm GPU; its lines are labelled LABEL/NAME.
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiles", type=json.loads, default={"": {}},
                         help='JSON {name: {tile or schedule key: value}}: settings timed in turn (default: the plan\'s)')
     parser.add_argument("--rounds", type=int, default=1, help="times each --tiles setting is timed, alternating")
+    parser.add_argument("--atomic", action="store_true", help="dQ summed in arrival order (deterministic=False)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: the Gluon backward runs on a Hopper GPU")
@@ -81,10 +83,11 @@ def main(argv: list[str] | None = None) -> None:
                 # the setting (after --block-m) goes over the call's own tiles, dropout's SCORE_TILES included
                 use_tiles(D, {**block_m, **setting}, tiles, scores)
                 ms = timer(lambda: flash_op.flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"),
-                                                            softcap=args.softcap or None, dropout_p=args.dropout),
+                                                            softcap=args.softcap or None, dropout_p=args.dropout,
+                                                            deterministic=not args.atomic),
                            lambda out: torch.autograd.grad(out, [leaf], dout))
                 print(json.dumps({"who": f"{args.label}/{name}" if name else args.label, "round": round_,
-                                  "shape": shape, "softcap": args.softcap, "dropout": args.dropout,
+                                  "shape": shape, "softcap": args.softcap, "dropout": args.dropout, "atomic": args.atomic,
                                   "tiles": backward.config_for(D, args.dropout > 0), "bwd_ms": round(ms["bwd"], 4),
                                   "fwd+bwd_ms": round(ms["fwd+bwd"], 4)}), flush=True)
 
