@@ -14,10 +14,10 @@ forward's tiles do not matter here; FLASHTRAIN_AUTOTUNE=0 only saves its tuning.
 --softcap, --dropout, --atomic, --block-m and --exp2-on-fma set the soft cap, the dropout probability,
 dQ's sum in arrival order, the backward's query tile and how many of every 4 exponentials of its
 unmasked steps the FMA units take (kernels/exp2.py), for A/B lines of settings rather than trees;
---shapes N times the first N shapes
-only, --pick I,J those of SHAPES. --tiles names settings of the backward's tiles and schedule (each
-a dict over the call's own, kernels.gluon.backward.config_for), timed in turn --rounds times in one
-process, so that the settings alternate on one warm GPU; its lines are labelled LABEL/NAME.
+--shapes N times the first N shapes only, --pick I,J those of SHAPES. --tiles names settings of the
+backward's tiles and schedule (each a dict over the call's own, kernels.gluon.backward.config_for),
+timed in turn --rounds times in one process, so that the settings alternate on one warm GPU; its
+lines are labelled LABEL/NAME.
 """
 from __future__ import annotations
 
