@@ -14,10 +14,13 @@ so the step reads as a timeline: issue, wait, softmax, wait, dS, barrier, the se
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import csv
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
+from _common import argument_parser, existing_file, run_cli  # noqa: E402
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 MARKS = ("HGMMA", "DEPBAR", "BAR.SYNC", "SYNCS")
@@ -73,8 +76,8 @@ def timeline(rows: list[dict], executed: str, least: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("csv", type=Path, help="ncu --page source --csv --print-source sass output")
+    parser = argument_parser(__doc__)
+    parser.add_argument("csv", type=existing_file("csv"), help="ncu --page source --csv --print-source sass output")
     parser.add_argument("--body", help="the execution count of the loop body to list instruction by instruction")
     parser.add_argument("--min", type=int, default=150, help="list instructions with at least this many samples")
     parser.add_argument("--top", type=int, default=8, help="loop bodies listed")
@@ -87,4 +90,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
