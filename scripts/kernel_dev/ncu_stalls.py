@@ -34,6 +34,10 @@ def read(path: Path) -> list[dict]:
     return [dict(zip(header, r)) for r in rows[start:] if len(r) >= len(header)]
 
 
+def samples(row: dict) -> int:
+    return int(row[SAMPLES] or 0)
+
+
 def reasons(row: dict) -> collections.Counter:
     return collections.Counter({k[len("stall_"):]: int(row[k] or 0) for k in row
                                 if k.startswith("stall_") and "Not Issued" not in k})
@@ -45,17 +49,17 @@ def opcode(source: str) -> str:
 
 
 def bodies(rows: list[dict], top: int) -> None:
-    total = sum(int(r[SAMPLES] or 0) for r in rows)
+    total = sum(map(samples, rows))
     groups = collections.defaultdict(list)
     for r in rows:
         groups[r["Instructions Executed"]].append(r)
     print(f"{'executed':>10} {'instr':>6} {'samples':>8} {'share':>6}  top reasons")
-    ranked = sorted(groups.items(), key=lambda kv: -sum(int(r[SAMPLES] or 0) for r in kv[1]))
-    for executed, group in ranked[:top]:
-        samples = sum(int(r[SAMPLES] or 0) for r in group)
+    sums = {executed: sum(map(samples, group)) for executed, group in groups.items()}
+    for executed in sorted(sums, key=sums.get, reverse=True)[:top]:
+        group, count = groups[executed], sums[executed]
         why = sum((reasons(r) for r in group), collections.Counter())
-        print(f"{executed:>10} {len(group):>6} {samples:>8} {100 * samples / total:5.1f}%  "
-              + ", ".join(f"{k} {100 * v / max(samples, 1):.0f}%" for k, v in why.most_common(5)))
+        print(f"{executed:>10} {len(group):>6} {count:>8} {100 * count / total:5.1f}%  "
+              + ", ".join(f"{k} {100 * v / max(count, 1):.0f}%" for k, v in why.most_common(5)))
 
 
 def timeline(rows: list[dict], executed: str, least: int) -> None:
@@ -64,12 +68,12 @@ def timeline(rows: list[dict], executed: str, least: int) -> None:
     print(f"{len(body)} instructions: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
     since, skipped, running = 0, 0, 0
     for r in body:
-        samples = int(r[SAMPLES] or 0)
-        since += samples
-        running += samples
+        count = samples(r)
+        since += count
+        running += count
         skipped += 1
         source = r["Source"].strip()
-        if samples >= least or any(mark in source for mark in MARKS):
+        if count >= least or any(mark in source for mark in MARKS):
             why = ", ".join(f"{k} {v}" for k, v in reasons(r).most_common(2) if v)
             print(f"{running:>8} {since:>7} (+{skipped:>3})  {source[:70]:70s} {why}")
             since, skipped = 0, 0
