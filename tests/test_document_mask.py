@@ -159,6 +159,26 @@ def test_document_bounds_match_a_walk_along_each_row(seed):
     assert torch.equal(bounds, _bounds_by_walking(ids))
 
 
+def test_bounds_buffer_is_built_once_for_the_same_unchanged_ids():
+    """The layers of a forward pass one ids tensor: the buffer is reused for that very tensor and
+    rebuilt for another one, for a changed key count, after an in-place change, and under
+    inference mode (no version counter), always with the values a fresh build gives."""
+    ids = ids_from_lengths([5, 19])
+    first = bounds_buffer(ids)
+    assert bounds_buffer(ids) is first
+    assert bounds_buffer(ids.clone()) is not first
+    assert bounds_buffer(ids) is not first and torch.equal(bounds_buffer(ids), first)   # the clone came between
+    ids[0, 20:] = 2                                                     # a third document, in place
+    changed = bounds_buffer(ids)
+    assert not torch.equal(changed, first) and torch.equal(changed, bounds_buffer(ids.clone()))
+    keys = monotone_bounds(1, 40, 70, 3)
+    assert bounds_buffer(key_bounds=keys, n_k=70) is bounds_buffer(key_bounds=keys, n_k=70)
+    assert not torch.equal(bounds_buffer(key_bounds=keys, n_k=50), bounds_buffer(key_bounds=keys, n_k=70))
+    with torch.inference_mode():
+        frozen = ids_from_lengths([5, 19])
+        assert torch.equal(bounds_buffer(frozen), first) and bounds_buffer(frozen) is not bounds_buffer(frozen)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(causal=False, window=4), "window needs causal"),
     (dict(causal=True, window=0), "window must be a positive int"),
