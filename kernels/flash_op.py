@@ -359,7 +359,7 @@ def _eager_backward(ctx, dout, packed=None):
     dq, dk, dv, delta = FAMILIES[call.plan.backward.family].backward(
         dout, q, k, v, out, lse, call.causal, call.scale, doc_bounds, call.window, call.plan.deterministic,
         cache=call.launches, key=key, softcap=call.softcap, dropout_p=call.dropout_p, rng=rng, grads=grads)
-    dsinks = sink_grad_from_delta(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[-1] else None
+    dsinks = scores._sink_grad_from_delta(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[-1] else None
     return (dq, dk, dv) if packed is None else (dqkv,), dsinks
 
 

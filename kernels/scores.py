@@ -436,11 +436,12 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
 def sink_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The sinks' gradient, -sum over batch and rows of exp(sink - L) Delta, from Delta and lse (B, H, Nq).
     The backward kernels compute Delta anyway: taking theirs spares reading dO and O again in
-    float32 copies (~0.1 ms of a ~1 ms backward at gpt2-small's 4K shape). It always runs as the
-    opaque op below, eager or traced, so that compiled and eager training reduce in the same order
-    and get the same bits: traced as plain torch code, Inductor fused the expression into a
-    reduction of its own order (the backward's graph is traced where torch.compiler.is_compiling()
-    is False, so a branch on it did not reach there)."""
+    float32 copies (~0.1 ms of a ~1 ms backward at gpt2-small's 4K shape). Traced, it runs as the
+    opaque op below, so that compiled and eager training reduce in the same order and get the same
+    bits: traced as plain torch code, Inductor fused the expression into a reduction of its own
+    order (the backward's graph is traced where torch.compiler.is_compiling() is False, so a branch
+    on it did not reach there). The eager autograd Function, never traced, calls the op's function
+    itself (kernels/flash_op.py): the same bits, without the op's host time."""
     return sink_grad_op(delta, lse, sinks)
 
 
