@@ -180,7 +180,7 @@ def _gluon(s: Setting, direction: str) -> Direction:
         variant = forward.DEFAULT_VARIANTS[s.head_dim]
         return Direction("gluon", variant, forward.tiles(variant, s.head_dim))
     return Direction("gluon", "deterministic" if s.deterministic else "atomic",
-                     backward.tiles(s.head_dim, s.dropout))
+                     backward.tiles(s.head_dim, s.dropout, s.deterministic, s.softcap))
 
 
 def call_setting(q, k, v, causal: bool, mask: str, deterministic: bool, choice: tuple[str, str],

@@ -177,12 +177,15 @@ def test_gqa_split_decision():
 
 
 def test_tile_config_layers():
-    """A call's tiles: the head dim's, then dropout's, then a benchmark's own config, each overriding
-    the last, the same key included."""
+    """A call's tiles: the head dim's, then dropout's, then arrival order's (not soft-capped), then a
+    benchmark's own config, each overriding the last, the same key included."""
     from kernels.gluon.backward import TILES, config_for
     assert config_for(64) == TILES[64] and config_for(64, dropout=True)["BLOCK_M"] == 64
+    assert config_for(64, deterministic=False)["BLOCK_M"] == 64 and config_for(64, deterministic=False)["STAGES"] == 4
     assert config_for(64, dropout=True, config=dict(BLOCK_M=128))["BLOCK_M"] == 128
-    assert config_for(128, dropout=True) == TILES[128]
+    assert config_for(64, deterministic=False, config=dict(BLOCK_M=128))["BLOCK_M"] == 128
+    assert config_for(64, deterministic=False, softcap=True) == TILES[64]
+    assert config_for(128, dropout=True) == TILES[128] == config_for(128, deterministic=False)
 
 
 def test_packed_p_scale():

@@ -126,6 +126,14 @@ SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
 # benchmarks/attention/dropout_ring_h100/). Soft-capped steps keep 128 queries, their P' packed
 # (packed_p_scale): their 64-query step gained nothing from the deeper ring (same file).
 SCORE_TILES = {64: dict(BLOCK_M=64, STAGES=4, DQ_BUFS=4)}
+# dQ added in arrival order (deterministic=False): the 64-query step, whose time with the fixed order
+# went to the writer's turns, is then faster than the 128-query one, which contends more in arrival
+# order (head dim 64, backward ms on one H100, 64 against 128 queries: causal 0.718 / 0.759 at 4K,
+# 2.46 / 2.56 at 16K; no mask 1.20 / 1.36 at 4K; deterministic, causal 0.810 / 0.733 at 4K:
+# benchmarks/attention/backward_ring_atomic_h100/, atomic_tiles_h100/). Not soft-capped calls: their
+# 128-query step keeps P' packed and stays ahead in arrival order too (causal 0.85 / 0.86 at 4K,
+# 2.86 / 3.04 at 16K).
+ATOMIC_TILES = {64: dict(BLOCK_M=64, STAGES=4, DQ_BUFS=4)}
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.
@@ -717,14 +725,18 @@ def _launch_p_scale(softcap: float, dropout_p: float, block_m: int, dtype: torch
     return max(1.0, packed_p_scale(softcap, dropout_p, block_m, _GL_DTYPES[dtype]))
 
 
-def config_for(head_dim: int, dropout: bool = False, config: dict | None = None) -> dict:
-    """TILES of a head dim, with SCORE_TILES' changes for dropout calls and `config`'s on top."""
-    return {**TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if dropout else {}), **(config or {})}
+def config_for(head_dim: int, dropout: bool = False, config: dict | None = None, *, deterministic: bool = True,
+               softcap: bool = False) -> dict:
+    """TILES of a head dim, with SCORE_TILES' changes for dropout calls, ATOMIC_TILES' for dQ in
+    arrival order without a soft cap, and `config`'s on top."""
+    arrival = not deterministic and not softcap
+    return {**TILES[head_dim], **(SCORE_TILES.get(head_dim, {}) if dropout else {}),
+            **(ATOMIC_TILES.get(head_dim, {}) if arrival else {}), **(config or {})}
 
 
-def tiles(head_dim: int, dropout: bool = False) -> str:
+def tiles(head_dim: int, dropout: bool = False, deterministic: bool = True, softcap: bool = False) -> str:
     """The tiles of a head dim, as a kernel plan names them."""
-    cfg = config_for(head_dim, dropout)
+    cfg = config_for(head_dim, dropout, deterministic=deterministic, softcap=softcap)
     return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}, {cfg['STAGES']} stages"
 
 
@@ -753,7 +765,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = config_for(head_dim, dropout_p > 0, config)
+    cfg = config_for(head_dim, dropout_p > 0, config, deterministic=deterministic, softcap=softcap > 0)
     qlay, klay, llay, dqlay = _layouts(dtype, cfg["BLOCK_M"], cfg["BLOCK_N"], head_dim)
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -826,7 +838,7 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
     kernels/masks.bounds_buffer lays it out, or None."""
     B, n_q, H, D = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
-    cfg = config_for(D, dropout_p > 0, config)
+    cfg = config_for(D, dropout_p > 0, config, deterministic=deterministic, softcap=softcap > 0)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     n_m = cdiv(n_q, block_m)
     n_q_pad = n_m * block_m

@@ -36,14 +36,25 @@ SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 1
           (4, 4096, 32, 8, 128, True)]   # B, T, H, Hkv, D, causal
 
 
-def use_tiles(head_dim: int, setting: dict, tiles: dict, scores: dict) -> None:
-    """The Gluon backward's tiles at `head_dim` set to `setting` over `tiles` and `scores` (TILES and
-    SCORE_TILES as they were, so that settings do not stack), for this process; calls forgotten."""
+TABLES = ("TILES", "SCORE_TILES", "ATOMIC_TILES")   # the Gluon backward's tile tables (its config_for)
+
+
+def tile_tables() -> dict:
+    """The Gluon backward's tile tables as they are now: what `use_tiles` starts from."""
+    from kernels.gluon import backward
+
+    return {name: dict(getattr(backward, name)) for name in TABLES}
+
+
+def use_tiles(head_dim: int, setting: dict, tables: dict) -> None:
+    """The Gluon backward's tiles at `head_dim` set to `setting` over `tables` (`tile_tables()` as
+    they were, so that settings do not stack), in every table, so that dropout's and arrival-order
+    calls take it too; for this process, calls forgotten."""
     from kernels import flash_op
     from kernels.gluon import backward
 
-    backward.TILES = {**tiles, head_dim: {**tiles[head_dim], **setting}}
-    backward.SCORE_TILES = {**scores, head_dim: {**scores.get(head_dim, {}), **setting}}
+    for name, table in tables.items():
+        setattr(backward, name, {**table, head_dim: {**table.get(head_dim, {}), **setting}})
     flash_op.forget_calls()   # a call signature keeps the kernels it first compiled
 
 
@@ -71,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     from kernels import exp2, flash_op
     from kernels.gluon import backward
 
-    tiles, scores = dict(backward.TILES), dict(backward.SCORE_TILES)
+    tables = tile_tables()
     block_m = {} if args.block_m is None else {"BLOCK_M": args.block_m}
     for B, T, H, Hkv, D, causal in (SHAPES[:args.shapes] if args.pick is None else [SHAPES[i] for i in args.pick]):
         if args.exp2_on_fma is not None:
@@ -80,16 +91,17 @@ def main(argv: list[str] | None = None) -> None:
         shape = f"B{B} T{T} {H}/{Hkv}x{D} {'causal' if causal else 'full'}"
         for round_ in range(args.rounds):
             for name, setting in args.tiles.items():
-                # the setting (after --block-m) goes over the call's own tiles, dropout's SCORE_TILES included
-                use_tiles(D, {**block_m, **setting}, tiles, scores)
+                # the setting (after --block-m) goes over the call's own tiles, dropout's and arrival order's included
+                use_tiles(D, {**block_m, **setting}, tables)
                 ms = timer(lambda: flash_op.flash_attention(q, k, v, causal=causal, kernel=("triton", "gluon"),
                                                             softcap=args.softcap or None, dropout_p=args.dropout,
                                                             deterministic=not args.atomic),
                            lambda out: torch.autograd.grad(out, [leaf], dout))
                 print(json.dumps({"who": f"{args.label}/{name}" if name else args.label, "round": round_,
                                   "shape": shape, "softcap": args.softcap, "dropout": args.dropout, "atomic": args.atomic,
-                                  "tiles": backward.config_for(D, args.dropout > 0), "bwd_ms": round(ms["bwd"], 4),
-                                  "fwd+bwd_ms": round(ms["fwd+bwd"], 4)}), flush=True)
+                                  "tiles": backward.config_for(D, args.dropout > 0, deterministic=not args.atomic,
+                                                             softcap=args.softcap > 0),
+                                  "bwd_ms": round(ms["bwd"], 4), "fwd+bwd_ms": round(ms["fwd+bwd"], 4)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -44,13 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: the profiled kernels run on a GPU")
     from bench_attention import fused_inputs
-    from gluon_bwd_ab import use_tiles
+    from gluon_bwd_ab import tile_tables, use_tiles
 
     from kernels import flash_op
-    from kernels.gluon import backward
 
     if args.tiles:
-        use_tiles(args.head_dim, args.tiles, backward.TILES, backward.SCORE_TILES)
+        use_tiles(args.head_dim, args.tiles, tile_tables())
 
     kernel = tuple(args.kernel.split(",")) if "," in args.kernel else args.kernel
     leaf, (q, k, v), dout = fused_inputs(args.batch, args.tokens, args.heads, args.heads, args.head_dim, False,
