@@ -44,7 +44,7 @@ from kernels.gluon.backward import launch_backward as gluon_backward
 from kernels.gluon.forward import gluon_attention_forward
 from kernels.launch import cdiv, launch, next_power_of_2
 from kernels.masks import bounds_buffer, check_masks
-from kernels.scores import dropout_seed, sink_grad_from_delta
+from kernels.scores import dropout_seed, sink_grad_eager, sink_grad_from_delta
 from kernels.tiles import LOG2E
 from kernels.tuning import pinned, seq_bucket, tunes
 
@@ -359,7 +359,7 @@ def _eager_backward(ctx, dout, packed=None):
     dq, dk, dv, delta = FAMILIES[call.plan.backward.family].backward(
         dout, q, k, v, out, lse, call.causal, call.scale, doc_bounds, call.window, call.plan.deterministic,
         cache=call.launches, key=key, softcap=call.softcap, dropout_p=call.dropout_p, rng=rng, grads=grads)
-    dsinks = scores._sink_grad_from_delta(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[-1] else None
+    dsinks = sink_grad_eager(delta, lse, sinks) if sinks is not None and ctx.needs_input_grad[-1] else None
     return (dq, dk, dv) if packed is None else (dqkv,), dsinks
 
 

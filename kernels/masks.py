@@ -11,8 +11,9 @@ of contiguous documents mean the same thing), and query i sees
 
 `document_bounds` turns the ids into the two per-token ends on the device (cheap torch ops,
 traceable by torch.compile, no host sync), once for all the layers that pass the same ids. The
-kernels read them to skip whole tiles and to mask the partial ones (kernels/tiles.py). `visible_mask` builds the same
-mask densely, from run ids rather than from those bounds, for the reference and SDPA.
+kernels read them to skip whole tiles and to mask the partial ones (kernels/tiles.py).
+`visible_mask` builds the same mask densely, from run ids rather than from those bounds, for the
+reference and SDPA.
 
 `key_bounds` (B, 2, Nq) states the interval of every query directly, in the keys' own indices,
 for any Nq and Nk: query i sees keys [key_bounds[:, 0, i], key_bounds[:, 1, i]) (intersected

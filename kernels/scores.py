@@ -440,12 +440,14 @@ def sink_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Te
     opaque op below, so that compiled and eager training reduce in the same order and get the same
     bits: traced as plain torch code, Inductor fused the expression into a reduction of its own
     order (the backward's graph is traced where torch.compiler.is_compiling() is False, so a branch
-    on it did not reach there). The eager autograd Function, never traced, calls the op's function
-    itself (kernels/flash_op.py): the same bits, without the op's host time."""
+    on it did not reach there). The eager autograd Function, never traced, calls `sink_grad_eager`,
+    the op's function itself (kernels/flash_op.py): the same bits, without the op's host time."""
     return sink_grad_op(delta, lse, sinks)
 
 
-def _sink_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sink_grad_eager(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """`sink_grad_from_delta`'s computation itself, for code that is never traced: the op's bits
+    without its host time."""
     acc = torch.promote_types(lse.dtype, torch.float32)
     return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta.to(acc)).sum((0, 2)).to(sinks.dtype)
 
@@ -453,7 +455,7 @@ def _sink_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.T
 @torch.library.custom_op("flashtrain::sink_grad", mutates_args=())
 def sink_grad_op(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """sink_grad_from_delta as one opaque op: the same computation under torch.compile as in eager."""
-    return _sink_grad_from_delta(delta, lse, sinks)
+    return sink_grad_eager(delta, lse, sinks)
 
 
 @sink_grad_op.register_fake
