@@ -81,6 +81,22 @@ def test_packed_documents_get_the_loss_they_get_alone_flash_interpreter():
         torch.testing.assert_close(packed[:, start:end], alone, rtol=0, atol=2e-5)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="runs our kernel on CPU tensors, under the Triton interpreter")
+def test_the_layers_share_one_bounds_build(monkeypatch):
+    """Both layers' attention get the model's ids tensor itself, so the kernels' bounds buffer is
+    built once a forward (kernels/masks.bounds_buffer), and again for the next batch's ids."""
+    from kernels import masks
+    built = []
+    build = masks._build_bounds
+    monkeypatch.setattr(masks, "_build_bounds", lambda *a: built.append(1) or build(*a))
+    x, y, doc_ids = packed_window(seed=2)
+    model = tiny_model("flash", "rope", dtype=torch.float32)
+    per_token_loss(model, x, y, document_ids=doc_ids).sum().backward()
+    assert len(built) == 1
+    per_token_loss(model, x, y, document_ids=doc_ids.clone())
+    assert len(built) == 2
+
+
 def test_reset_positions_is_what_makes_learned_positions_match():
     x, y, doc_ids = packed_window()
     model = tiny_model("naive", "learned", reset_positions=False)
