@@ -282,12 +282,17 @@ def kernel_timer(device: torch.device, cpu_calls: int = 3) -> tuple[Callable[[Ca
 
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
+HOST_CALLS = 7   # pass_timer's host=True: calls issued to an idle GPU, timed on the host
 
 
 def pass_timer(device: torch.device, cpu_calls: int = 3) -> tuple[Callable[..., dict[str, float]], str]:
     """Forward, backward and forward+backward milliseconds, all three from the same calls, and how
     they were measured. `timed(forward, backward)` runs `out = forward()` then `backward(out)`,
     stamping the stream before, between and after; each pass is the median of its spans.
+    `timed(..., host=True)` adds "host": the host's milliseconds for one forward+backward issued to
+    an idle GPU (median of HOST_CALLS). The stamps are on the GPU's clock, but a call whose host
+    work outlasts its GPU work keeps the GPU waiting between them, so where "host" nears
+    "fwd+bwd" the GPU times measure the host.
 
     Why not time the backward alone, as torch.autograd.grad over a retained graph: that call starts
     on an idle GPU, so all of the backward's host work (the autograd engine handing it to its device
@@ -316,7 +321,7 @@ def pass_timer(device: torch.device, cpu_calls: int = 3) -> tuple[Callable[..., 
         def span(a, b) -> float:
             return (b - a) * 1e3
 
-    def timed(forward: Callable[[], Any], backward: Callable[[Any], Any]) -> dict[str, float]:
+    def timed(forward: Callable[[], Any], backward: Callable[[Any], Any], host: bool = False) -> dict[str, float]:
         flush = lambda: None  # noqa: E731
         if cuda:
             driver = runtime.driver.active
@@ -347,9 +352,18 @@ def pass_timer(device: torch.device, cpu_calls: int = 3) -> tuple[Callable[..., 
             call()
         stamps = [call() for _ in range(repeats)]
         settle()
-        return {"fwd": statistics.median(span(a, b) for a, b, _ in stamps),
-                "bwd": statistics.median(span(b, c) for _, b, c in stamps),
-                "fwd+bwd": statistics.median(span(a, c) for a, _, c in stamps)}
+        times = {"fwd": statistics.median(span(a, b) for a, b, _ in stamps),
+                 "bwd": statistics.median(span(b, c) for _, b, c in stamps),
+                 "fwd+bwd": statistics.median(span(a, c) for a, _, c in stamps)}
+        if host:
+            issued = []
+            for _ in range(HOST_CALLS):
+                began = time.perf_counter()
+                backward(forward())
+                issued.append((time.perf_counter() - began) * 1e3)
+                settle()
+            times["host"] = statistics.median(issued)
+        return times
 
     if cuda:
         how = (f"forward+backward calls, CUDA events before, between and after each (do_bench's loop: warm-up "

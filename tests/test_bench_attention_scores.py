@@ -25,11 +25,22 @@ def test_smoke_run_writes_every_case_and_its_ratio(tmp_path):
         if word != "sdpa" or case in ("none", "dropout")]   # SDPA has no soft-capping or sinks
     for row in data["results"]:
         assert row["status"] == "ok", row
-        assert row["fwd+bwd_ms"] > 0 and row["x_none"] > 0
+        assert row["fwd+bwd_ms"] > 0 and row["x_none"] > 0 and row["host_ms"] > 0
         assert row["plan"].startswith("PyTorch's SDPA" if row["kernel"] == "sdpa" else "forward=triton")
     assert all(r["x_none"] == 1.0 for r in data["results"] if r["case"] == "none")
     md = (tmp_path / "attention_scores_cpu.md").read_text()
     assert "| dropout | auto |" in md and "<= 1.25x |" in md and "x none" in md   # no verdict on a CPU
+    assert "host ms" in md and "(host-bound)" not in md
+
+
+def test_rows_whose_host_time_nears_the_gpu_time_are_marked():
+    """A GPU row whose host time per call reaches HOST_BOUND of its forward+backward says so."""
+    base = {"case": "sinks", "kernel": "auto", "status": "ok", "plan": "p", "fwd_ms": 0.3, "bwd_ms": 0.7, "x_none": 1.0}
+    slow = dict(base, **{"fwd+bwd_ms": 1.0, "host_ms": bench_attention_scores.HOST_BOUND * 1.0})
+    fast = dict(base, **{"fwd+bwd_ms": 1.0, "host_ms": 0.4})
+    table = bench_attention_scores.rows([slow, fast])
+    assert [row[6] for row in table] == ["0.800 (host-bound)", "0.400"]
+    assert bench_attention_scores.rows([slow], judged=False)[0][6] == "0.800"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")

@@ -22,7 +22,9 @@ CPU backward; it has no dropout, and sinks are not a score_mod), and `--tokens`/
 run (SWITCHES: kernels/LOG.md, 2026-12-05); the file's name says which, so one device call can time
 the same tree both ways. Forward, backward and forward+backward come from the same
 forward+backward calls, CUDA events before, between and after each, in do_bench's loop (medians,
-L2 flushed; scripts/_common.py, pass_timer); dropout's times include drawing its seed. "x none" is a case's
+L2 flushed; scripts/_common.py, pass_timer); dropout's times include drawing its seed. "host ms" is
+the host's time for one forward+backward issued to an idle GPU: where it comes within HOST_BOUND of
+the GPU's forward+backward, the GPU waited on the host and the row says so. "x none" is a case's
 forward+backward over none's under the same word; the targets the options were built to: dropout
 0.1 <= 1.25x, soft-capping <= 1.10x, sinks <= 1.05x, under `auto`.
 Results: <out>/attention_scores_<gpu>.json (with date, GPU, versions, commit) and .md.
@@ -47,7 +49,8 @@ WORDS = ("auto", "triton", "sdpa")
 SDPA_CASES = ("none", "dropout")   # SDPA soft-caps nothing and has no sinks
 FLEX_CASES = ("none", "softcap")   # FlexAttention: the cap is a score_mod; no dropout, and a sink is no score_mod
 TARGETS = {"dropout": 1.25, "softcap": 1.10, "sinks": 1.05}   # forward+backward x none, under auto
-HEADERS = ["case", "kernel", "plan", "fwd ms", "bwd ms", "fwd+bwd ms", "x none", "target"]
+HEADERS = ["case", "kernel", "plan", "fwd ms", "bwd ms", "fwd+bwd ms", "host ms", "x none", "target"]
+HOST_BOUND = 0.8   # host ms over fwd+bwd ms from which a row is marked host-bound
 SWITCHES = {"packed-dropout": "the forwards' dropout mask on P's packed pairs (kernels.scores.PACKED_DROPOUT on)",
             "unpacked-dropout": "the forwards' dropout mask as a float32 select before P's cast "
                                 "(kernels.scores.PACKED_DROPOUT off)",
@@ -109,8 +112,8 @@ def measure(case: str, word: str, shape, dtype, device, timer) -> dict:
                 return flash_attention(q, k, v, causal=True, kernel=kernel, **options)
 
             row["plan"] = str(kernel_plan(q, k, v, causal=True, kernel=kernel, **options))
-        times = timer(attention, lambda out: torch.autograd.grad(out, leaves, dout))
-        row.update({f"{p}_ms": times[p] for p in PASSES})
+        times = timer(attention, lambda out: torch.autograd.grad(out, leaves, dout), host=True)
+        row.update({f"{p}_ms": times[p] for p in (*PASSES, "host")})
     except Exception as exc:  # noqa: BLE001 (one case failing must not end the run)
         row["status"] = f"error: {error_text(exc)}"
     return row
@@ -141,6 +144,13 @@ def ratios(results: list[dict]) -> None:
         r["x_none"] = r["fwd+bwd_ms"] / base if base and r.get("fwd+bwd_ms") else None
 
 
+def host_bound(row: dict) -> bool:
+    """Whether the host's time for a call came within HOST_BOUND of the GPU's: then the GPU times
+    include the GPU waiting for the host."""
+    host, gpu = row.get("host_ms"), row.get("fwd+bwd_ms")
+    return host is not None and bool(gpu) and host >= HOST_BOUND * gpu
+
+
 def rows(results: list[dict], judged: bool = True) -> list[list]:
     """Table rows; judged=False (a CPU smoke run) states the targets without judging them."""
     def ms(x):
@@ -151,8 +161,9 @@ def rows(results: list[dict], judged: bool = True) -> list[list]:
         target = TARGETS.get(r["case"]) if r["kernel"] == "auto" else None
         verdict = "-" if target is None else f"<= {target:.2f}x" + (
             "" if not judged or r["x_none"] is None else f": {'met' if r['x_none'] <= target else 'missed'}")
+        host = ms(r.get("host_ms")) + (" (host-bound)" if judged and host_bound(r) else "")
         table.append([r["case"], r["kernel"], r.get("plan", r["status"]), *(ms(r.get(f"{p}_ms")) for p in PASSES),
-                      f"{r['x_none']:.3f}x" if r["x_none"] is not None else "-", verdict])
+                      host, f"{r['x_none']:.3f}x" if r["x_none"] is not None else "-", verdict])
     return table
 
 
