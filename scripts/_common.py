@@ -290,7 +290,7 @@ def pass_timer(device: torch.device, cpu_calls: int = 3) -> tuple[Callable[..., 
     they were measured. `timed(forward, backward)` runs `out = forward()` then `backward(out)`,
     stamping the stream before, between and after; each pass is the median of its spans.
     `timed(..., host=True)` adds "host": the host's milliseconds for one forward+backward issued to
-    an idle GPU (median of HOST_CALLS). The stamps are on the GPU's clock, but a call whose host
+    an idle GPU (median of HOST_CALLS; one call on a CPU). The stamps are on the GPU's clock, but a call whose host
     work outlasts its GPU work keeps the GPU waiting between them, so where "host" nears
     "fwd+bwd" the GPU times measure the host.
 
@@ -357,7 +357,7 @@ def pass_timer(device: torch.device, cpu_calls: int = 3) -> tuple[Callable[..., 
                  "fwd+bwd": statistics.median(span(a, c) for a, _, c in stamps)}
         if host:
             issued = []
-            for _ in range(HOST_CALLS):
+            for _ in range(HOST_CALLS if cuda else 1):   # on a CPU (smoke runs) the plumbing only
                 began = time.perf_counter()
                 backward(forward())
                 issued.append((time.perf_counter() - began) * 1e3)
