@@ -290,9 +290,9 @@ def pass_timer(device: torch.device, cpu_calls: int = 3) -> tuple[Callable[..., 
     they were measured. `timed(forward, backward)` runs `out = forward()` then `backward(out)`,
     stamping the stream before, between and after; each pass is the median of its spans.
     `timed(..., host=True)` adds "host": the host's milliseconds for one forward+backward issued to
-    an idle GPU (median of HOST_CALLS; one call on a CPU). The stamps are on the GPU's clock, but a call whose host
-    work outlasts its GPU work keeps the GPU waiting between them, so where "host" nears
-    "fwd+bwd" the GPU times measure the host.
+    an idle GPU (median of HOST_CALLS; one call on a CPU). The stamps are on the GPU's clock, but a
+    call whose host work outlasts its GPU work keeps the GPU waiting between them, so where "host"
+    nears "fwd+bwd" the GPU times measure the host.
 
     Why not time the backward alone, as torch.autograd.grad over a retained graph: that call starts
     on an idle GPU, so all of the backward's host work (the autograd engine handing it to its device

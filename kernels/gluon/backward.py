@@ -134,6 +134,7 @@ SCORE_TILES = {64: dict(BLOCK_M=64, STAGES=4, DQ_BUFS=4)}
 # 128-query step keeps P' packed and stays ahead in arrival order too (causal 0.85 / 0.86 at 4K,
 # 2.86 / 3.04 at 16K).
 ATOMIC_TILES = {64: dict(BLOCK_M=64, STAGES=4, DQ_BUFS=4)}
+TILE_TABLES = ("TILES", "SCORE_TILES", "ATOMIC_TILES")   # what config_for layers, in its order
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.

@@ -36,14 +36,11 @@ SHAPES = [(4, 4096, 12, 12, 64, True), (1, 16384, 12, 12, 64, True), (4, 4096, 1
           (4, 4096, 32, 8, 128, True)]   # B, T, H, Hkv, D, causal
 
 
-TABLES = ("TILES", "SCORE_TILES", "ATOMIC_TILES")   # the Gluon backward's tile tables (its config_for)
-
-
 def tile_tables() -> dict:
-    """The Gluon backward's tile tables as they are now: what `use_tiles` starts from."""
+    """The Gluon backward's tile tables (its TILE_TABLES) as they are now: what `use_tiles` starts from."""
     from kernels.gluon import backward
 
-    return {name: dict(getattr(backward, name)) for name in TABLES}
+    return {name: dict(getattr(backward, name)) for name in backward.TILE_TABLES}
 
 
 def use_tiles(head_dim: int, setting: dict, tables: dict) -> None:
