@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.spawned import native_threads, start_ranks
 from tests.test_distributed import assert_losses_close, assert_states_close, free_port, torchrun
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401
 from training.run.store import load_checkpoint
@@ -112,16 +113,28 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 if rank == 0:
                     torch.save(result, f"{out}/{name}.pt")
     finally:
+        env = None  # its groups: let go of them, as train.py lets go of its trainer
         close_distributed()
+    Path(out, f"threads-{world}-{rank}.txt").write_text("\n".join(native_threads()))
 
 
 @pytest.fixture(scope="module")
 def step_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp-steps")
     for world in sorted({w for w, _, _ in STEP_CASES.values()}):  # fork: 2.5x quicker to start than spawn
-        mp.start_processes(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True,
-                           start_method="fork")
-    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in STEP_CASES}
+        start_ranks(_worker, (world, free_port(), str(out)), world, out / f"world{world}", start_method="fork")
+    results = {name: torch.load(out / f"{name}.pt", weights_only=True) for name in STEP_CASES}
+    results["threads after close"] = {p.stem: p.read_text().split() for p in sorted(out.glob("threads-*.txt"))}
+    return results
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through Linux's /proc")
+def test_leaving_the_group_after_a_context_parallel_mesh_ends_the_gloo_threads(step_results):
+    """close_distributed after the (dp, cp) meshes: no gloo or TCPStore thread is left running."""
+    threads = step_results["threads after close"]
+    assert len(threads) == sum(w for w in {w for w, _, _ in STEP_CASES.values()})
+    for rank, names in threads.items():
+        assert names and not [n for n in names if "gloo" in n or "tcpstore" in n], (rank, names)
 
 
 @pytest.mark.parametrize("name", STEP_CASES)
@@ -414,7 +427,7 @@ def test_context_parallel_step_on_two_gpus_is_as_close_as_bf16_allows(tmp_path):
     """C = 2 over NCCL with our kernel in bf16 against the float32 step on one GPU: the loss and
     the gradients at most twice as far from it as the bf16 step on one GPU is."""
     path = tmp_path / "cp.pt"
-    mp.spawn(_gpu_worker, args=(free_port(), str(path)), nprocs=2, join=True)
+    start_ranks(_gpu_worker, (free_port(), str(path)), 2, tmp_path)
     got = torch.load(path)
     exact = gpu_step(torch.device("cuda"), "fp32", "naive")
     plain = gpu_step(torch.device("cuda"), "bf16", "flash")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.spawned import native_threads, start_ranks
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401 (fixture)
 from training.run.store import CheckpointStore, load_checkpoint
 
@@ -87,15 +87,19 @@ def _worker(rank: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save(state, f"{out}/fsdp-compiled.pt")
     finally:
+        del env  # its control group is the world group: let go of it, as train.py lets go of its trainer
         close_distributed()
+    Path(out, f"threads{rank}.txt").write_text("\n".join(native_threads()))
 
 
 @pytest.fixture(scope="module")
 def parallel_states(tmp_path_factory):
     out = tmp_path_factory.mktemp("steps")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return {name: torch.load(out / f"{name}.pt", weights_only=True)
-            for name in ("ddp-fp32", "fsdp-fp32", "ddp-bf16", "fsdp-bf16", "fsdp-compiled")}
+    start_ranks(_worker, (free_port(), str(out)), WORLD, out)
+    states = {name: torch.load(out / f"{name}.pt", weights_only=True)
+              for name in ("ddp-fp32", "fsdp-fp32", "ddp-bf16", "fsdp-bf16", "fsdp-compiled")}
+    states["threads after close"] = [(out / f"threads{rank}.txt").read_text().split() for rank in range(WORLD)]
+    return states
 
 
 def assert_states_close(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
@@ -124,6 +128,14 @@ def test_compiled_fsdp_step_equals_the_eager_one(parallel_states):
     """FSDP2 with its blocks and its head + loss compiled (aot_eager: the same graphs torch.compile
     makes, run without a C++ build), float64: the same weights and moments as eager to 1e-12."""
     assert_states_close(parallel_states["fsdp-compiled"], parallel_states["fsdp-fp32"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through Linux's /proc")
+def test_leaving_the_group_after_fsdp_ends_the_gloo_threads(parallel_states):
+    """close_distributed after FSDP2 (eager and compiled): no gloo or TCPStore thread runs on into
+    interpreter shutdown, which is where gloo's teardown has ended a rank with a signal."""
+    for rank, names in enumerate(parallel_states["threads after close"]):
+        assert names and not [n for n in names if "gloo" in n or "tcpstore" in n], (rank, names)
 
 
 def test_fsdp_bf16_parameters_train_like_ddp_under_bf16_autocast(parallel_states):
@@ -370,8 +382,8 @@ def test_moving_windows_through_one_two_one_processes_neither_repeat_nor_skip(tm
     per_epoch = len(one.order(0))
     first = torch.cat([one.next_batch(3)[0] for _ in range((per_epoch - 12) // 3)])
     torch.save(one.state_dict(), tmp_path / "state.pt")
-    mp.spawn(_sampler_worker, args=(free_port(), cache, str(tmp_path / "state.pt"), str(tmp_path / "two.pt"), 4),
-             nprocs=WORLD, join=True)
+    start_ranks(_sampler_worker, (free_port(), cache, str(tmp_path / "state.pt"), str(tmp_path / "two.pt"), 4),
+                WORLD, tmp_path)
     (rows0, state0), (rows1, state1) = torch.load(tmp_path / "two.pt")
     assert state0 == state1 and state0["epoch"] == 1   # one global position; the ranks crossed into epoch 1
     again = sampler_of(cache)

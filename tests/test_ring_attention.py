@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kernels import attention_reference, flash_attention_backward
 from kernels.masks import document_bounds, visible_mask
@@ -26,6 +25,7 @@ from model.context_parallel import (context_parallel_batch, context_parallel_pos
                                     gather_from_context_parallel, merge_context_parallel, split_for_context_parallel,
                                     use_context_parallel)
 from model.ring_attention import STEP_COUNTS, ring_attention
+from tests.spawned import start_ranks
 from training.parallel.distributed import close_distributed
 
 CHUNK, BATCH, HEAD_DIM = 4, 2, 16
@@ -191,7 +191,7 @@ def _free_port():
 def ring_results(request, tmp_path_factory):
     size = request.param
     path = tmp_path_factory.mktemp(f"ring{size}") / "results.pt"
-    mp.spawn(_worker, args=(size, _free_port(), str(path)), nprocs=size, join=True)
+    start_ranks(_worker, (size, _free_port(), str(path)), size, path.parent)
     return size, torch.load(path)
 
 
@@ -342,7 +342,7 @@ def test_ring_on_two_gpus_nccl_bf16(tmp_path):
     """NCCL and our kernel in bf16 at 8K tokens (chunks of 2K): at most 2x as far from the
     float64 answer as the plain formula evaluated in bf16 on one GPU."""
     path = tmp_path / "results.pt"
-    mp.spawn(_gpu_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    start_ranks(_gpu_worker, (2, _free_port(), str(path)), 2, tmp_path)
     results, inputs = torch.load(path), random_qkv(7, *GPU_SHAPE)
     for causal, got in results.items():
         exact = attention_and_grads(inputs, torch.float64, causal)
