@@ -35,10 +35,14 @@ def fault_report(logs: Path) -> str:
     return "\n".join(parts) if parts else "(no rank wrote a fatal-signal traceback)"
 
 
-def native_threads() -> list[str]:
-    """The names of this process's threads as the kernel lists them (Linux), C++ ones included."""
-    tasks = Path("/proc/self/task")
-    return sorted((t / "comm").read_text().strip() for t in tasks.iterdir()) if tasks.is_dir() else []
+TASKS = Path("/proc/self/task")
+LISTS_THREADS = TASKS.is_dir()   # Linux: every thread of the process, C++ ones included, by name
+
+
+def gloo_threads() -> list[str]:
+    """This process's gloo and TCPStore threads (none where LISTS_THREADS is false)."""
+    names = [(t / "comm").read_text().strip() for t in TASKS.iterdir()] if LISTS_THREADS else []
+    return sorted(n for n in names if "gloo" in n or "tcpstore" in n)
 
 
 def _rank(rank: int, fn, logs: str, args: tuple) -> None:
