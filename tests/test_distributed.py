@@ -137,6 +137,19 @@ def test_leaving_the_group_after_fsdp_ends_the_gloo_threads(parallel_states):
     assert parallel_states["threads after close"] == [[]] * WORLD
 
 
+def test_dtensor_caches_are_emptied_and_one_a_torch_release_lacks_is_passed_over(monkeypatch):
+    import torch.distributed.tensor._redistribute as redistribute
+
+    from training.parallel import distributed
+
+    redistribute._planner_cache[("a key", None)] = "a planner"
+    monkeypatch.setattr(distributed, "DTENSOR_CACHES", (("torch.distributed.tensor._redistribute", "no_such_cache"),
+                                                        ("torch.distributed.no_such_module", "cache_clear"),
+                                                        *distributed.DTENSOR_CACHES))
+    distributed.release_dtensor_caches()
+    assert redistribute._planner_cache == {}
+
+
 def test_fsdp_bf16_parameters_train_like_ddp_under_bf16_autocast(parallel_states):
     """FSDP's bf16 gathered parameters with float32 gradient reduction against DDP's bf16
     autocast: not bit-equal (other roundings), but as close as bf16 is to float32, and far closer
