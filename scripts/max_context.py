@@ -604,6 +604,7 @@ def run(cfg: DictConfig) -> dict:
             device = torch.device("cuda", env.local_rank)
         return run_searches(cfg, device, env)
     finally:
+        env = None  # it holds the process groups: let go before leaving them, as train.py does
         close_distributed()
 
 
