@@ -66,7 +66,9 @@
 # readme-seed2026, seed 2,026; readme-triton-atomic, the Triton backward with dQ added in arrival
 # order, and readme-triton-atomic-seed2026, that from seed 2,026: its stage 1 runs at ~236K tokens/s,
 # so on a fresh machine (BPE and caches first) a case's three steps need ~680 s, two calls; and
-# readme-floor and readme-floor-seed2026, stage 2 annealed to a floor of 6e-6 (README_STAGE_2_WITH)).
+# readme-floor and readme-floor-seed2026, stage 2 annealed to a floor of 6e-6 (README_STAGE_2_WITH);
+# readme-batch2 and readme-batch2-seed2026, stage 2 with two windows a step: on a fresh machine stage 1
+# and most of stage 2 in one call, the rest and -eval in the next).
 # (benchmarks/evals/long_context_passkey_mixed/ has both stages' config, log and results).
 # The same recipe with naive attention at its longest trainable 11,264 tokens, on an H200
 # (experiment=long-context-mixed-naive, then MIXED_NAIVE_LONG): `mixed-naive` (which first checks that
@@ -270,12 +272,19 @@ MIXED_TRITON_ATOMIC_2026=("${MIXED_TRITON_ATOMIC[@]}" seed=2026)
 # as it is: six runs differing only in rounding missed 5-75 passkeys, so the far copy ends wherever the
 # last steps at the floor leave it; a lower floor should narrow that (docs/long-context.md, "Six runs")
 MIXED_STAGE_2_FLOOR=(optim.min_lr=6.0e-6)   # a branch takes the changed floor (training.run.resume)
+# stage 2 with two 32K windows a step (gradient accumulation), the same 1,200 steps and schedule: twice
+# its tokens (~7 min of steps, the recipe ~11). Stage 1's 8K windows, 4 a step, formed the copy from both
+# seeds where 32K windows one a step did so late or not; stage 2 is still one unit a step, so each update
+# is one kind of unit's gradient (docs/long-context.md, "Stage 2 two windows a step")
+MIXED_STAGE_2_BATCH_2=(trainer.grad_accum=2)
 declare -A README_WITH=([readme]=MIXED_NONE [readme-keys8]=MIXED_KEYS_8 [readme-triton-bwd]=MIXED_TRITON_BWD
                         [readme-seed2026]=MIXED_SEED_2026 [readme-triton-atomic]=MIXED_TRITON_ATOMIC
                         [readme-triton-atomic-seed2026]=MIXED_TRITON_ATOMIC_2026
-                        [readme-floor]=MIXED_NONE [readme-floor-seed2026]=MIXED_SEED_2026)
+                        [readme-floor]=MIXED_NONE [readme-floor-seed2026]=MIXED_SEED_2026
+                        [readme-batch2]=MIXED_NONE [readme-batch2-seed2026]=MIXED_SEED_2026)
 # what a README_WITH case changes in stage 2 alone, after its README_WITH overrides
-declare -A README_STAGE_2_WITH=([readme-floor]=MIXED_STAGE_2_FLOOR [readme-floor-seed2026]=MIXED_STAGE_2_FLOOR)
+declare -A README_STAGE_2_WITH=([readme-floor]=MIXED_STAGE_2_FLOOR [readme-floor-seed2026]=MIXED_STAGE_2_FLOOR
+                                [readme-batch2]=MIXED_STAGE_2_BATCH_2 [readme-batch2-seed2026]=MIXED_STAGE_2_BATCH_2)
 # the naive run of the recipe on an H200, at 11,264 tokens (an H100 does not hold that step), or with
 # NAIVE_ON=h100 on an H100, at 8,192 (the GPU the flash runs trained on): its run, preset, second
 # stage, and held-out windows for the loss curve (~393K tokens, as flash's 12 of 32,768)

@@ -474,6 +474,7 @@ WARM = "experiment=long-context-mixed-naive-h100 run.dir=runs/long-context/mixed
 README_RUN = "experiment=long-context-retrieval run.dir=runs/long-context/readme"
 ATOMIC = " attention.backward_kernel=triton attention.deterministic=false"
 FLOOR = " optim.min_lr=6.0e-6"   # stage 2 alone
+BATCH_2 = " trainer.grad_accum=2"   # stage 2 alone
 
 
 @pytest.mark.parametrize("case, first_run, first, tail, second_tail, beside", [
@@ -494,6 +495,9 @@ FLOOR = " optim.min_lr=6.0e-6"   # stage 2 alone
     ("readme-floor", "readme-floor-8k", README_RUN + "-floor-8k", "", FLOOR, "mixed-digits-warm8k"),
     ("readme-floor-seed2026", "readme-floor-seed2026-8k", README_RUN + "-floor-seed2026-8k", " seed=2026",
      " seed=2026" + FLOOR, "mixed-digits-warm8k"),
+    ("readme-batch2", "readme-batch2-8k", README_RUN + "-batch2-8k", "", BATCH_2, "mixed-digits-warm8k"),
+    ("readme-batch2-seed2026", "readme-batch2-seed2026-8k", README_RUN + "-batch2-seed2026-8k", " seed=2026",
+     " seed=2026" + BATCH_2, "mixed-digits-warm8k"),
 ])
 def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, case, first_run, first,
                                                                                       tail, second_tail, beside):
@@ -505,8 +509,8 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     experiment=long-context-retrieval), beside mixed-digits-warm8k; `readme-keys8` that with 8-digit
     keys in both stages, `readme-triton-bwd` with the Triton backward, `readme-seed2026` from seed
     2,026, `readme-triton-atomic[-seed2026]` with the Triton backward adding dQ in arrival order
-    (README_WITH), `readme-floor[-seed2026]` with stage 2 alone annealed to 6e-6
-    (README_STAGE_2_WITH). Read off what the script would run."""
+    (README_WITH), `readme-floor[-seed2026]` with stage 2 alone annealed to 6e-6 and
+    `readme-batch2[-seed2026]` with stage 2 alone two windows a step (README_STAGE_2_WITH). Read off what the script would run."""
     if case.startswith("readme-"):   # a README_WITH change (the tail): the preset takes it
         import yaml
 
