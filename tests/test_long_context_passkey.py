@@ -510,7 +510,8 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     keys in both stages, `readme-triton-bwd` with the Triton backward, `readme-seed2026` from seed
     2,026, `readme-triton-atomic[-seed2026]` with the Triton backward adding dQ in arrival order
     (README_WITH), `readme-floor[-seed2026]` with stage 2 alone annealed to 6e-6 and
-    `readme-batch2[-seed2026]` with stage 2 alone two windows a step (README_STAGE_2_WITH). Read off what the script would run."""
+    `readme-batch2[-seed2026]` with stage 2 alone two windows a step (README_STAGE_2_WITH). Read off
+    what the script would run."""
     if case.startswith("readme-"):   # a README_WITH change (the tail): the preset takes it
         import yaml
 
