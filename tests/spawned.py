@@ -13,6 +13,7 @@ ends them first; tests/test_distributed.py and tests/test_context_parallel.py ch
 from __future__ import annotations
 
 import faulthandler
+import socket
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -26,6 +27,13 @@ def start_ranks(fn, args: tuple, nprocs: int, logs: str | Path, start_method: st
         mp.start_processes(_rank, args=(fn, str(logs), args), nprocs=nprocs, join=True, start_method=start_method)
     except mp.ProcessExitedException as e:
         raise AssertionError(f"{e}\n{fault_report(logs)}") from None
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a group's rendezvous (MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def fault_report(logs: Path) -> str:

@@ -6,7 +6,6 @@ The real measurement needs torchrun on several GPUs; here a group of one CPU pro
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -14,15 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.spawned import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 import bench_ring_attention  # noqa: E402
 
 
 @pytest.fixture
 def one_rank(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(key, value)

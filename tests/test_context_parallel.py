@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.spawned import LISTS_THREADS, gloo_threads, start_ranks
-from tests.test_distributed import assert_losses_close, assert_states_close, free_port, torchrun
+from tests.spawned import LISTS_THREADS, free_port, gloo_threads, start_ranks
+from tests.test_distributed import assert_losses_close, assert_states_close, torchrun
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401
 from training.run.store import load_checkpoint
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,17 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.spawned import LISTS_THREADS, gloo_threads, start_ranks
+from tests.spawned import LISTS_THREADS, free_port, gloo_threads, start_ranks
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env, tiny_overrides  # noqa: F401 (fixture)
 from training.run.store import CheckpointStore, load_checkpoint
 
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- one step, three ways

@@ -10,7 +10,6 @@ the single-process model's in float64. Packed documents and sliding windows run 
 way, on the balanced layout of each batch, against the single process with the same mask
 (which differs from the unmasked answer, so the mask is really applied).
 """
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from model.context_parallel import (context_parallel_batch, context_parallel_pos
                                     gather_from_context_parallel, merge_context_parallel, split_for_context_parallel,
                                     use_context_parallel)
 from model.ring_attention import STEP_COUNTS, ring_attention
-from tests.spawned import start_ranks
+from tests.spawned import free_port, start_ranks
 from training.parallel.distributed import close_distributed
 
 CHUNK, BATCH, HEAD_DIM = 4, 2, 16
@@ -181,17 +180,11 @@ def context_parallel_step(name, size):
     return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["C2", "C3"])
 def ring_results(request, tmp_path_factory):
     size = request.param
     path = tmp_path_factory.mktemp(f"ring{size}") / "results.pt"
-    start_ranks(_worker, (size, _free_port(), str(path)), size, path.parent)
+    start_ranks(_worker, (size, free_port(), str(path)), size, path.parent)
     return size, torch.load(path)
 
 
@@ -342,7 +335,7 @@ def test_ring_on_two_gpus_nccl_bf16(tmp_path):
     """NCCL and our kernel in bf16 at 8K tokens (chunks of 2K): at most 2x as far from the
     float64 answer as the plain formula evaluated in bf16 on one GPU."""
     path = tmp_path / "results.pt"
-    start_ranks(_gpu_worker, (2, _free_port(), str(path)), 2, tmp_path)
+    start_ranks(_gpu_worker, (2, free_port(), str(path)), 2, tmp_path)
     results, inputs = torch.load(path), random_qkv(7, *GPU_SHAPE)
     for causal, got in results.items():
         exact = attention_and_grads(inputs, torch.float64, causal)
@@ -400,7 +393,7 @@ def test_masked_steps_skip_chunks_nobody_sees_and_trim_the_rest():
 
 @pytest.fixture
 def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     close_distributed()
 

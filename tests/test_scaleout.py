@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.test_distributed import (STEPS, WORLD, assert_losses_close, dist_overrides, free_port, single_run,  # noqa: F401
+from tests.spawned import free_port
+from tests.test_distributed import (STEPS, WORLD, assert_losses_close, dist_overrides, single_run,  # noqa: F401
                                     torchrun, worker_pids)
 from tests.trainrun import REPO, cache_dir, losses, run_in_process, subprocess_env  # noqa: F401 (fixtures)
 from training.run.store import CheckpointError, CheckpointStore, load_checkpoint
