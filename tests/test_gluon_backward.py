@@ -189,16 +189,20 @@ def test_tile_config_layers():
 
 
 def test_packed_p_scale():
-    """Only a soft-capped 128-query step without dropout packs P'; with bf16 inputs it carries 2^15,
-    which the prologue's L2 shift and dQ's epilogue scale take back (at least 1 for a launch)."""
+    """Only a soft-capped 128-query step without dropout or CAP_FOLD packs P'; with bf16 inputs it
+    carries 2^15, which the prologue's L2 shift and dQ's epilogue scale take back (at least 1 for a
+    launch)."""
     from triton.experimental.gluon import language as gl
     from kernels.gluon.backward import _launch_p_scale, packed_p_scale
     assert packed_p_scale(50.0, 0.0, 128, gl.bfloat16) == 2.0 ** 15
     assert packed_p_scale(50.0, 0.0, 128, gl.float16) == 1.0
     assert packed_p_scale(50.0, 0.1, 128, gl.bfloat16) == packed_p_scale(50.0, 0.0, 64, gl.bfloat16) == 0.0
     assert packed_p_scale(0.0, 0.0, 128, gl.bfloat16) == 0.0
-    assert _launch_p_scale(50.0, 0.0, 128, torch.bfloat16) == 2.0 ** 15
-    assert _launch_p_scale(0.0, 0.0, 128, torch.bfloat16) == _launch_p_scale(50.0, 0.0, 128, torch.float16) == 1.0
+    assert packed_p_scale(50.0, 0.0, 128, gl.bfloat16, True) == 0.0
+    assert _launch_p_scale(50.0, 0.0, 128, torch.bfloat16, False) == 2.0 ** 15
+    assert _launch_p_scale(50.0, 0.0, 128, torch.bfloat16, True) == 1.0
+    assert _launch_p_scale(0.0, 0.0, 128, torch.bfloat16, False) == _launch_p_scale(50.0, 0.0, 128, torch.float16,
+                                                                                     False) == 1.0
 
 
 @requires_hopper

@@ -143,6 +143,10 @@ LOG2_P_SCALE = 15   # packed_p_scale's factor, 2^15: P' <= 1 stays below float16
 DKDV_ROWS = 32   # key rows per program of the shares' sum (two float32 tiles in registers)
 CONSUMER_WARPS = 8                               # two warpgroups
 WORKER_REGS: gl.constexpr = gl.constexpr(24)     # producer and dQ writer; setmaxnreg gives the rest to the consumers
+# Soft-capped calls fold the cap's scale / c into K and compute dS^T with P (_fold_cap_into_k, _step):
+# False runs the step before it (each score scaled, P' packed), for A/B timing (bench_attention_scores
+# --switches softcap-unfolded).
+CAP_FOLD = True
 
 
 # ---- the prologue and epilogue (plain Triton: no tensor cores, nothing to specialise) ------------
@@ -233,16 +237,17 @@ def _acc_layout(rows, cols, num_warps):
 
 
 @gluon.constexpr_function
-def packed_p_scale(softcap, dropout_p, block_m, dtype):
-    """The factor a packed P' carries (0.0: no packing). A 128-query soft-capped step (no dropout)
-    holds P' = P (1 - u^2), the P that dS^T reads, as float16 pairs, 32 registers where float32 took
-    64: ptxas then spills 1 load or store in the unmasked step rather than 159 (triton 3.6, head
-    dim 64; kernels/LOG.md). With bf16 inputs the step computes 2^15 P (the prologue writes L2 - 15)
+def packed_p_scale(softcap, dropout_p, block_m, dtype, cap_fold=False):
+    """The factor a packed P' carries (0.0: no packing). Without CAP_FOLD, a 128-query soft-capped
+    step (no dropout) holds P' = P (1 - u^2), the P that dS^T reads, as float16 pairs, 32 registers
+    where float32 took 64: ptxas then spills 1 load or store in the unmasked step rather than 159
+    (triton 3.6, head dim 64; kernels/LOG.md). CAP_FOLD's step computes dS^T with P and holds
+    neither. With bf16 inputs the step computes 2^15 P (the prologue writes L2 - 15)
     so that rows of a long context, whose P are ~1/N, stay normal float16 (down to ~2e-9, not 6e-5);
     dV's operand and dS^T carry the factor into dV, dK and dQ, which drop it when stored (the
     program's end, the epilogue). float16 inputs' dS^T could overflow with it, and their own P have
     float16's range anyway: no factor."""
-    if softcap == 0 or dropout_p > 0 or block_m < 128:
+    if softcap == 0 or dropout_p > 0 or block_m < 128 or cap_fold:
         return 0.0
     return 2.0 ** LOG2_P_SCALE if dtype == gl.bfloat16 else 1.0
 
@@ -337,11 +342,13 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
           ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset, bh, doc_ends,
           CAUSAL: gl.constexpr, MASK: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
           HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr,
-          EXP2_ON_FMA: gl.constexpr):
+          EXP2_ON_FMA: gl.constexpr, CAP_FOLD: gl.constexpr):
     """Consumer step i over query tile start_m: accumulate dK and dV, leave the dQ share in its buffer.
     The schedule flags (TILES) order the same work differently: DV_EARLY issues dV += P^T dO before
     dP^T is waited for; DQ_OVERLAP stores dQ while dK += dS^T Q runs; HANDOFF_AT_END hands the step's
-    ring stage and dQ buffer on at its end (one more barrier) rather than at the next step's barrier."""
+    ring stage and dQ buffer on at its end (one more barrier) rather than at the next step's barrier.
+    CAP_FOLD (soft-capped calls): k_s holds K scale / c (_fold_cap_into_k), so S^T is tanh's input,
+    and without dropout dS^T is computed with P, after both S^T and dP^T are waited for."""
     BLOCK_N: gl.constexpr = k_s.shape[0]
     HEAD_DIM: gl.constexpr = k_s.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
@@ -360,7 +367,10 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     FOLDED: gl.constexpr = SOFTCAP == 0 and DROPOUT_P == 0
-    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
+    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype, CAP_FOLD)
+    # dS^T = P^T (dP^T - Delta) (1 - u^2) at once: u and P die with their score, nothing is packed
+    # (the unmasked 128-query step at head dim 64: 787 instructions against 853; kernels/LOG.md)
+    CAP_DS_AT_ONCE: gl.constexpr = SOFTCAP > 0 and DROPOUT_P == 0 and CAP_FOLD
     if SOFTCAP > 0 and DROPOUT_P == 0:   # capped scores need S^T as it is; Delta still folds into dP^T
         delta = _row_vector(delta_bufs.index(s), s_layout)
         dp_init = _own(zero_s - delta[None, :])
@@ -379,12 +389,18 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     if DROPOUT_P > 0:   # the forward's mask, drawn while the tensor cores compute S^T and dP^T
         keep_t = _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N, BLOCK_M, s_layout, DROPOUT_P)
-    s_t = warpgroup_mma_wait(1, deps=(s_t,))
+    if CAP_DS_AT_ONCE:
+        s_t, dp_t = warpgroup_mma_wait(0, deps=(s_t, dp_t))
+    else:
+        s_t = warpgroup_mma_wait(1, deps=(s_t,))
     if not FOLDED:   # L2 read at its use: beside the issue its 32 registers stayed live through the keep
         # mask's draw and tanh's tile (128 queries: dropout's spills 99 -> 30 loads and stores a step)
         lse2 = _row_vector(lse_bufs.index(s), s_layout)
     if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
-        u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
+        if CAP_FOLD:   # S^T is already (scale / c) K Q^T
+            u = hardware_tanh(s_t)
+        else:
+            u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
         # EXP2_ON_FMA of every 4 exponentials on the FMA units (kernels/exp2.py), in unmasked steps
         p_t = exp2_split(u * (SOFTCAP * LOG2E) - lse2[None, :], 0 if MASK else EXP2_ON_FMA)
     elif FOLDED:   # s_t is S^T - L2 / qk_scale
@@ -411,7 +427,9 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         p_op = gl.convert_layout(gl.maximum(p_t, 0.0).to(k_s.dtype), a_layout)
     else:
         p_op = gl.convert_layout(p_t.to(k_s.dtype), a_layout)
-    if SOFTCAP > 0:   # dS = P (dP - Delta) (1 - u^2): fold the cap's derivative into the P that dS reads
+    if CAP_DS_AT_ONCE:   # dp_t is dP^T - Delta
+        ds_t = (p_t * (1.0 - u * u) * dp_t).to(k_s.dtype)
+    elif SOFTCAP > 0:   # dS = P (dP - Delta) (1 - u^2): fold the cap's derivative into the P that dS reads
         if P_SCALE > 0:   # packed: float16 pairs (packed_p_scale; with bf16 the prologue's L2 made P 2^15 P)
             p_t = (p_t * (1.0 - u * u)).to(gl.float16)
         else:
@@ -420,14 +438,15 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
     if DROPOUT_P > 0:
         delta = _row_vector(delta_bufs.index(s), s_layout)
-    if DV_EARLY:
-        dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
-    else:
-        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+    if not CAP_DS_AT_ONCE:   # (which waited for dP^T with S^T)
+        if DV_EARLY:
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+        else:
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
     if DROPOUT_P > 0:   # dS = P (dL/dP - Delta), dL/dP 0 where dropped, scaled by 1 / (1 - p) where kept:
         # here (1 - p) dS, whose 1 / (1 - p) joins dQ's and dK's final scale (launch_backward)
         ds_t = (gl.maximum(p_t, 0.0) * dp_t - gl.abs(p_t) * (delta * (1.0 - DROPOUT_P))[None, :]).to(k_s.dtype)
-    else:   # dp_t is dP^T - Delta
+    elif not CAP_DS_AT_ONCE:   # dp_t is dP^T - Delta
         ds_t = (p_t.to(gl.float32) * dp_t).to(k_s.dtype)   # with P_SCALE > 1, P_SCALE dS
     ds_s.store(ds_t)
     if not DV_EARLY:
@@ -502,7 +521,8 @@ def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, B
 @gluon.jit
 def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: gl.constexpr,
                DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr,
-               SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr, EXP2_ON_FMA: gl.constexpr):
+               SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
+               CAP_FOLD: gl.constexpr):
     """The two consumer warpgroups: every step of the program, then dK (unscaled) and dV, float32."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
@@ -521,6 +541,8 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: g
         doc_ends = Docs + b * (2 * n_q + 2 * n_k + 1) + 2 * n_q + n_k
     STAGE_LOOPS: gl.constexpr = 3 if DOCS else 2
     mbarrier.wait(kv_bar, 0)
+    if SOFTCAP > 0 and CAP_FOLD:
+        _fold_cap_into_k(k_s, qk_scale / (SOFTCAP * LOG2E))
     i = 0
     for g in range(group):
         # the masked query tiles [lo, mid), the unmasked [mid, tail), then (documents) the masked [tail, hi)
@@ -530,15 +552,30 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: g
                 dk, dv = _step(i, m * BLOCK_M, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
                                ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset,
                                b * n_heads + h0 + g, doc_ends, CAUSAL, stage != 1, DV_EARLY, DQ_OVERLAP,
-                               HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA)
+                               HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA, CAP_FOLD)
                 i += 1
     if not HANDOFF_AT_END:
         compat.thread_barrier()   # the last step's dQ is in its buffer
         mbarrier.arrive(step_done.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
     if DROPOUT_P > 0:
         dv = dv * (1.0 / (1.0 - DROPOUT_P))
-    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype)
+    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype, CAP_FOLD)
     return _unscaled(dk, P_SCALE), _unscaled(dv, P_SCALE)
+
+
+@gluon.jit
+def _fold_cap_into_k(k_s, factor):
+    """K in shared memory times factor = scale / c, once a program: S^T = K Q^T is then tanh's input
+    as it stands, which takes one multiply a score out of every step (the backward is issue-bound:
+    kernels/LOG.md), and dQ = dS K carries the factor, which the epilogue's scale divides out. The
+    scaled K is rounded to K's dtype, a relative 2^-9 at most on each element in bf16: less than the
+    bf16 scores of the standard formula are rounded by."""
+    NW: gl.constexpr = gl.num_warps()
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // k_s.shape[1], k_s.shape[1] // 8], [NW, 1], [1, 0])
+    k = k_s.load(layout)
+    k_s.store((k.to(gl.float32) * factor).to(k_s.dtype))
+    fence_async_shared()   # the consumers' wgmmas read K through the async proxy
+    compat.thread_barrier()
 
 
 @gluon.jit
@@ -677,7 +714,8 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
                      sm_scale, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
                      DETERMINISTIC: gl.constexpr, SPLIT_GROUP: gl.constexpr, DV_EARLY: gl.constexpr,
                      DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr = 0.0,
-                     DROPOUT_P: gl.constexpr = 0.0, DOCS: gl.constexpr = False, EXP2_ON_FMA: gl.constexpr = 0):
+                     DROPOUT_P: gl.constexpr = 0.0, DOCS: gl.constexpr = False, EXP2_ON_FMA: gl.constexpr = 0,
+                     CAP_FOLD: gl.constexpr = True):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,), or (cdiv(Nk, BLOCK_N) * B * H,) with SPLIT_GROUP.
     Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
     and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
@@ -686,7 +724,9 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     (causal documents), kernels/masks.bounds_buffer's (B, 2 Nq + 2 Nk + 1) int32; None otherwise.
     sm_scale: dK's factor, the softmax scale, over (1 - p) with dropout (the steps' dS is (1 - p) dS).
     EXP2_ON_FMA (0 to 4): of every 4 exponentials of a soft-capped unmasked step's P, how many the FMA
-    units compute (kernels/exp2.py), from kernels.exp2.on_fma."""
+    units compute (kernels/exp2.py), from kernels.exp2.on_fma. CAP_FOLD (soft-capped calls; CAP_FOLD
+    at launch): K is scaled by scale / c in shared memory, so dQ's accumulator is (scale / c) times
+    an unfolded one's, and dS^T is computed with P (_step)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -703,7 +743,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     sizes = (n_heads, n_q, n_k, n_q_pad)
     dk, dv = gl.warp_specialize([
         (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL, DV_EARLY, DQ_OVERLAP,
-                      HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA)),
+                      HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA, CAP_FOLD)),
         (_producer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL)),
         (_dq_writer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL, DETERMINISTIC)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -720,10 +760,10 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @functools.cache
-def _launch_p_scale(softcap: float, dropout_p: float, block_m: int, dtype: torch.dtype) -> float:
+def _launch_p_scale(softcap: float, dropout_p: float, block_m: int, dtype: torch.dtype, cap_fold: bool) -> float:
     """packed_p_scale for a launch, at least 1 (the prologue subtracts its log2 from L2, the epilogue
     divides dQ's scale by it); cached, as the constexpr function's wrapper costs ~2.5 us a call."""
-    return max(1.0, packed_p_scale(softcap, dropout_p, block_m, _GL_DTYPES[dtype]))
+    return max(1.0, packed_p_scale(softcap, dropout_p, block_m, _GL_DTYPES[dtype], cap_fold))
 
 
 def config_for(head_dim: int, dropout: bool = False, config: dict | None = None, *, deterministic: bool = True,
@@ -760,7 +800,7 @@ def launch_options() -> dict:
 
 def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
                      deterministic: bool = True, config: dict | None = None, softcap: float = 0.0,
-                     dropout_p: float = 0.0, documents: bool = False, exp2_on_fma: int = 0):
+                     dropout_p: float = 0.0, documents: bool = False, exp2_on_fma: int = 0, cap_fold: bool | None = None):
     """The main kernel compiled for sm_90a without a GPU (a launch's signature: descriptors, the
     pointers 16-byte aligned): CI checks it compiles, and kernel reports read its registers."""
     from triton.backends.compiler import GPUTarget
@@ -785,6 +825,7 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
     consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                   SPLIT_GROUP=bool(cfg.get("SPLIT_GROUP")), **{flag: cfg[flag] for flag in SCHEDULE},
                   SOFTCAP=float(softcap), DROPOUT_P=float(dropout_p), DOCS=documents, EXP2_ON_FMA=int(exp2_on_fma),
+                  CAP_FOLD=softcap > 0 and (CAP_FOLD if cap_fold is None else cap_fold),
                   **({} if dropout_p > 0 else {"Rng": None}), **({} if documents else {"Docs": None}))
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
@@ -861,7 +902,8 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
         split = split_group(B, H, h_kv, n_k, D)
     shares = torch.empty((2, B * H, n_k, D), dtype=torch.float32, device=dev) if split else (dq_acc, dq_acc)
 
-    p_scale = _launch_p_scale(softcap, dropout_p, block_m, q.dtype)
+    cap_fold = softcap > 0 and CAP_FOLD
+    p_scale = _launch_p_scale(softcap, dropout_p, block_m, q.dtype, cap_fold)
     launch(gluon_bwd_prep_kernel, (n_m, B * H),
            (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad,
             math.log2(p_scale)),
@@ -880,13 +922,14 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                 SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, SOFTCAP=float(softcap),
                 DROPOUT_P=float(dropout_p), DOCS=doc_bounds is not None,
-                EXP2_ON_FMA=exp2.on_fma("gluon-bwd", D, softcap, dropout_p, q.dtype), **launch_options()), cache,
-           ("gluon-bwd", *key))
+                EXP2_ON_FMA=exp2.on_fma("gluon-bwd", D, softcap, dropout_p, q.dtype), CAP_FOLD=cap_fold,
+                **launch_options()), cache, ("gluon-bwd", *key))
     if split:
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,
                                                                            grad_scale),
                dict(HEAD_DIM=D, BLOCK_N=DKDV_ROWS, num_warps=4), cache, ("gluon-bwd-dkdv", *key))
-    launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, grad_scale / p_scale),
+    dq_scale = grad_scale * (softcap / scale if cap_fold else 1.0) / p_scale   # the folded K's scale / c out
+    launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, dq_scale),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-dq", *key))
     return dq, dk, dv, rows[1].view(B, H, n_q_pad)[..., :n_q]   # Delta, for the sinks' gradient
 
