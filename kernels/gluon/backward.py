@@ -369,7 +369,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     FOLDED: gl.constexpr = SOFTCAP == 0 and DROPOUT_P == 0
     P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype, CAP_FOLD)
     # dS^T = P^T (dP^T - Delta) (1 - u^2) at once: u and P die with their score, nothing is packed
-    # (the unmasked 128-query step at head dim 64: 787 instructions against 853; kernels/LOG.md)
+    # (the unmasked 128-query step at head dim 64, with K folded too: 698 instructions against 853)
     CAP_DS_AT_ONCE: gl.constexpr = SOFTCAP > 0 and DROPOUT_P == 0 and CAP_FOLD
     if SOFTCAP > 0 and DROPOUT_P == 0:   # capped scores need S^T as it is; Delta still folds into dP^T
         delta = _row_vector(delta_bufs.index(s), s_layout)
