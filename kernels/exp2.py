@@ -110,15 +110,16 @@ def exp2_split(x, ON_FMA: tl.constexpr):
 # an H100 the running-max Triton forward was slower with the split and the Gluon one 2.5% faster
 # (LOG.md, "2026-12-05 (H100)"), neither what a run launches at 4K; the shifted Triton forward, ~80
 # instructions a step shorter, was 4% faster at head dim 64, and the Gluon backward slower in every
-# form (LOG.md, both "2026-12-07, night" entries). Head dim 128 was not timed, so it stays on ex2.
-# Both soft-capped head-dim-64 tiles wait on the MUFU (LOG.md, "midnight"): the shifted forward's
-# counts balance at 2 of 4, and the Gluon backward's, with the cap's scale / c folded into K, at 1 of
-# 4. Branch gluon-bwd-cap-fold: predicted, not yet timed.
+# form with the cap unfolded (LOG.md, both "2026-12-07, night" entries). Head dim 128 was not timed,
+# so it stays on ex2. Both soft-capped head-dim-64 tiles wait on the MUFU (LOG.md, "2026-12-07,
+# midnight"). The Gluon backward's, with the cap's scale / c folded into K, balances at 1 of 4: 2%
+# faster on an H100 (LOG.md, "2026-12-08"). The shifted forward's counts balanced at 2 of 4, which
+# measured 4% slower than 1 of 4 there, so it keeps 1.
 CANDIDATES = {("triton", 64, "softcap"): 1, ("triton", 128, "softcap"): 1,
-              ("triton", 64, "softcap-shift"): 2, ("triton", 128, "softcap-shift"): 1,
+              ("triton", 64, "softcap-shift"): 1, ("triton", 128, "softcap-shift"): 1,
               ("gluon", 64, "softcap"): 2, ("gluon", 128, "softcap"): 2, ("gluon", 64, "plain"): 1,
               ("gluon-bwd", 64, "softcap"): 1, ("gluon-bwd", 128, "softcap"): 1}
-ON_FMA: dict = {("triton", 64, "softcap-shift"): 2, ("gluon-bwd", 64, "softcap"): 1}
+ON_FMA: dict = {("triton", 64, "softcap-shift"): 1, ("gluon-bwd", 64, "softcap"): 1}
 
 
 def on_fma(family: str, head_dim: int, softcap: float, dropout_p: float, dtype, shift: float = -1.0) -> int:
