@@ -69,8 +69,13 @@ accumulator and the counters; the main kernel; `gluon_bwd_dq_kernel` writes dQ =
 accumulator in q's dtype and layout (and `gluon_bwd_dkdv_kernel` sums GQA's dK/dV shares).
 
 Soft-capping (kernels/scores.py): S^T is capped as the forward capped it, P^T follows from the capped
-scores, and the cap's derivative 1 - tanh^2 is folded into the P^T that dS^T reads; in a 128-query
-step that P' is held as float16 pairs (`packed_p_scale`).
+scores, and dS^T takes the cap's derivative 1 - tanh^2 as a third factor. Each program first scales
+its K tile by scale / c in shared memory (`_fold_cap_into_k`), so S^T = (scale / c) K Q^T is tanh's
+input as it stands and dQ's epilogue divides the factor back out; and dS^T is formed at once from P^T,
+u and dP^T, after both wgmmas are waited for, so nothing is carried across the dP^T wait. The step
+then waits on the special-function unit (a tanh and an exp2 a score), not on instruction issue:
+one exponential in four goes to the FMA units (kernels/exp2.py). `CAP_FOLD = False` restores the
+step before, which folded the derivative into a P' held as float16 pairs (`packed_p_scale`).
 
 Dropout (kernels/scores.py): each step regenerates the forward's keep mask of its S^T tile from the
 call's seed, with the same Philox calls the Triton kernels make, between issuing the S^T and dP^T
