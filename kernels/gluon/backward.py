@@ -571,10 +571,11 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: g
 @gluon.jit
 def _fold_cap_into_k(k_s, factor):
     """K in shared memory times factor = scale / c, once a program: S^T = K Q^T is then tanh's input
-    as it stands, which takes one multiply a score out of every step (the backward is issue-bound:
-    kernels/LOG.md), and dQ = dS K carries the factor, which the epilogue's scale divides out. The
-    scaled K is rounded to K's dtype, a relative 2^-9 at most on each element in bf16: less than the
-    bf16 scores of the standard formula are rounded by."""
+    as it stands, which takes one multiply a score out of every step (issue slots that let one
+    exponential in four move to the FMA units: kernels/LOG.md, 2026-12-08), and dQ = dS K carries
+    the factor, which the epilogue's scale divides out. The scaled K is rounded to K's dtype, a
+    relative 2^-9 at most on each element in bf16: less than the bf16 scores of the standard formula
+    are rounded by."""
     NW: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // k_s.shape[1], k_s.shape[1] // 8], [NW, 1], [1, 0])
     k = k_s.load(layout)
