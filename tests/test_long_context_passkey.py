@@ -475,6 +475,7 @@ README_RUN = "experiment=long-context-retrieval run.dir=runs/long-context/readme
 ATOMIC = " attention.backward_kernel=triton attention.deterministic=false"
 FLOOR = " optim.min_lr=6.0e-6"   # stage 2 alone
 BATCH_2 = " trainer.grad_accum=2"   # stage 2 alone
+BATCH_8 = " trainer.grad_accum=8"   # stage 1 alone
 
 
 @pytest.mark.parametrize("case, first_run, first, tail, second_tail, beside", [
@@ -498,6 +499,8 @@ BATCH_2 = " trainer.grad_accum=2"   # stage 2 alone
     ("readme-batch2", "readme-batch2-8k", README_RUN + "-batch2-8k", "", BATCH_2, "mixed-digits-warm8k"),
     ("readme-batch2-seed2026", "readme-batch2-seed2026-8k", README_RUN + "-batch2-seed2026-8k", " seed=2026",
      " seed=2026" + BATCH_2, "mixed-digits-warm8k"),
+    ("readme-stage1-batch8", "readme-stage1-batch8-8k", README_RUN + "-stage1-batch8-8k", BATCH_8, "",
+     "mixed-digits-warm8k"),
 ])
 def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_windows(tmp_path, case, first_run, first,
                                                                                       tail, second_tail, beside):
@@ -510,7 +513,8 @@ def test_the_warm_8k_recipe_branches_the_readme_stage_2_from_a_stage_1_in_8k_win
     keys in both stages, `readme-triton-bwd` with the Triton backward, `readme-seed2026` from seed
     2,026, `readme-triton-atomic[-seed2026]` with the Triton backward adding dQ in arrival order
     (README_WITH), `readme-floor[-seed2026]` with stage 2 alone annealed to 6e-6 and
-    `readme-batch2[-seed2026]` with stage 2 alone two windows a step (README_STAGE_2_WITH). Read off
+    `readme-batch2[-seed2026]` with stage 2 alone two windows a step (README_STAGE_2_WITH), and
+    `readme-stage1-batch8` with stage 1 alone eight windows a step (README_STAGE_1_WITH). Read off
     what the script would run."""
     if case.startswith("readme-"):   # a README_WITH change (the tail): the preset takes it
         import yaml
