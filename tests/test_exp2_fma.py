@@ -74,9 +74,9 @@ def test_the_ptx_computes_the_triton_form():
 
 
 def test_the_split_runs_only_where_measured():
-    """ON_FMA (what launches use) holds only CANDIDATES: the shifted soft-capped Triton forward and the
-    soft-capped Gluon backward at head dim 64. on_fma tells the shift from the running max, and never
-    moves an exponential with dropout or float32 inputs."""
+    """ON_FMA (what launches use) holds only CANDIDATES a GPU A/B found faster: the shifted soft-capped
+    Triton forward and the soft-capped Gluon backward (K folded) at head dim 64. on_fma tells the
+    shift from the running max, and never moves an exponential with dropout or float32 inputs."""
     assert exp2.ON_FMA == {("triton", 64, "softcap-shift"): 1, ("gluon-bwd", 64, "softcap"): 1}
     assert set(exp2.ON_FMA) <= set(exp2.CANDIDATES)
     assert exp2.on_fma("triton", 64, 50.0, 0.0, torch.bfloat16, shift=30.0) == 1
