@@ -188,21 +188,44 @@ def test_tile_config_layers():
     assert config_for(128, dropout=True) == TILES[128] == config_for(128, deterministic=False)
 
 
-def test_packed_p_scale():
-    """Only a soft-capped 128-query step without dropout or CAP_FOLD packs P'; with bf16 inputs it
-    carries 2^15, which the prologue's L2 shift and dQ's epilogue scale take back (at least 1 for a
-    launch)."""
-    from triton.experimental.gluon import language as gl
-    from kernels.gluon.backward import _launch_p_scale, packed_p_scale
-    assert packed_p_scale(50.0, 0.0, 128, gl.bfloat16) == 2.0 ** 15
-    assert packed_p_scale(50.0, 0.0, 128, gl.float16) == 1.0
-    assert packed_p_scale(50.0, 0.1, 128, gl.bfloat16) == packed_p_scale(50.0, 0.0, 64, gl.bfloat16) == 0.0
-    assert packed_p_scale(0.0, 0.0, 128, gl.bfloat16) == 0.0
-    assert packed_p_scale(50.0, 0.0, 128, gl.bfloat16, True) == 0.0
-    assert _launch_p_scale(50.0, 0.0, 128, torch.bfloat16, False) == 2.0 ** 15
-    assert _launch_p_scale(50.0, 0.0, 128, torch.bfloat16, True) == 1.0
-    assert _launch_p_scale(0.0, 0.0, 128, torch.bfloat16, False) == _launch_p_scale(50.0, 0.0, 128, torch.float16,
-                                                                                     False) == 1.0
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_prologue_and_epilogue(dtype):
+    """The launches around the main kernel are plain Triton, so they run here too (the interpreter on
+    a CPU). The prologue writes Delta = rowsum(O dO) and L2 = L log2(e) into padded rows (a row that
+    sees no key, or past Nq: L2 +inf, so its P is 0; Delta 0 past Nq), and zeroes the dQ accumulator
+    and the counters; the epilogue writes scale times the accumulator in dQ's own layout, rows past Nq
+    untouched."""
+    from kernels.gluon.backward import gluon_bwd_dq_kernel, gluon_bwd_prep_kernel
+    from kernels.launch import cdiv
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    B, n_q, H, D, block_m = 2, 100, 3, 64, 64
+    n_m = cdiv(n_q, block_m)
+    n_q_pad = n_m * block_m
+    out, dout = (torch.randn(B, n_q, H, D, device=device).to(dtype) for _ in range(2))
+    lse = torch.randn(B, H, n_q, device=device)
+    lse[1, 2, 7] = float("-inf")
+    rows = torch.full((2, B * H, n_q_pad), float("nan"), device=device)
+    dq_acc = torch.full((B * H * n_q_pad, D), float("nan"), device=device)
+    counters = torch.full((B * H * n_m + 1,), -1, dtype=torch.int32, device=device)
+    sem, ticket = counters[:-1], counters[-1:]
+    gluon_bwd_prep_kernel[(n_m, B * H)](out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(),
+                                        *dout.stride(), H, n_q, n_q_pad, HEAD_DIM=D, BLOCK_M=block_m)
+    delta = (out.double() * dout.double()).sum(-1).transpose(1, 2).reshape(B * H, n_q)
+    torch.testing.assert_close(rows[1, :, :n_q].double(), delta, rtol=1e-5, atol=1e-5)
+    l2 = (lse.double() * math.log2(math.e)).reshape(B * H, n_q)
+    l2[l2 == float("-inf")] = float("inf")
+    torch.testing.assert_close(rows[0, :, :n_q].double(), l2)
+    assert (rows[0, :, n_q:] == float("inf")).all() and (rows[1, :, n_q:] == 0).all()
+    assert (dq_acc == 0).all() and (counters == 0).all()
+
+    acc = torch.randn(B * H * n_q_pad, D, device=device)
+    base = torch.full((B, n_q + 1, H, D), 7.0, device=device).to(dtype)
+    dq = base[:, :n_q]   # its rows' stride leaves room for a row past Nq, which the epilogue must not touch
+    gluon_bwd_dq_kernel[(n_m, B * H)](acc, dq, *dq.stride(), H, n_q, n_q_pad, 0.125, HEAD_DIM=D, BLOCK_M=block_m)
+    want = (acc.view(B, H, n_q_pad, D)[:, :, :n_q] * 0.125).transpose(1, 2).to(dtype)
+    assert torch.equal(dq, want)
+    assert (base[:, n_q] == 7).all()
 
 
 @requires_hopper
@@ -339,7 +362,7 @@ def test_backward_compiles_for_sm90():
     # GQA's split programs, soft-capping and dropout, together (one compile per head dim for all three)
     variants += [dict(head_dim=d, causal=True, deterministic=True, softcap=50.0, dropout_p=0.1,
                       config=dict(SPLIT_GROUP=True)) for d in (64, 128)]
-    # soft-capping alone at head dim 64: the 128-query step with P' packed (float16 pairs)
+    # soft-capping alone at head dim 64: the 128-query step, K folded and dS^T formed with P
     variants += [dict(head_dim=64, causal=True, deterministic=True, softcap=50.0)]
     # causal document masks: a third loop, the masked query tiles past a key tile's document end
     variants += [dict(head_dim=d, causal=True, deterministic=True, documents=True) for d in (64, 128)]

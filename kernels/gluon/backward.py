@@ -74,8 +74,9 @@ its K tile by scale / c in shared memory (`_fold_cap_into_k`), so S^T = (scale /
 input as it stands and dQ's epilogue divides the factor back out; and dS^T is formed at once from P^T,
 u and dP^T, after both wgmmas are waited for, so nothing is carried across the dP^T wait. The step
 then waits on the special-function unit (a tanh and an exp2 a score), not on instruction issue:
-one exponential in four goes to the FMA units (kernels/exp2.py). `CAP_FOLD = False` restores the
-step before, which folded the derivative into a P' held as float16 pairs (`packed_p_scale`).
+one exponential in four goes to the FMA units (kernels/exp2.py). (The step before it scaled each
+score and held P' = P (1 - u^2) as float16 pairs across the dP^T wait: 155 more instructions a step
+and the same time, kernels/LOG.md 2026-12-07, midnight.)
 
 Dropout (kernels/scores.py): each step regenerates the forward's keep mask of its S^T tile from the
 call's seed, with the same Philox calls the Triton kernels make, between issuing the S^T and dP^T
@@ -92,7 +93,6 @@ tile's keys are never visited, and only those that see some but not all run the 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -128,30 +128,25 @@ SCHEDULE = ("DV_EARLY", "DQ_OVERLAP", "HANDOFF_AT_END")
 # the 64-query step, and its smaller tiles leave shared memory for a 4-stage ring (199 KB): with 2 a
 # step waited on the ring, for its Q and dO or a free dQ buffer (not yet told apart) (0.918 -> 0.850
 # ms at 4K, 3.17 -> 2.85 at 16K on an H100; 3 stages 0.856, 2.87:
-# benchmarks/attention/dropout_ring_h100/). Soft-capped steps keep 128 queries, their P' packed
-# (packed_p_scale): their 64-query step gained nothing from the deeper ring (same file).
+# benchmarks/attention/dropout_ring_h100/). Soft-capped steps keep 128 queries: their 64-query step
+# gained nothing from the deeper ring (same file).
 SCORE_TILES = {64: dict(BLOCK_M=64, STAGES=4, DQ_BUFS=4)}
 # dQ added in arrival order (deterministic=False): the 64-query step, whose time with the fixed order
 # went to the writer's turns, is then faster than the 128-query one, which contends more in arrival
 # order (head dim 64, backward ms on one H100, 64 against 128 queries: causal 0.718 / 0.759 at 4K,
 # 2.46 / 2.56 at 16K; no mask 1.20 / 1.36 at 4K; deterministic, causal 0.810 / 0.733 at 4K:
 # benchmarks/attention/backward_ring_atomic_h100/, atomic_tiles_h100/). Not soft-capped calls: their
-# 128-query step keeps P' packed and stays ahead in arrival order too (causal 0.85 / 0.86 at 4K,
-# 2.86 / 3.04 at 16K).
+# 128-query step stayed ahead in arrival order too (causal 0.85 / 0.86 at 4K, 2.86 / 3.04 at 16K,
+# timed before K was folded, kernels/LOG.md 2026-12-08).
 ATOMIC_TILES = {64: dict(BLOCK_M=64, STAGES=4, DQ_BUFS=4)}
 TILE_TABLES = ("TILES", "SCORE_TILES", "ATOMIC_TILES")   # what config_for layers, in its order
 # GQA: one program per (query head, key tile) while the float32 dK/dV shares take at most this much
 # memory (2 GiB: 32 query heads of 128 at 64K tokens); past it, one program per (KV head, key tile)
 # loops over the group.
 SPLIT_MAX_BYTES = 2 << 30
-LOG2_P_SCALE = 15   # packed_p_scale's factor, 2^15: P' <= 1 stays below float16's 65504
 DKDV_ROWS = 32   # key rows per program of the shares' sum (two float32 tiles in registers)
 CONSUMER_WARPS = 8                               # two warpgroups
 WORKER_REGS: gl.constexpr = gl.constexpr(24)     # producer and dQ writer; setmaxnreg gives the rest to the consumers
-# Soft-capped calls fold the cap's scale / c into K and compute dS^T with P (_fold_cap_into_k, _step):
-# False runs the step before it (each score scaled, P' packed), for A/B timing (bench_attention_scores
-# --switches softcap-unfolded).
-CAP_FOLD = True
 
 
 # ---- the prologue and epilogue (plain Triton: no tensor cores, nothing to specialise) ------------
@@ -171,11 +166,9 @@ def _query_tile(n_heads, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
 def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
                           stride_ob, stride_on, stride_oh, stride_od,
                           stride_dob, stride_don, stride_doh, stride_dod,
-                          n_heads, n_q, n_q_pad, l2_shift,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One (query tile, batch x head) program: its Delta and L2 - l2_shift rows (padded rows: 0 and
-    +inf; l2_shift: log2 of a packed P's factor, packed_p_scale), its zeroed dQ accumulator rows and
-    counter. Program (0, 0) resets the ticket counter."""
+                          n_heads, n_q, n_q_pad, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One (query tile, batch x head) program: its Delta and L2 rows (padded rows: 0 and +inf), its
+    zeroed dQ accumulator rows and counter. Program (0, 0) resets the ticket counter."""
     pid_m, pid_bh, b, h, rows, cols = _query_tile(n_heads, BLOCK_M, HEAD_DIM)
     in_q = (rows < n_q)[:, None]
     o = tl.load(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
@@ -184,7 +177,7 @@ def gluon_bwd_prep_kernel(Out, dOut, Lse, Delta, Lse2, DQacc, Sem, Ticket,
                  mask=in_q, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(Lse + pid_bh.to(tl.int64) * n_q + rows, mask=rows < n_q, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E - l2_shift)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     row0 = pid_bh.to(tl.int64) * n_q_pad
     tl.store(Delta + row0 + rows, delta)
     tl.store(Lse2 + row0 + rows, lse2)
@@ -239,22 +232,6 @@ def _acc_layout(rows, cols, num_warps):
     warps_n = num_warps // warps_m
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n],
                                      instr_shape=[16, cols // warps_n, 16])
-
-
-@gluon.constexpr_function
-def packed_p_scale(softcap, dropout_p, block_m, dtype, cap_fold=False):
-    """The factor a packed P' carries (0.0: no packing). Without CAP_FOLD, a 128-query soft-capped
-    step (no dropout) holds P' = P (1 - u^2), the P that dS^T reads, as float16 pairs, 32 registers
-    where float32 took 64: ptxas then spills 1 load or store in the unmasked step rather than 159
-    (triton 3.6, head dim 64; kernels/LOG.md). CAP_FOLD's step computes dS^T with P and holds
-    neither. With bf16 inputs the step computes 2^15 P (the prologue writes L2 - 15)
-    so that rows of a long context, whose P are ~1/N, stay normal float16 (down to ~2e-9, not 6e-5);
-    dV's operand and dS^T carry the factor into dV, dK and dQ, which drop it when stored (the
-    program's end, the epilogue). float16 inputs' dS^T could overflow with it, and their own P have
-    float16's range anyway: no factor."""
-    if softcap == 0 or dropout_p > 0 or block_m < 128 or cap_fold:
-        return 0.0
-    return 2.0 ** LOG2_P_SCALE if dtype == gl.bfloat16 else 1.0
 
 
 @gluon.jit
@@ -347,13 +324,13 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
           ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset, bh, doc_ends,
           CAUSAL: gl.constexpr, MASK: gl.constexpr, DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr,
           HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr,
-          EXP2_ON_FMA: gl.constexpr, CAP_FOLD: gl.constexpr):
+          EXP2_ON_FMA: gl.constexpr):
     """Consumer step i over query tile start_m: accumulate dK and dV, leave the dQ share in its buffer.
     The schedule flags (TILES) order the same work differently: DV_EARLY issues dV += P^T dO before
     dP^T is waited for; DQ_OVERLAP stores dQ while dK += dS^T Q runs; HANDOFF_AT_END hands the step's
     ring stage and dQ buffer on at its end (one more barrier) rather than at the next step's barrier.
-    CAP_FOLD (soft-capped calls): k_s holds K scale / c (_fold_cap_into_k), so S^T is tanh's input,
-    and without dropout dS^T is computed with P, after both S^T and dP^T are waited for."""
+    Soft-capped calls: k_s holds K scale / c (_fold_cap_into_k), so S^T is tanh's input, and without
+    dropout dS^T is computed with P, after both S^T and dP^T are waited for."""
     BLOCK_N: gl.constexpr = k_s.shape[0]
     HEAD_DIM: gl.constexpr = k_s.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.shape[2]
@@ -372,10 +349,9 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     FOLDED: gl.constexpr = SOFTCAP == 0 and DROPOUT_P == 0
-    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype, CAP_FOLD)
     # dS^T = P^T (dP^T - Delta) (1 - u^2) at once: u and P die with their score, nothing is packed
     # (the unmasked 128-query step at head dim 64, with K folded too: 698 instructions against 853)
-    CAP_DS_AT_ONCE: gl.constexpr = SOFTCAP > 0 and DROPOUT_P == 0 and CAP_FOLD
+    CAP_DS_AT_ONCE: gl.constexpr = SOFTCAP > 0 and DROPOUT_P == 0
     if SOFTCAP > 0 and DROPOUT_P == 0:   # capped scores need S^T as it is; Delta still folds into dP^T
         delta = _row_vector(delta_bufs.index(s), s_layout)
         dp_init = _own(zero_s - delta[None, :])
@@ -402,10 +378,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         # mask's draw and tanh's tile (128 queries: dropout's spills 99 -> 30 loads and stores a step)
         lse2 = _row_vector(lse_bufs.index(s), s_layout)
     if SOFTCAP > 0:   # scores c tanh(s / c) (kernels/scores.py): P from the capped scores, u kept for dS
-        if CAP_FOLD:   # S^T is already (scale / c) K Q^T
-            u = hardware_tanh(s_t)
-        else:
-            u = hardware_tanh(s_t * (qk_scale / (SOFTCAP * LOG2E)))
+        u = hardware_tanh(s_t)   # S^T is already (scale / c) K Q^T
         # EXP2_ON_FMA of every 4 exponentials on the FMA units (kernels/exp2.py), in unmasked steps
         p_t = exp2_split(u * (SOFTCAP * LOG2E) - lse2[None, :], 0 if MASK else EXP2_ON_FMA)
     elif FOLDED:   # s_t is S^T - L2 / qk_scale
@@ -435,10 +408,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
     if CAP_DS_AT_ONCE:   # dp_t is dP^T - Delta
         ds_t = (p_t * (1.0 - u * u) * dp_t).to(k_s.dtype)
     elif SOFTCAP > 0:   # dS = P (dP - Delta) (1 - u^2): fold the cap's derivative into the P that dS reads
-        if P_SCALE > 0:   # packed: float16 pairs (packed_p_scale; with bf16 the prologue's L2 made P 2^15 P)
-            p_t = (p_t * (1.0 - u * u)).to(gl.float16)
-        else:
-            p_t = p_t * (1.0 - u * u)
+        p_t = p_t * (1.0 - u * u)
     if DV_EARLY:   # dV queued behind dP^T: the tensor cores run it while dS is computed and stored
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
     if DROPOUT_P > 0:
@@ -452,7 +422,7 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         # here (1 - p) dS, whose 1 / (1 - p) joins dQ's and dK's final scale (launch_backward)
         ds_t = (gl.maximum(p_t, 0.0) * dp_t - gl.abs(p_t) * (delta * (1.0 - DROPOUT_P))[None, :]).to(k_s.dtype)
     elif not CAP_DS_AT_ONCE:   # dp_t is dP^T - Delta
-        ds_t = (p_t.to(gl.float32) * dp_t).to(k_s.dtype)   # with P_SCALE > 1, P_SCALE dS
+        ds_t = (p_t * dp_t).to(k_s.dtype)
     ds_s.store(ds_t)
     if not DV_EARLY:
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
@@ -481,14 +451,6 @@ def _step(i, start_m, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, 
         compat.thread_barrier()
         mbarrier.arrive(step_done.index(i % STAGES), count=1)
     return dk, dv
-
-
-@gluon.jit
-def _unscaled(x, P_SCALE: gl.constexpr):
-    """x without the packed P's factor (packed_p_scale) that dV's operand or dS^T carried into it."""
-    if P_SCALE > 1:
-        x = x * (1.0 / P_SCALE)
-    return x
 
 
 @gluon.jit
@@ -526,8 +488,7 @@ def _dropout_keep_t(seed, offset, bh, start_m, start_n, BLOCK_N: gl.constexpr, B
 @gluon.jit
 def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: gl.constexpr,
                DV_EARLY: gl.constexpr, DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr,
-               SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr, EXP2_ON_FMA: gl.constexpr,
-               CAP_FOLD: gl.constexpr):
+               SOFTCAP: gl.constexpr, DROPOUT_P: gl.constexpr, DOCS: gl.constexpr, EXP2_ON_FMA: gl.constexpr):
     """The two consumer warpgroups: every step of the program, then dK (unscaled) and dV, float32."""
     q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs = smem
     kv_bar, ready, step_done, dq_empty = bars
@@ -546,7 +507,7 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: g
         doc_ends = Docs + b * (2 * n_q + 2 * n_k + 1) + 2 * n_q + n_k
     STAGE_LOOPS: gl.constexpr = 3 if DOCS else 2
     mbarrier.wait(kv_bar, 0)
-    if SOFTCAP > 0 and CAP_FOLD:
+    if SOFTCAP > 0:
         _fold_cap_into_k(k_s, qk_scale / (SOFTCAP * LOG2E))
     i = 0
     for g in range(group):
@@ -557,15 +518,14 @@ def _consumers(k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL: g
                 dk, dv = _step(i, m * BLOCK_M, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, dq_bufs,
                                ready, step_done, dq_empty, dk, dv, start_n, n_q, n_k, qk_scale, seed, offset,
                                b * n_heads + h0 + g, doc_ends, CAUSAL, stage != 1, DV_EARLY, DQ_OVERLAP,
-                               HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA, CAP_FOLD)
+                               HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA)
                 i += 1
     if not HANDOFF_AT_END:
         compat.thread_barrier()   # the last step's dQ is in its buffer
         mbarrier.arrive(step_done.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
     if DROPOUT_P > 0:
         dv = dv * (1.0 / (1.0 - DROPOUT_P))
-    P_SCALE: gl.constexpr = packed_p_scale(SOFTCAP, DROPOUT_P, BLOCK_M, k_s.dtype, CAP_FOLD)
-    return _unscaled(dk, P_SCALE), _unscaled(dv, P_SCALE)
+    return dk, dv
 
 
 @gluon.jit
@@ -720,8 +680,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
                      sm_scale, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
                      DETERMINISTIC: gl.constexpr, SPLIT_GROUP: gl.constexpr, DV_EARLY: gl.constexpr,
                      DQ_OVERLAP: gl.constexpr, HANDOFF_AT_END: gl.constexpr, SOFTCAP: gl.constexpr = 0.0,
-                     DROPOUT_P: gl.constexpr = 0.0, DOCS: gl.constexpr = False, EXP2_ON_FMA: gl.constexpr = 0,
-                     CAP_FOLD: gl.constexpr = True):
+                     DROPOUT_P: gl.constexpr = 0.0, DOCS: gl.constexpr = False, EXP2_ON_FMA: gl.constexpr = 0):
     """Grid: (cdiv(Nk, BLOCK_N) * B * Hkv,), or (cdiv(Nk, BLOCK_N) * B * H,) with SPLIT_GROUP.
     Descriptors: q, do (B, Nq, H, D) and k, v, dk, dv (B, Nk, Hkv, D) in blocks [1, rows, 1, D]; L2
     and Delta (B H, Nq_pad) in blocks [1, BLOCK_M]; the dQ accumulator (B H Nq_pad, D) float32 in
@@ -730,9 +689,9 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     (causal documents), kernels/masks.bounds_buffer's (B, 2 Nq + 2 Nk + 1) int32; None otherwise.
     sm_scale: dK's factor, the softmax scale, over (1 - p) with dropout (the steps' dS is (1 - p) dS).
     EXP2_ON_FMA (0 to 4): of every 4 exponentials of a soft-capped unmasked step's P, how many the FMA
-    units compute (kernels/exp2.py), from kernels.exp2.on_fma. CAP_FOLD (soft-capped calls; CAP_FOLD
-    at launch): K is scaled by scale / c in shared memory, so dQ's accumulator is (scale / c) times
-    an unfolded one's, and dS^T is computed with P (_step)."""
+    units compute (kernels/exp2.py), from kernels.exp2.on_fma. SOFTCAP > 0: K is scaled by scale / c
+    in shared memory (_fold_cap_into_k), so dQ's accumulator is (scale / c) times dS K; the
+    epilogue's factor takes it out."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -749,7 +708,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
     sizes = (n_heads, n_q, n_k, n_q_pad)
     dk, dv = gl.warp_specialize([
         (_consumers, (k_s, v_s, smem, bars, work, sizes, qk_scale, Rng, Docs, CAUSAL, DV_EARLY, DQ_OVERLAP,
-                      HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA, CAP_FOLD)),
+                      HANDOFF_AT_END, SOFTCAP, DROPOUT_P, DOCS, EXP2_ON_FMA)),
         (_producer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL)),
         (_dq_writer, (k_s4, v_s4, smem, bars, descs, work, sizes, CAUSAL, DETERMINISTIC)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
@@ -763,13 +722,6 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc
 # ---- host side ------------------------------------------------------------------------------
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
-@functools.cache
-def _launch_p_scale(softcap: float, dropout_p: float, block_m: int, dtype: torch.dtype, cap_fold: bool) -> float:
-    """packed_p_scale for a launch, at least 1 (the prologue subtracts its log2 from L2, the epilogue
-    divides dQ's scale by it); cached, as the constexpr function's wrapper costs ~2.5 us a call."""
-    return max(1.0, packed_p_scale(softcap, dropout_p, block_m, _GL_DTYPES[dtype], cap_fold))
 
 
 def config_for(head_dim: int, dropout: bool = False, config: dict | None = None, *, deterministic: bool = True,
@@ -806,7 +758,7 @@ def launch_options() -> dict:
 
 def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
                      deterministic: bool = True, config: dict | None = None, softcap: float = 0.0,
-                     dropout_p: float = 0.0, documents: bool = False, exp2_on_fma: int = 0, cap_fold: bool | None = None):
+                     dropout_p: float = 0.0, documents: bool = False, exp2_on_fma: int = 0):
     """The main kernel compiled for sm_90a without a GPU (a launch's signature: descriptors, the
     pointers 16-byte aligned): CI checks it compiles, and kernel reports read its registers."""
     from triton.backends.compiler import GPUTarget
@@ -831,7 +783,6 @@ def compile_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal:
     consts = dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                   SPLIT_GROUP=bool(cfg.get("SPLIT_GROUP")), **{flag: cfg[flag] for flag in SCHEDULE},
                   SOFTCAP=float(softcap), DROPOUT_P=float(dropout_p), DOCS=documents, EXP2_ON_FMA=int(exp2_on_fma),
-                  CAP_FOLD=softcap > 0 and (CAP_FOLD if cap_fold is None else cap_fold),
                   **({} if dropout_p > 0 else {"Rng": None}), **({} if documents else {"Docs": None}))
     signature.update({name: "constexpr" for name in consts})
     names = list(gluon_bwd_kernel.arg_names)
@@ -908,11 +859,8 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
         split = split_group(B, H, h_kv, n_k, D)
     shares = torch.empty((2, B * H, n_k, D), dtype=torch.float32, device=dev) if split else (dq_acc, dq_acc)
 
-    cap_fold = softcap > 0 and CAP_FOLD
-    p_scale = _launch_p_scale(softcap, dropout_p, block_m, q.dtype, cap_fold)
     launch(gluon_bwd_prep_kernel, (n_m, B * H),
-           (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad,
-            math.log2(p_scale)),
+           (out, dout, lse, rows[1], rows[0], dq_acc, sem, ticket, *out.stride(), *dout.stride(), H, n_q, n_q_pad),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-prep", *key))
     qlay, klay, llay, dqlay = _layouts(q.dtype, block_m, block_n, D)
     q_block, k_block = [1, block_m, 1, D], [1, block_n, 1, D]
@@ -928,13 +876,13 @@ def launch_backward(dout, q, k, v, out, lse, causal: bool, scale: float, determi
            dict(STAGES=cfg["STAGES"], DQ_BUFS=cfg["DQ_BUFS"], CAUSAL=causal, DETERMINISTIC=deterministic,
                 SPLIT_GROUP=split, **{flag: cfg[flag] for flag in SCHEDULE}, SOFTCAP=float(softcap),
                 DROPOUT_P=float(dropout_p), DOCS=doc_bounds is not None,
-                EXP2_ON_FMA=exp2.on_fma("gluon-bwd", D, softcap, dropout_p, q.dtype), CAP_FOLD=cap_fold,
+                EXP2_ON_FMA=exp2.on_fma("gluon-bwd", D, softcap, dropout_p, q.dtype),
                 **launch_options()), cache, ("gluon-bwd", *key))
     if split:
         launch(gluon_bwd_dkdv_kernel, (cdiv(n_k, DKDV_ROWS), B * h_kv), (*shares, dk, dv, *dk.stride(), H, h_kv, n_k,
                                                                            grad_scale),
                dict(HEAD_DIM=D, BLOCK_N=DKDV_ROWS, num_warps=4), cache, ("gluon-bwd-dkdv", *key))
-    dq_scale = grad_scale * (softcap / scale if cap_fold else 1.0) / p_scale   # the folded K's scale / c out
+    dq_scale = grad_scale * (softcap / scale if softcap > 0 else 1.0)   # the folded K's scale / c out
     launch(gluon_bwd_dq_kernel, (n_m, B * H), (dq_acc, dq, *dq.stride(), H, n_q, n_q_pad, dq_scale),
            dict(HEAD_DIM=D, BLOCK_M=block_m, num_warps=4), cache, ("gluon-bwd-dq", *key))
     return dq, dk, dv, rows[1].view(B, H, n_q_pad)[..., :n_q]   # Delta, for the sinks' gradient
@@ -955,7 +903,7 @@ def compile_aux_for_sm90(head_dim: int, dtype: torch.dtype = torch.bfloat16):
                 signature[name] = "constexpr"
             elif name.startswith("stride_") or name.startswith("n_"):
                 signature[name] = "i32"
-            elif name in ("sm_scale", "l2_shift"):
+            elif name == "sm_scale":
                 signature[name] = "fp32"
             else:
                 signature[name] = "*" + pointers.get(name, "fp32")

@@ -57,9 +57,7 @@ SWITCHES = {"packed-dropout": "the forwards' dropout mask on P's packed pairs (k
             "exp2-fma": "exponentials on the FMA units where kernels.exp2.CANDIDATES puts them",
             "exp2-off": "every exponential on the special-function unit (kernels.exp2.ON_FMA empty)",
             "softcap-running-max": "the soft-capped Triton forward with a running row max, not the constant "
-                                   "shift (kernels.scores.SOFTCAP_FIXED_SHIFT off)",
-            "softcap-unfolded": "the soft-capped Gluon backward scaling each score and packing P', not K "
-                                "scaled once (kernels.gluon.backward.CAP_FOLD off)"}
+                                   "shift (kernels.scores.SOFTCAP_FIXED_SHIFT off)"}
 
 
 def set_switches(switches: list[str]) -> None:
@@ -78,9 +76,6 @@ def set_switches(switches: list[str]) -> None:
         exp2.ON_FMA = dict(exp2.CANDIDATES) if "exp2-fma" in switches else {}
     if "softcap-running-max" in switches:
         scores.SOFTCAP_FIXED_SHIFT = False
-    if "softcap-unfolded" in switches:
-        from kernels.gluon import backward
-        backward.CAP_FOLD = False
     flash_op.forget_calls()
 
 
