@@ -299,3 +299,17 @@ def test_inductor_sees_each_kernel_write_only_its_outputs(compiles, request):
                "flash_bwd_kv_dq_kernel": ["dK", "dQ", "dV"]}
     written = compile_in_subprocess(compiles, request.node.originalname)
     assert written == {name + tag: outs for name, outs in outputs.items() for tag in ("", "_masked", "_scores")}
+
+
+def test_mufu_probe_reads_what_each_form_compiles_to(tmp_path):
+    """scripts/kernel_dev/mufu_probe.py --sass under this Triton: a float32 tanh is one MUFU.TANH a
+    value, and a packed 16-bit pair two 16-bit MUFU operations, not one (kernels/LOG.md, 2026-12-07,
+    late afternoon), so what a 16-bit operation costs is the GPU rate the probe measures."""
+    done = subprocess.run([sys.executable, "scripts/kernel_dev/mufu_probe.py", "--sass", "--forms",
+                           "tanh f32,tanh bf16x2,ex2 f16x2", "--out", str(tmp_path)],
+                          cwd=REPO, env=compile_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["form"]: r for r in json.loads((tmp_path / "mufu_sass.json").read_text())["rows"]}
+    for form, op in (("tanh f32", "MUFU.TANH"), ("tanh bf16x2", "MUFU.TANH.BF16"), ("ex2 f16x2", "MUFU.EX2.F16")):
+        count, name = rows[form]["MUFU"].split()
+        assert name == op and int(count) % 16 == 0, rows[form]   # 16 values a thread, each step

@@ -192,18 +192,22 @@ def ptxas_report(compiled) -> dict:
             "wgmma_serialized": "C7515" in log, "wgmma_wait_injected": "C7517" in log}
 
 
-def sass_step_bodies(compiled, min_exp2: int = 16) -> list[dict]:
-    """The loop bodies of a kernel's SASS (nvdisasm, from Triton's wheel) that run at least `min_exp2`
-    MUFU.EX2: per body its instructions, exp2s (a thread's scores), and LDL/STL (spill traffic)."""
+def disassemble(compiled) -> str:
+    """A compiled kernel's SASS, by the nvdisasm in Triton's wheel (no GPU needed)."""
     import triton
 
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_step_bodies(compiled, min_exp2: int = 16) -> list[dict]:
+    """The loop bodies of a kernel's SASS that run at least `min_exp2` MUFU.EX2: per body its
+    instructions, exp2s (a thread's scores), and LDL/STL (spill traffic)."""
     bodies, body = [], None
-    for line in sass.splitlines():
+    for line in disassemble(compiled).splitlines():
         if re.match(r"^\s*\.L_x_\d+:", line):
             body = {"instructions": 0, "exp2": 0, "LDL": 0, "STL": 0}
             bodies.append(body)
