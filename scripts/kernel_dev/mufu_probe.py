@@ -47,7 +47,6 @@ FORMS = {
     "ex2 f16x2": ("{ .reg .b32 t; neg.f16x2 t, $1; ex2.approx.f16x2 $0, t; }", "=r,r", torch.float16, 2),
     "ex2 bf16x2": ("{ .reg .b32 t; neg.bf16x2 t, $1; ex2.approx.ftz.bf16x2 $0, t; }", "=r,r", torch.bfloat16, 2),
 }
-_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
