@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # scripts/, for _common (which puts the repo root first)
@@ -203,20 +204,25 @@ def disassemble(compiled) -> str:
         return subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
 
 
+def sass_loop_bodies(compiled) -> list[Counter]:
+    """A kernel's SASS cut at its branch labels: per body, how many of each opcode it issues."""
+    bodies = []
+    for line in disassemble(compiled).splitlines():
+        if re.match(r"^\s*\.L_x_\d+:", line):
+            bodies.append(Counter())
+        elif bodies and (op := re.search(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)):
+            bodies[-1][op.group(1)] += 1
+    return bodies
+
+
 def sass_step_bodies(compiled, min_exp2: int = 16) -> list[dict]:
     """The loop bodies of a kernel's SASS that run at least `min_exp2` MUFU.EX2: per body its
     instructions, exp2s (a thread's scores), and LDL/STL (spill traffic)."""
-    bodies, body = [], None
-    for line in disassemble(compiled).splitlines():
-        if re.match(r"^\s*\.L_x_\d+:", line):
-            body = {"instructions": 0, "exp2": 0, "LDL": 0, "STL": 0}
-            bodies.append(body)
-        elif body is not None and re.search(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?[A-Z]", line):
-            body["instructions"] += 1
-            body["exp2"] += "MUFU.EX2" in line
-            body["LDL"] += " LDL" in line
-            body["STL"] += " STL" in line
-    return [b for b in bodies if b["exp2"] >= min_exp2]
+    def count(body, prefix):
+        return sum(n for op, n in body.items() if op.startswith(prefix))
+    steps = [{"instructions": sum(body.values()), "exp2": count(body, "MUFU.EX2"), "LDL": count(body, "LDL"),
+              "STL": count(body, "STL")} for body in sass_loop_bodies(compiled)]
+    return [b for b in steps if b["exp2"] >= min_exp2]
 
 
 def gluon_bwd_report(dims: list[int]) -> list[dict]:

@@ -21,7 +21,6 @@ MUFU operations and other instructions (nvdisasm from Triton's wheel), into DIR/
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import triton
 import triton.language as tl
 
 from _common import add_out_argument, environment, markdown_table, print_table, run_cli, write_json, write_text
-from kernel_report import disassemble
+from kernel_report import sass_loop_bodies
 
 VALUES = 16   # independent chains a thread
 WARPS = 4
@@ -75,20 +74,12 @@ def sass_counts(form: str) -> dict:
     source = ASTSource(fn=_chains, signature=signature, constexprs=_constexprs(form),
                        attrs={(0,): [["tt.divisibility", 16]]})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
-    bodies, body = [], None
-    for line in disassemble(compiled).splitlines():
-        if re.match(r"^\s*\.L_x_\d+:", line):
-            body = {"instructions": 0, "mufu": {}}
-            bodies.append(body)
-        elif body is not None and (op := re.search(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)):
-            body["instructions"] += 1
-            if op.group(1).startswith("MUFU"):
-                body["mufu"][op.group(1)] = body["mufu"].get(op.group(1), 0) + 1
-    loop = max(bodies, key=lambda b: sum(b["mufu"].values()))   # the chain's loop (unrolled or not)
-    mufu = sum(loop["mufu"].values())
-    return {"form": form, "loop instructions": loop["instructions"],
-            "MUFU": ", ".join(f"{n} {op}" for op, n in sorted(loop["mufu"].items())),
-            "instructions a MUFU": round(loop["instructions"] / mufu, 2)}
+    bodies = [(body, {op: n for op, n in body.items() if op.startswith("MUFU")}) for body in sass_loop_bodies(compiled)]
+    loop, mufu_ops = max(bodies, key=lambda b: sum(b[1].values()))   # the chain's loop (unrolled or not)
+    mufu = sum(mufu_ops.values())
+    return {"form": form, "loop instructions": sum(loop.values()),
+            "MUFU": ", ".join(f"{n} {op}" for op, n in sorted(mufu_ops.items())),
+            "instructions a MUFU": round(sum(loop.values()) / mufu, 2)}
 
 
 def measure(form: str, iters: int, device) -> dict:
